@@ -1,0 +1,73 @@
+"""DiLoCo's configuration: one frozen, keyword-only dataclass, validated on construction."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+from typing import Any
+
+from .wire import WIRE_DTYPES
+
+__all__ = ["DiLoCoConfig", "check_field", "from_mapping"]
+
+
+def check_field(name: str, value: object, ok: bool, valid: str) -> None:
+    """Raise ``ValueError`` naming the field, the value and the valid range unless ``ok``."""
+    if not ok:
+        raise ValueError(f"{name}={value!r} is invalid: expected {valid}")
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+@dataclass(frozen=True, kw_only=True)
+class DiLoCoConfig:
+    inner_steps: int = 500
+    """H: inner optimizer steps between two outer rounds (the paper's 500)."""
+    outer_lr: float = 0.7
+    """Learning rate of the outer SGD (the paper's 0.7; 1.0 with momentum 0 is plain averaging)."""
+    outer_momentum: float = 0.9
+    """Momentum of the outer SGD (the paper's 0.9)."""
+    nesterov: bool = True
+    """Nesterov momentum for the outer SGD. With momentum 0 both forms are the same plain SGD step."""
+    wire_dtype: str = "fp32"
+    """dtype the pseudo-gradients travel in: fp32, fp16 or bf16. Sums are always accumulated in fp32."""
+    reduce_timeout: float = 600.0
+    """Seconds an outer all-reduce (or the initial broadcast) may take before TransportError."""
+    global_device: str = "cpu"
+    """Where the fp32 global copy and the outer optimizer state live (CPU saves accelerator memory)."""
+
+    def __post_init__(self) -> None:
+        h = self.inner_steps
+        check_field("inner_steps", h, isinstance(h, int) and not isinstance(h, bool) and h >= 1, "an integer >= 1")
+        lr = self.outer_lr
+        check_field("outer_lr", lr, _is_number(lr) and lr > 0, "a finite number > 0")
+        mom = self.outer_momentum
+        check_field("outer_momentum", mom, _is_number(mom) and 0 <= mom < 1, "a number in [0, 1)")
+        check_field("nesterov", self.nesterov, isinstance(self.nesterov, bool), "true or false")
+        check_field("wire_dtype", self.wire_dtype, self.wire_dtype in WIRE_DTYPES, f"one of {sorted(WIRE_DTYPES)}")
+        t = self.reduce_timeout
+        check_field("reduce_timeout", t, _is_number(t) and t > 0, "a finite number of seconds > 0")
+        check_field("global_device", self.global_device, isinstance(self.global_device, str), "a torch device string")
+        try:
+            import torch
+
+            torch.device(self.global_device)
+        except RuntimeError as e:
+            raise ValueError(f"global_device={self.global_device!r} is invalid: {e}") from None
+
+
+def from_mapping(cls: type, section: Mapping[str, Any], where: str) -> Any:
+    """Build the dataclass ``cls`` from a config section, rejecting unknown keys with the valid ones."""
+    if not isinstance(section, Mapping):
+        raise ValueError(f"[{where}] must be a table of key = value, got {type(section).__name__}")
+    valid = [f.name for f in fields(cls) if f.init]
+    unknown = sorted(set(section) - set(valid))
+    if unknown:
+        raise ValueError(f"unknown key(s) {unknown} in [{where}]; valid keys: {valid}")
+    try:
+        return cls(**section)
+    except ValueError as e:
+        raise ValueError(f"[{where}] {e}") from None

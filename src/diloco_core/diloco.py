@@ -1,0 +1,172 @@
+"""DiLoCo: H local inner steps, then one averaged outer step on a shared global copy."""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from .config import DiLoCoConfig
+from .flat import FlatBuffer
+from .transport import Transport
+
+__all__ = ["DiLoCo", "RoundReport"]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class RoundReport:
+    round: int
+    """Index of the outer round that just finished (1 for the first)."""
+    num_contributors: int
+    bytes_sent: int
+    bytes_received: int
+    comm_seconds: float
+    """Seconds from starting the all-reduce until its mean was in place."""
+    round_seconds: float
+    """Seconds for the whole round: pseudo-gradient, all-reduce, outer step, copy back."""
+
+
+class DiLoCo:
+    """Wraps a model and its inner optimizer; every ``inner_steps``-th ``step()`` runs an outer round.
+
+    All ranks construct it collectively: it checks that every rank's model has the same parameter
+    shapes, then makes every rank start from rank 0's weights. Call ``step()`` after ``backward()``;
+    zeroing gradients stays the caller's. An outer round has four phases:
+
+    1. pseudo-gradient: ``global - local`` (old minus new), in fp32 on ``global_device``;
+    2. mean of the pseudo-gradients over the contributors, through the transport, travelling as
+       ``wire_dtype`` and summed in fp32;
+    3. outer step: ``torch.optim.SGD`` (Nesterov) on the global copy, the mean used as its gradient;
+    4. the new global params are copied into the model, and inner training resumes from them.
+
+    If phase 2 raises ``TransportError`` nothing has changed: the global copy and the outer optimizer
+    are as before and the model keeps its local params, so the caller may retry with ``sync()``.
+    The inner optimizer's state is kept across rounds and never communicated.
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        inner_optimizer: torch.optim.Optimizer,
+        transport: Transport,
+        config: DiLoCoConfig,
+    ) -> None:
+        self.model = model
+        self.inner_optimizer = inner_optimizer
+        self.transport = transport
+        self.config = config
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        if not self.params:
+            raise ValueError("model has no trainable parameters")
+        self.inner_step = 0
+        self.round = 0
+
+        self._global = FlatBuffer(self.params, config.global_device)
+        self._pseudo_grad = FlatBuffer(self.params, config.global_device)
+        self._global_param = torch.nn.Parameter(self._global.flat, requires_grad=False)
+        self._global_param.grad = self._pseudo_grad.flat
+        momentum = config.outer_momentum
+        self.outer_optimizer = torch.optim.SGD(
+            [self._global_param], lr=config.outer_lr, momentum=momentum, nesterov=config.nesterov and momentum > 0
+        )
+        with torch.no_grad():
+            self._check_same_shapes()
+            self._global.copy_from(self.params)
+            transport.broadcast([self._global.flat], src=0, timeout=config.reduce_timeout)
+            self._global.copy_to(self.params)
+
+    @property
+    def global_params(self) -> list[torch.Tensor]:
+        """The fp32 global copy, one view per trainable parameter (read only, please)."""
+        return self._global.views
+
+    def step(self) -> RoundReport | None:
+        """Step the inner optimizer; on every ``inner_steps``-th call also run an outer round."""
+        self.inner_optimizer.step()
+        self.inner_step += 1
+        if self.inner_step % self.config.inner_steps:
+            return None
+        return self.sync()
+
+    @torch.no_grad()
+    def sync(self) -> RoundReport:
+        """Run one outer round now (phases 1-4 of the class docstring)."""
+        start = time.perf_counter()
+        pg = self._pseudo_grad.flat
+        self._pseudo_grad.copy_from(self.params)
+        torch.sub(self._global.flat, pg, out=pg)
+        result = self.transport.all_reduce([pg], wire_dtype=self.config.wire_dtype).wait(self.config.reduce_timeout)
+        self.outer_optimizer.step()
+        self._global.copy_to(self.params)
+        self.round += 1
+        report = RoundReport(
+            round=self.round,
+            num_contributors=result.num_contributors,
+            bytes_sent=result.bytes_sent,
+            bytes_received=result.bytes_received,
+            comm_seconds=result.seconds,
+            round_seconds=time.perf_counter() - start,
+        )
+        logger.info(
+            "round %d: %d contributors, %.1f MB sent, %.1f MB received, %.3fs comm, %.3fs round",
+            report.round, report.num_contributors, report.bytes_sent / 1e6, report.bytes_received / 1e6,
+            report.comm_seconds, report.round_seconds,
+        )  # fmt: skip
+        return report
+
+    def state_dict(self) -> dict[str, Any]:
+        """Everything needed to continue bit-identically: model, global copy, both optimizers, counters."""
+        return {
+            "model": [p.detach() for p in self.params],
+            "global": self._global.flat,
+            "outer_optimizer": self.outer_optimizer.state_dict(),
+            "inner_optimizer": self.inner_optimizer.state_dict(),
+            "inner_step": self.inner_step,
+            "round": self.round,
+        }
+
+    @torch.no_grad()
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        missing = {"model", "global", "outer_optimizer", "inner_optimizer", "inner_step", "round"} - set(state)
+        if missing:
+            raise ValueError(f"DiLoCo state is missing {sorted(missing)}")
+        model, flat = state["model"], state["global"]
+        shapes = [tuple(t.shape) for t in model]
+        if shapes != self._global.shapes or flat.shape != self._global.flat.shape:
+            raise ValueError(
+                f"DiLoCo state holds {len(shapes)} tensors ({flat.numel()} values); this model has "
+                f"{len(self._global.shapes)} ({self._global.flat.numel()} values)"
+            )
+        torch._foreach_copy_(self.params, list(model))
+        self._global.flat.copy_(flat)
+        self.outer_optimizer.load_state_dict(state["outer_optimizer"])
+        self.inner_optimizer.load_state_dict(state["inner_optimizer"])
+        self.inner_step = int(state["inner_step"])
+        self.round = int(state["round"])
+
+    def _check_same_shapes(self) -> None:
+        """Refuse, on every rank, a group whose models differ in parameter shapes or dtypes."""
+        spec = repr([(tuple(p.shape), str(p.dtype)) for p in self.params]).encode()
+        digest = int.from_bytes(hashlib.sha256(spec).digest()[:7], "big")
+        mine = torch.tensor([len(self.params), self._global.flat.numel(), digest], dtype=torch.int64)
+        rank0 = mine.clone()
+        self.transport.broadcast([rank0], src=0, timeout=self.config.reduce_timeout)
+        differs = torch.tensor([float(not torch.equal(mine, rank0))])
+        checked = self.transport.all_reduce([differs], wire_dtype="fp32").wait(self.config.reduce_timeout)
+        if torch.equal(mine, rank0) and differs.item() == 0:
+            return
+        if not torch.equal(mine, rank0):
+            raise ValueError(
+                f"rank {self.transport.rank}'s model differs from rank 0's: {mine[0]} tensors with {mine[1]} "
+                f"values here vs {rank0[0]} tensors with {rank0[1]} values on rank 0 (or shapes/dtypes differ)"
+            )
+        raise ValueError(
+            f"{differs.item() * checked.num_contributors:.0f} rank(s) have a model whose parameter shapes "
+            "or dtypes differ from rank 0's; every rank must build the same model"
+        )

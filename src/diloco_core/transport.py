@@ -1,0 +1,97 @@
+"""The contract between the DiLoCo core and a network: asynchronous mean, broadcast, membership."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import time
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["Transport", "ReduceHandle", "FutureHandle", "ReduceResult", "TransportError"]
+
+
+class TransportError(RuntimeError):
+    """A collective failed or did not finish in time. Raised within a bounded time, never a hang."""
+
+
+@dataclass(frozen=True)
+class ReduceResult:
+    num_contributors: int
+    """Peers whose values are in the mean (the divisor)."""
+    bytes_sent: int
+    bytes_received: int
+    seconds: float
+    """Wall time from the start of the collective until its result was in place."""
+
+
+class ReduceHandle(ABC):
+    @abstractmethod
+    def wait(self, timeout: float) -> ReduceResult:
+        """Block until the result is in place; raise ``TransportError`` after ``timeout`` seconds."""
+
+
+class FutureHandle(ReduceHandle):
+    """A handle over a ``concurrent.futures.Future`` that resolves to a ``ReduceResult``."""
+
+    def __init__(self, future: concurrent.futures.Future, what: str) -> None:
+        self._future = future
+        self._what = what
+
+    def wait(self, timeout: float) -> ReduceResult:
+        try:
+            return self._future.result(timeout=timeout)
+        except concurrent.futures.TimeoutError:
+            raise TransportError(f"{self._what} did not finish within {timeout:g}s") from None
+        except TransportError:
+            raise
+        except Exception as e:  # a backend error surfaces as the transport's typed error
+            raise TransportError(f"{self._what} failed: {type(e).__name__}: {e}") from e
+
+
+class Transport(ABC):
+    """A member of a group of workers that can average tensors.
+
+    ``all_reduce`` returns at once; until its handle's ``wait`` returns, the caller must not touch the
+    tensors. On success they hold the fp32 mean over the contributors that actually took part (see
+    ``diloco_core.wire.reference_mean``): the core never divides by a world size it remembered.
+    """
+
+    @property
+    @abstractmethod
+    def rank(self) -> int: ...
+
+    @property
+    @abstractmethod
+    def world_size(self) -> int:
+        """Members the transport currently knows of (contributors to a given reduce may be fewer)."""
+
+    @abstractmethod
+    def all_reduce(self, tensors: Sequence[torch.Tensor], *, wire_dtype: str = "fp32") -> ReduceHandle:
+        """Start averaging the fp32 ``tensors`` in place across the group."""
+
+    @abstractmethod
+    def broadcast(self, tensors: Sequence[torch.Tensor], *, src: int = 0, timeout: float) -> None:
+        """Overwrite ``tensors`` on every member with ``src``'s values (exact, any dtype)."""
+
+    def close(self) -> None:
+        """Leave the group and release resources. Idempotent."""
+
+    def __enter__(self) -> "Transport":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def timed(fn: Callable[[], tuple[int, int, int]]) -> Callable[[], ReduceResult]:
+    """Wrap ``fn() -> (contributors, sent, received)`` so that it reports its wall time."""
+
+    def run() -> ReduceResult:
+        start = time.perf_counter()
+        n, sent, received = fn()
+        return ReduceResult(n, sent, received, time.perf_counter() - start)
+
+    return run

@@ -1,0 +1,37 @@
+"""Pluggable transports for diloco_core: in-process (threads), torch.distributed (LAN), hivemind (WAN).
+
+``TorchDistTransport`` and ``HivemindTransport`` are imported on first use, so that neither
+torch.distributed's nor hivemind's import cost (or absence) touches the other transports.
+"""
+
+from typing import Any
+
+from .factory import TRANSPORT_KINDS, create_transport
+from .inprocess import InProcessConfig, InProcessGroup, InProcessTransport
+
+__all__ = [
+    "TRANSPORT_KINDS",
+    "HivemindConfig",
+    "HivemindTransport",
+    "InProcessConfig",
+    "InProcessGroup",
+    "InProcessTransport",
+    "TorchDistConfig",
+    "TorchDistTransport",
+    "create_transport",
+]
+
+_LAZY = {
+    "TorchDistConfig": "torch_dist",
+    "TorchDistTransport": "torch_dist",
+    "HivemindConfig": "hivemind",
+    "HivemindTransport": "hivemind",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

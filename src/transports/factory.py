@@ -1,0 +1,45 @@
+"""Build a transport from a config section such as a TOML ``[transport]`` table."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from diloco_core.config import from_mapping
+from diloco_core.transport import Transport
+
+from .inprocess import InProcessConfig, InProcessTransport
+
+__all__ = ["create_transport", "TRANSPORT_KINDS"]
+
+
+def _inprocess(section: Mapping[str, Any]) -> Transport:
+    return InProcessTransport.from_config(from_mapping(InProcessConfig, section, "transport"))
+
+
+def _torch(section: Mapping[str, Any]) -> Transport:
+    from .torch_dist import TorchDistConfig, TorchDistTransport
+
+    return TorchDistTransport.from_config(from_mapping(TorchDistConfig, section, "transport"))
+
+
+def _hivemind(section: Mapping[str, Any]) -> Transport:
+    from .hivemind import HivemindConfig, HivemindTransport
+
+    return HivemindTransport(from_mapping(HivemindConfig, section, "transport"))
+
+
+TRANSPORT_KINDS: dict[str, Callable[[Mapping[str, Any]], Transport]] = {
+    "inprocess": _inprocess,
+    "torch": _torch,
+    "hivemind": _hivemind,
+}
+
+
+def create_transport(section: Mapping[str, Any]) -> Transport:
+    """``section["kind"]`` picks the transport; the other keys are that transport's config fields."""
+    section = dict(section)
+    kind = section.pop("kind", "inprocess")
+    if kind not in TRANSPORT_KINDS:
+        raise ValueError(f"[transport] kind={kind!r} is invalid: expected one of {sorted(TRANSPORT_KINDS)}")
+    return TRANSPORT_KINDS[kind](section)

@@ -1,0 +1,219 @@
+"""In-process transport: ranks are threads of one process sharing an ``InProcessGroup``.
+
+It is the oracle the network transports are tested against: the mean is ``reference_mean`` over the
+contributions in rank order, computed once and handed to every rank. A rank that ``close()``s leaves
+the group; collectives then complete among the members that remain.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from diloco_core.config import check_field
+from diloco_core.transport import ReduceHandle, ReduceResult, Transport, TransportError
+from diloco_core.wire import reference_mean, wire_torch_dtype
+
+__all__ = ["InProcessConfig", "InProcessGroup", "InProcessTransport"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class InProcessConfig:
+    world_size: int = 1
+    """Ranks (threads) in the group."""
+    rank: int = 0
+    """This thread's rank, in [0, world_size)."""
+    group: str = "default"
+    """Name of the group: threads that name the same group meet in it."""
+
+    def __post_init__(self) -> None:
+        ws = self.world_size
+        check_field("world_size", ws, isinstance(ws, int) and not isinstance(ws, bool) and ws >= 1, "an integer >= 1")
+        check_field("rank", self.rank, isinstance(self.rank, int) and 0 <= self.rank < ws, f"an integer in [0, {ws - 1}]")
+        check_field("group", self.group, isinstance(self.group, str) and self.group != "", "a non-empty string")
+
+
+_named_groups: dict[str, "InProcessGroup"] = {}
+_named_lock = threading.Lock()
+
+
+@dataclass
+class _Slot:
+    """One collective: the n-th call on every rank meets in the n-th slot."""
+
+    kind: str
+    wire_dtype: str
+    contributions: dict[int, list[torch.Tensor]] = field(default_factory=dict)
+    result: list[torch.Tensor] | None = None
+    num_contributors: int = 0
+    error: str | None = None
+    consumed: set[int] = field(default_factory=set)
+
+
+class InProcessGroup:
+    def __init__(self, world_size: int) -> None:
+        if not isinstance(world_size, int) or world_size < 1:
+            raise ValueError(f"world_size={world_size!r} is invalid: expected an integer >= 1")
+        self.world_size = world_size
+        self._cond = threading.Condition()
+        self._members = set(range(world_size))
+        self._issued: set[int] = set()
+        self._next_op = [0] * world_size
+        self._slots: dict[int, _Slot] = {}
+
+    def transport(self, rank: int) -> "InProcessTransport":
+        if not isinstance(rank, int) or not 0 <= rank < self.world_size:
+            raise ValueError(f"rank={rank!r} is invalid: expected an integer in [0, {self.world_size - 1}]")
+        with self._cond:
+            if rank in self._issued:
+                raise ValueError(f"rank {rank} of this InProcessGroup already has a transport")
+            self._issued.add(rank)
+        return InProcessTransport(self, rank)
+
+    def _closed_all(self) -> bool:
+        with self._cond:
+            return not self._members
+
+    # Everything below runs with self._cond held.
+
+    def _join(self, rank: int, kind: str, wire_dtype: str, tensors: list[torch.Tensor] | None) -> tuple[int, _Slot]:
+        if rank not in self._members:
+            raise TransportError(f"rank {rank} has left the in-process group")
+        op = self._next_op[rank]
+        self._next_op[rank] += 1
+        slot = self._slots.setdefault(op, _Slot(kind, wire_dtype))
+        if (slot.kind, slot.wire_dtype) != (kind, wire_dtype):
+            slot.error = f"collective #{op} mismatched: {slot.kind}/{slot.wire_dtype} vs {kind}/{wire_dtype} on rank {rank}"
+        elif tensors is not None:
+            first = next(iter(slot.contributions.values()), None)
+            if first is not None and [t.shape for t in first] != [t.shape for t in tensors]:
+                slot.error = f"collective #{op}: rank {rank} sent shapes that differ from the other ranks'"
+            slot.contributions[rank] = tensors
+        self._complete(slot)
+        self._cond.notify_all()
+        return op, slot
+
+    def _complete(self, slot: _Slot) -> None:
+        if slot.kind != "all_reduce" or slot.result is not None or slot.error is not None:
+            return
+        if not self._members <= set(slot.contributions):
+            return
+        ranks = sorted(slot.contributions)
+        num_tensors = len(slot.contributions[ranks[0]])
+        slot.result = [
+            reference_mean([slot.contributions[r][i] for r in ranks], slot.wire_dtype) for i in range(num_tensors)
+        ]
+        slot.num_contributors = len(ranks)
+        slot.contributions.clear()
+
+    def _consume(self, op: int, slot: _Slot, rank: int) -> None:
+        slot.consumed.add(rank)
+        if self._members <= slot.consumed:
+            self._slots.pop(op, None)
+
+    def _leave(self, rank: int) -> None:
+        with self._cond:
+            self._members.discard(rank)
+            for op, slot in list(self._slots.items()):
+                self._complete(slot)
+                if slot.kind == "broadcast" and slot.contributions and rank in slot.contributions:
+                    continue  # a broadcast that rank already sent stays readable
+                if self._members <= slot.consumed:
+                    self._slots.pop(op, None)
+            self._cond.notify_all()
+
+
+class _Handle(ReduceHandle):
+    def __init__(self, group: InProcessGroup, rank: int, op: int, slot: _Slot, tensors: list[torch.Tensor], start: float):
+        self._group, self._rank, self._op, self._slot, self._tensors, self._start = group, rank, op, slot, tensors, start
+
+    def wait(self, timeout: float) -> ReduceResult:
+        g, slot = self._group, self._slot
+        with g._cond:
+            ready = g._cond.wait_for(lambda: slot.result is not None or slot.error is not None, timeout)
+            if slot.error is not None:
+                raise TransportError(slot.error)
+            if not ready:
+                missing = sorted(g._members - set(slot.contributions))
+                raise TransportError(f"in-process all_reduce #{self._op}: ranks {missing} did not join within {timeout:g}s")
+            result, n = slot.result, slot.num_contributors
+        torch._foreach_copy_(self._tensors, result)
+        with g._cond:
+            g._consume(self._op, slot, self._rank)
+        numel = sum(t.numel() for t in self._tensors)
+        sent = numel * wire_torch_dtype(slot.wire_dtype).itemsize
+        return ReduceResult(n, sent, numel * 4, time.perf_counter() - self._start)
+
+
+class InProcessTransport(Transport):
+    @classmethod
+    def from_config(cls, config: InProcessConfig) -> "InProcessTransport":
+        """The transport of ``config.rank`` in the group named ``config.group`` (made by its first caller)."""
+        with _named_lock:
+            group = _named_groups.get(config.group)
+            if group is None or group._closed_all():
+                group = _named_groups[config.group] = InProcessGroup(config.world_size)
+            elif group.world_size != config.world_size:
+                raise ValueError(
+                    f"world_size={config.world_size} is invalid: in-process group {config.group!r} has {group.world_size}"
+                )
+        return group.transport(config.rank)
+
+    def __init__(self, group: InProcessGroup, rank: int) -> None:
+        self._group = group
+        self._rank = rank
+        self._closed = False
+
+    @property
+    def rank(self) -> int:
+        return self._rank
+
+    @property
+    def world_size(self) -> int:
+        with self._group._cond:
+            return len(self._group._members)
+
+    def all_reduce(self, tensors: Sequence[torch.Tensor], *, wire_dtype: str = "fp32") -> ReduceHandle:
+        start = time.perf_counter()
+        dtype = wire_torch_dtype(wire_dtype)
+        tensors = list(tensors)
+        for t in tensors:
+            if t.dtype != torch.float32:
+                raise ValueError(f"all_reduce takes fp32 tensors, got {t.dtype}")
+        # Values travel in the wire dtype; fp32 ones are read in place (the caller waits before touching them).
+        payload = [t if dtype == torch.float32 else t.to(dtype) for t in tensors]
+        with self._group._cond:
+            op, slot = self._group._join(self._rank, "all_reduce", wire_dtype, payload)
+        return _Handle(self._group, self._rank, op, slot, tensors, start)
+
+    def broadcast(self, tensors: Sequence[torch.Tensor], *, src: int = 0, timeout: float) -> None:
+        g = self._group
+        if not 0 <= src < g.world_size:
+            raise ValueError(f"src={src!r} is invalid: expected a rank in [0, {g.world_size - 1}]")
+        tensors = list(tensors)
+        payload = [t.detach().clone() for t in tensors] if src == self._rank else None
+        with g._cond:
+            op, slot = g._join(self._rank, "broadcast", "fp32", payload)
+            if src == self._rank:
+                g._consume(op, slot, self._rank)
+                return
+            ready = g._cond.wait_for(lambda: src in slot.contributions or slot.error is not None, timeout)
+            if slot.error is not None:
+                raise TransportError(slot.error)
+            if not ready:
+                raise TransportError(f"in-process broadcast #{op}: rank {src} did not send within {timeout:g}s")
+            values = slot.contributions[src]
+        if [t.shape for t in values] != [t.shape for t in tensors]:
+            raise TransportError(f"in-process broadcast #{op}: rank {src} sent shapes that differ from rank {self._rank}'s")
+        torch._foreach_copy_(tensors, values)
+        with g._cond:
+            g._consume(op, slot, self._rank)
+
+    def close(self) -> None:
+        if not self._closed:
+            self._closed = True
+            self._group._leave(self._rank)

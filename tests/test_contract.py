@@ -1,0 +1,124 @@
+"""The Transport contract, run on every transport at world sizes 2 and 3 (see conftest.world)."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from diloco_core import TransportError, reference_mean
+from world import RankError
+
+pytestmark = pytest.mark.timeout(180)
+
+SHAPES = [(7, 3), (5,), (2, 2, 3)]  # odd sizes: shards and buckets never divide evenly
+
+
+def _contribution(rank: int) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(1000 + rank)
+    return [torch.randn(s, generator=g) * (rank + 1) for s in SHAPES]
+
+
+def _reduce(transport, wire_dtype: str):
+    tensors = _contribution(transport.rank)
+    result = transport.all_reduce(tensors, wire_dtype=wire_dtype).wait(30)
+    return tensors, result
+
+
+def _ok(results: list) -> list:
+    errors = [r for r in results if isinstance(r, RankError)]
+    assert not errors, errors
+    return results
+
+
+@pytest.mark.parametrize("wire_dtype", ["fp32", "fp16", "bf16"])
+def test_mean_over_contributors_in_every_wire_dtype(world, wire_dtype):
+    results = _ok(world.run(_reduce, wire_dtype))
+    n = world.world_size
+    expected = [reference_mean([_contribution(r)[i] for r in range(n)], wire_dtype) for i in range(len(SHAPES))]
+    for tensors, result in results:
+        assert result.num_contributors == n
+        assert result.bytes_sent > 0 and result.seconds >= 0
+        for got, want in zip(tensors, expected):
+            if wire_dtype == "fp32" and n > 2:  # a ring sums in its own order: equal up to fp32 rounding
+                torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+            else:  # 16-bit wires sum in rank order in fp32; two fp32 addends commute exactly
+                assert torch.equal(got, want)
+    first = results[0][0]
+    for tensors, _ in results[1:]:  # every rank holds the very same bits
+        assert all(torch.equal(a, b) for a, b in zip(first, tensors))
+
+
+def _bytes(transport):
+    x = [torch.ones(10_000)]
+    return {w: transport.all_reduce(x, wire_dtype=w).wait(30).bytes_sent for w in ("fp32", "fp16")}
+
+
+def test_sixteen_bit_wire_sends_fewer_bytes(world):
+    for sent in _ok(world.run(_bytes)):
+        assert sent["fp16"] < sent["fp32"]
+
+
+def _broadcast(transport, src: int):
+    values = [torch.arange(6).view(2, 3) * (transport.rank + 1), torch.randn(4, dtype=torch.float64)]
+    if transport.rank == src:
+        values[1] = torch.tensor([1.5, -2.25, 1e-30, 3.0], dtype=torch.float64)
+    transport.broadcast(values, src=src, timeout=30)
+    return values
+
+
+@pytest.mark.parametrize("src", ["first", "last"])
+def test_broadcast_is_exact_for_any_dtype(world, src):
+    src_rank = 0 if src == "first" else world.world_size - 1
+    for ints, floats in _ok(world.run(_broadcast, src_rank)):
+        assert torch.equal(ints, torch.arange(6).view(2, 3) * (src_rank + 1))
+        assert torch.equal(floats, torch.tensor([1.5, -2.25, 1e-30, 3.0], dtype=torch.float64))
+
+
+def _bad_input(transport):
+    errors = {}
+    for name, call in {
+        "fp64": lambda: transport.all_reduce([torch.ones(3, dtype=torch.float64)]),
+        "wire": lambda: transport.all_reduce([torch.ones(3)], wire_dtype="int8"),
+        "src": lambda: transport.broadcast([torch.ones(3)], src=transport.world_size, timeout=5),
+    }.items():
+        try:
+            call()
+            errors[name] = None
+        except ValueError as e:
+            errors[name] = str(e)
+    # the group still works after refusing bad input
+    x = [torch.full((3,), float(transport.rank))]
+    transport.all_reduce(x).wait(30)
+    return errors, x[0]
+
+
+def test_bad_input_is_a_clear_value_error(world):
+    for errors, x in _ok(world.run(_bad_input)):
+        assert "float64" in errors["fp64"]
+        assert "wire_dtype='int8'" in errors["wire"] and "fp16" in errors["wire"]
+        assert "src=" in errors["src"]
+        assert torch.equal(x, torch.full((3,), (world.world_size - 1) / 2))
+
+
+def _one_rank_absent(transport, timeout: float):
+    if transport.rank == transport.world_size - 1:
+        time.sleep(timeout + 1.5)  # never joins the reduce
+        return None
+    start = time.monotonic()
+    try:
+        transport.all_reduce([torch.ones(4)]).wait(timeout)
+    except TransportError as e:
+        return time.monotonic() - start, str(e)
+    return "no error"
+
+
+def test_absent_rank_is_a_transport_error_within_the_timeout(world):
+    timeout = 2.0
+    runs = world.run(_one_rank_absent, timeout, **({"fresh": True} if hasattr(world, "_procs") else {}))
+    for outcome in runs[:-1]:
+        assert isinstance(outcome, tuple), outcome
+        elapsed, message = outcome
+        assert timeout <= elapsed < timeout + 2.0, elapsed
+        assert "within" in message

@@ -1,0 +1,137 @@
+"""Run a function on every rank of a small world: threads for in-process, spawned processes for gloo.
+
+``run(fn, *args)`` calls ``fn(transport, *args)`` on each rank and returns the per-rank results, an
+exception becoming a ``RankError`` in that rank's slot. A gloo world keeps its processes (and process
+group) between runs, since starting them costs seconds; one that timed out or failed is restarted.
+Every child process is killed on close.
+"""
+
+from __future__ import annotations
+
+import datetime
+import multiprocessing as mp
+import os
+import queue
+import threading
+import traceback
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from transports import InProcessGroup
+
+KINDS = ["inprocess", "torch"]
+
+
+@dataclass
+class RankError:
+    type: str
+    message: str
+
+    def __repr__(self) -> str:
+        return f"RankError({self.type}: {self.message})"
+
+
+class ThreadWorld:
+    def __init__(self, world_size: int) -> None:
+        self.world_size = world_size
+
+    def run(self, fn: Callable, *args: Any, timeout: float = 60) -> list:
+        group = InProcessGroup(self.world_size)
+        results: list = [RankError("Timeout", "rank did not finish")] * self.world_size
+
+        def body(rank: int) -> None:
+            transport = group.transport(rank)
+            try:
+                results[rank] = fn(transport, *args)
+            except Exception as e:
+                results[rank] = RankError(type(e).__name__, str(e))
+            finally:
+                transport.close()
+
+        threads = [threading.Thread(target=body, args=(r,), daemon=True) for r in range(self.world_size)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout)
+        assert not any(t.is_alive() for t in threads), f"in-process ranks still running after {timeout}s"
+        return results
+
+    def close(self) -> None:
+        pass
+
+
+def _child(rank: int, world_size: int, store: str, tasks: mp.Queue, results: mp.Queue) -> None:
+    os.environ["GLOO_SOCKET_IFNAME"] = "lo"  # loopback only: tests never leave 127.0.0.1
+    import torch
+    import torch.distributed as dist
+
+    from transports import TorchDistTransport
+
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo", init_method=f"file://{store}", rank=rank, world_size=world_size,
+        timeout=datetime.timedelta(seconds=60),
+    )  # fmt: skip
+    transport = TorchDistTransport()
+    while True:
+        task = tasks.get()
+        if task is None:
+            break
+        fn, args = task
+        try:
+            results.put((rank, fn(transport, *args)))
+        except BaseException as e:  # noqa: BLE001 - report everything to the parent
+            results.put((rank, RankError(type(e).__name__, f"{e}\n{traceback.format_exc(limit=3)}")))
+    dist.destroy_process_group()
+
+
+class GlooWorld:
+    """``world_size`` processes joined in a gloo group over 127.0.0.1, reused across runs."""
+
+    def __init__(self, world_size: int, tmpdir: str) -> None:
+        self.world_size = world_size
+        self._tmpdir = tmpdir
+        self._generation = 0
+        self._procs: list[mp.Process] = []
+
+    def _start(self) -> None:
+        ctx = mp.get_context("spawn")
+        self._generation += 1
+        store = os.path.join(self._tmpdir, f"store{self._generation}")
+        self._results = ctx.Queue()
+        self._tasks = [ctx.Queue() for _ in range(self.world_size)]
+        self._procs = [
+            ctx.Process(target=_child, args=(r, self.world_size, store, self._tasks[r], self._results), daemon=True)
+            for r in range(self.world_size)
+        ]
+        for p in self._procs:
+            p.start()
+
+    def run(self, fn: Callable, *args: Any, timeout: float = 60, fresh: bool = False) -> list:
+        """``fresh``: run in a new group (for runs that break it on purpose, such as a dead rank)."""
+        if fresh or not self._procs or not all(p.is_alive() for p in self._procs):
+            self.close()
+            self._start()
+        for q in self._tasks:
+            q.put((fn, args))
+        results: list = [RankError("Timeout", f"rank sent no result within {timeout}s")] * self.world_size
+        try:
+            for _ in range(self.world_size):
+                rank, value = self._results.get(timeout=timeout)
+                results[rank] = value
+        except queue.Empty:
+            self.close()  # a rank is stuck: this group cannot be trusted again
+        if fresh or any(isinstance(r, RankError) for r in results):
+            self.close()
+        return results
+
+    def close(self) -> None:
+        for p in self._procs:
+            if p.is_alive():
+                p.kill()
+            p.join(10)
+        self._procs = []
+
+
+def make_world(kind: str, world_size: int, tmpdir: str) -> ThreadWorld | GlooWorld:
+    return ThreadWorld(world_size) if kind == "inprocess" else GlooWorld(world_size, tmpdir)
