@@ -13,6 +13,7 @@ import multiprocessing as mp
 import os
 import queue
 import threading
+import time
 import traceback
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -115,12 +116,19 @@ class GlooWorld:
         for q in self._tasks:
             q.put((fn, args))
         results: list = [RankError("Timeout", f"rank sent no result within {timeout}s")] * self.world_size
-        try:
-            for _ in range(self.world_size):
-                rank, value = self._results.get(timeout=timeout)
-                results[rank] = value
-        except queue.Empty:
-            self.close()  # a rank is stuck: this group cannot be trusted again
+        pending = set(range(self.world_size))
+        deadline = time.monotonic() + timeout
+        while pending and time.monotonic() < deadline:
+            try:
+                rank, value = self._results.get(timeout=0.5)
+            except queue.Empty:
+                if all(not self._procs[r].is_alive() for r in pending):
+                    for r in pending:
+                        results[r] = RankError("Exited", f"exit code {self._procs[r].exitcode}")
+                    break
+                continue
+            results[rank] = value
+            pending.discard(rank)
         if fresh or any(isinstance(r, RankError) for r in results):
             self.close()
         return results

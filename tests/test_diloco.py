@@ -1,0 +1,312 @@
+"""The DiLoCo round against hand-computed numbers, torch's own optimizers, and the paper's invariants."""
+
+from __future__ import annotations
+
+import io
+import threading
+from collections.abc import Callable
+
+import pytest
+import torch
+
+from diloco_core import DiLoCo, DiLoCoConfig, ReduceHandle, Transport, TransportError
+from transports import InProcessGroup
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def run_threads(world_size: int, fn: Callable[[Transport], object]) -> list:
+    """``fn(transport)`` on ``world_size`` threads of one in-process group; re-raises a rank's error."""
+    group = InProcessGroup(world_size)
+    results: list = [None] * world_size
+    errors: list = []
+
+    def body(rank: int) -> None:
+        try:
+            results[rank] = fn(group.transport(rank))
+        except BaseException as e:  # noqa: BLE001
+            errors.append(e)
+
+    threads = [threading.Thread(target=body, args=(r,)) for r in range(world_size)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(50)
+    assert not any(t.is_alive() for t in threads), "ranks still running"
+    if errors:
+        raise errors[0]
+    return results
+
+
+class Scalar(torch.nn.Module):
+    def __init__(self, values: list[float]) -> None:
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.tensor(values))
+
+
+def move_to(model: Scalar, opt: torch.optim.Optimizer, target: list[float]) -> None:
+    """One inner SGD(lr=1) step that lands exactly on ``target``."""
+    model.w.grad = model.w.detach() - torch.tensor(target)
+
+
+def test_outer_step_matches_hand_computed_nesterov_and_sign_is_old_minus_new():
+    # Two workers start at [1, 2] and move to [0.5, 2.5] and [0.7, 2.1]: pseudo-grads [0.5, -0.5] and
+    # [0.3, -0.1] (old - new), mean [0.4, -0.3]. Nesterov, lr 0.7, momentum 0.9, first step:
+    # buf = g, update = g + 0.9 * buf = 1.9 g, new = old - 0.7 * 1.9 g = [1 - 0.532, 2 + 0.399].
+    targets = [[0.5, 2.5], [0.7, 2.1]]
+
+    def worker(t: Transport):
+        model = Scalar([1.0, 2.0])
+        opt = torch.optim.SGD(model.parameters(), lr=1.0)
+        dl = DiLoCo(model, opt, t, DiLoCoConfig(inner_steps=1, outer_lr=0.7, outer_momentum=0.9))
+        move_to(model, opt, targets[t.rank])
+        report = dl.step()
+        after_one = model.w.detach().clone()
+        move_to(model, opt, [x + 0.1 for x in targets[t.rank]])
+        dl.step()
+        return report, after_one, model.w.detach().clone()
+
+    (r0, one0, two0), (_, one1, two1) = run_threads(2, worker)
+    assert r0.round == 1 and r0.num_contributors == 2
+    torch.testing.assert_close(one0, torch.tensor([0.468, 2.399]), rtol=0, atol=1e-6)
+    assert torch.equal(one0, one1) and torch.equal(two0, two1)
+
+    # The same two steps through torch.optim.SGD directly, on the averaged pseudo-gradient.
+    p = torch.nn.Parameter(torch.tensor([1.0, 2.0]))
+    ref = torch.optim.SGD([p], lr=0.7, momentum=0.9, nesterov=True)
+    for shift in (0.0, 0.1):
+        local = [torch.tensor(t) + shift for t in targets]
+        start = p.detach().clone()
+        p.grad = torch.stack([start - x for x in local]).mean(0)  # old - new
+        ref.step()
+        if shift == 0.1:
+            torch.testing.assert_close(two0, p.detach(), rtol=0, atol=1e-6)
+
+
+def _data(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(100 * rank + step)
+    return torch.randn(16, 6, generator=g), torch.randn(16, 2, generator=g)
+
+
+def _model(seed: int = 0) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
+
+
+def _loss(model: torch.nn.Module, rank: int, step: int) -> torch.Tensor:
+    x, y = _data(rank, step)
+    return torch.nn.functional.mse_loss(model(x), y)
+
+
+def test_h1_sgd_plain_averaging_equals_synchronous_data_parallel():
+    steps, lr, m = 6, 0.05, 3
+
+    def worker(t: Transport):
+        model = _model()
+        opt = torch.optim.SGD(model.parameters(), lr=lr)
+        dl = DiLoCo(model, opt, t, DiLoCoConfig(inner_steps=1, outer_lr=1.0, outer_momentum=0.0))
+        for step in range(steps):
+            _loss(model, t.rank, step).backward()
+            dl.step()
+            opt.zero_grad()
+        return [p.detach().clone() for p in model.parameters()]
+
+    results = run_threads(m, worker)
+    ref = _model()
+    opt = torch.optim.SGD(ref.parameters(), lr=lr)
+    for step in range(steps):
+        grads = []
+        for rank in range(m):
+            ref.zero_grad()
+            _loss(ref, rank, step).backward()
+            grads.append([p.grad.clone() for p in ref.parameters()])
+        for p, *gs in zip(ref.parameters(), *grads):
+            p.grad = torch.stack(gs).mean(0)
+        opt.step()
+    for got in results:
+        for a, b in zip(got, ref.parameters()):
+            torch.testing.assert_close(a, b.detach(), rtol=1e-5, atol=1e-6)
+
+
+def test_single_worker_plain_averaging_equals_plain_training():
+    steps = 12
+
+    def run(with_diloco: bool) -> list[torch.Tensor]:
+        model = _model()
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        step_fn = opt.step
+        if with_diloco:
+            t = InProcessGroup(1).transport(0)
+            step_fn = DiLoCo(model, opt, t, DiLoCoConfig(inner_steps=4, outer_lr=1.0, outer_momentum=0.0)).step
+        for step in range(steps):
+            _loss(model, 0, step).backward()
+            step_fn()
+            opt.zero_grad()
+        return [p.detach().clone() for p in model.parameters()]
+
+    for a, b in zip(run(True), run(False)):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+
+
+def _state_digest(dl: DiLoCo) -> list[torch.Tensor]:
+    bufs = [s["momentum_buffer"] for s in dl.outer_optimizer.state.values()]
+    return [g.clone() for g in dl.global_params] + [b.clone() for b in bufs]
+
+
+def test_global_state_identical_on_every_worker_after_every_round_despite_different_inits():
+    def worker(t: Transport):
+        model = _model(seed=t.rank)  # different random weights before construction
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        dl = DiLoCo(model, opt, t, DiLoCoConfig(inner_steps=3))
+        digests = [[p.detach().clone() for p in model.parameters()]]
+        for step in range(12):
+            _loss(model, t.rank, step).backward()
+            if dl.step() is not None:
+                digests.append(_state_digest(dl))
+            opt.zero_grad()
+        return digests
+
+    results = run_threads(3, worker)
+    assert len(results[0]) == 5
+    for other in results[1:]:
+        for mine, theirs in zip(results[0], other):
+            assert all(torch.equal(a, b) for a, b in zip(mine, theirs))
+    assert all(torch.equal(a, b) for a, b in zip(results[0][0], _model(seed=0).parameters()))
+
+
+def _train(dl: DiLoCo, opt: torch.optim.Optimizer, rank: int, steps: range) -> None:
+    for step in steps:
+        _loss(dl.model, rank, step).backward()
+        dl.step()
+        opt.zero_grad()
+
+
+@pytest.mark.parametrize("wire_dtype", ["fp32", "bf16"])
+def test_resume_from_a_saved_round_is_bit_identical(wire_dtype):
+    cfg = DiLoCoConfig(inner_steps=3, wire_dtype=wire_dtype)
+    saved: dict[int, bytes] = {}
+
+    def uninterrupted(t: Transport):
+        model = _model()
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        dl = DiLoCo(model, opt, t, cfg)
+        _train(dl, opt, t.rank, range(0, 7))  # round 2 ends at step 6; one step into round 3
+        buf = io.BytesIO()
+        torch.save(dl.state_dict(), buf)
+        saved[t.rank] = buf.getvalue()
+        _train(dl, opt, t.rank, range(7, 15))
+        return [p.detach().clone() for p in model.parameters()], _state_digest(dl)
+
+    def resumed(t: Transport):
+        model = _model(seed=42)  # fresh objects; the checkpoint overrides everything
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        dl = DiLoCo(model, opt, t, cfg)
+        dl.load_state_dict(torch.load(io.BytesIO(saved[t.rank]), weights_only=True))
+        assert (dl.round, dl.inner_step) == (2, 7)
+        _train(dl, opt, t.rank, range(7, 15))
+        return [p.detach().clone() for p in model.parameters()], _state_digest(dl)
+
+    first = run_threads(2, uninterrupted)
+    second = run_threads(2, resumed)
+    for (pa, sa), (pb, sb) in zip(first, second):
+        assert all(torch.equal(a, b) for a, b in zip(pa + sa, pb + sb))
+
+
+class FailingTransport(Transport):
+    """Fault injection: delegates to ``inner`` but fails the reduce whose (1-based) number is in ``fail_at``."""
+
+    def __init__(self, inner: Transport, fail_at: set[int]) -> None:
+        self.inner, self.fail_at, self.calls = inner, fail_at, 0
+
+    rank = property(lambda self: self.inner.rank)
+    world_size = property(lambda self: self.inner.world_size)
+
+    def all_reduce(self, tensors, *, wire_dtype="fp32") -> ReduceHandle:
+        self.calls += 1
+        if self.calls in self.fail_at:
+
+            class Failed(ReduceHandle):
+                def wait(self, timeout):
+                    raise TransportError("injected failure")
+
+            return Failed()
+        return self.inner.all_reduce(tensors, wire_dtype=wire_dtype)
+
+    def broadcast(self, tensors, *, src=0, timeout):
+        self.inner.broadcast(tensors, src=src, timeout=timeout)
+
+
+def test_failed_reduce_changes_nothing_and_the_round_can_be_retried():
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    t = FailingTransport(InProcessGroup(1).transport(0), fail_at={3})  # 1: shape check, 2: round 1, 3: round 2
+    dl = DiLoCo(model, opt, t, DiLoCoConfig(inner_steps=2))
+    _train(dl, opt, 0, range(2))
+    before = _state_digest(dl)
+    _loss(model, 0, 2).backward()
+    dl.step()
+    opt.zero_grad()
+    _loss(model, 0, 3).backward()
+    local = None
+    with pytest.raises(TransportError, match="injected"):
+        try:
+            dl.step()
+        finally:
+            local = [p.detach().clone() for p in model.parameters()]
+    assert dl.round == 1
+    assert all(torch.equal(a, b) for a, b in zip(before, _state_digest(dl)))
+    assert not all(torch.equal(a, b) for a, b in zip(local, dl.global_params))  # local progress kept
+    report = dl.sync()
+    assert report.round == 2 and report.num_contributors == 1
+
+
+def test_models_with_different_shapes_are_refused_on_every_rank():
+    def worker(t: Transport):
+        width = 8 if t.rank != 2 else 9
+        model = torch.nn.Linear(4, width)
+        DiLoCo(model, torch.optim.SGD(model.parameters(), lr=0.1), t, DiLoCoConfig(reduce_timeout=10))
+
+    group = InProcessGroup(3)
+    errors: dict[int, str] = {}
+
+    def body(rank: int) -> None:
+        try:
+            worker(group.transport(rank))
+        except ValueError as e:
+            errors[rank] = str(e)
+
+    threads = [threading.Thread(target=body, args=(r,)) for r in range(3)]
+    [t.start() for t in threads]
+    [t.join(30) for t in threads]
+    assert sorted(errors) == [0, 1, 2]
+    assert "rank 2's model differs from rank 0's" in errors[2] and "45 values here vs 2 tensors with 40 values" in errors[2]
+    assert "1 rank(s) have a model" in errors[0]
+
+
+@pytest.mark.parametrize(
+    "field,value,words",
+    [
+        ("inner_steps", 0, ">= 1"),
+        ("inner_steps", 2.5, "integer"),
+        ("outer_lr", -0.1, "> 0"),
+        ("outer_lr", float("nan"), "finite"),
+        ("outer_momentum", 1.0, "[0, 1)"),
+        ("nesterov", "yes", "true or false"),
+        ("wire_dtype", "int8", "fp16"),
+        ("reduce_timeout", 0, "> 0"),
+        ("global_device", "gpu0", "global_device"),
+    ],
+)
+def test_bad_config_names_field_value_and_range(field, value, words):
+    with pytest.raises(ValueError) as e:
+        DiLoCoConfig(**{field: value})
+    assert field in str(e.value) and words in str(e.value)
+
+
+def test_config_is_keyword_only_and_frozen():
+    with pytest.raises(TypeError):
+        DiLoCoConfig(500)  # type: ignore[misc]
+    cfg = DiLoCoConfig()
+    assert (cfg.inner_steps, cfg.outer_lr, cfg.outer_momentum, cfg.nesterov, cfg.wire_dtype) == (500, 0.7, 0.9, True, "fp32")
+    with pytest.raises(AttributeError):
+        cfg.inner_steps = 3  # type: ignore[misc]

@@ -1,0 +1,124 @@
+"""torch.distributed specifics beyond the contract: 4-rank shards, a dead peer, torchrun end to end."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from diloco_core import TransportError, reference_mean
+from lan_job import job
+from transports import create_transport
+from world import GlooWorld, RankError, ThreadWorld
+
+pytestmark = pytest.mark.timeout(180)
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def _reduce_big(transport, wire_dtype):
+    g = torch.Generator().manual_seed(transport.rank)
+    x = [torch.randn(1001, generator=g), torch.randn(3, 5, generator=g)]
+    transport.all_reduce(x, wire_dtype=wire_dtype).wait(30)
+    return x
+
+
+def test_four_ranks_reduce_scatter_path_matches_reference(tmp_path):
+    world = GlooWorld(4, str(tmp_path))
+    try:
+        for wire in ("fp16", "bf16"):
+            results = world.run(_reduce_big, wire)
+            assert not any(isinstance(r, RankError) for r in results), results
+            contribs = []
+            for r in range(4):
+                g = torch.Generator().manual_seed(r)
+                contribs.append([torch.randn(1001, generator=g), torch.randn(3, 5, generator=g)])
+            for i in range(2):
+                want = reference_mean([c[i] for c in contribs], wire)
+                assert all(torch.equal(res[i], want) for res in results)
+    finally:
+        world.close()
+
+
+def _die_mid_run(transport, timeout):
+    x = [torch.ones(1000)]
+    transport.all_reduce(x).wait(30)  # one good round first
+    if transport.rank == 1:
+        os._exit(3)  # the process is gone, sockets and all
+    time.sleep(0.5)
+    start = time.monotonic()
+    try:
+        transport.all_reduce(x).wait(timeout)
+    except TransportError as e:
+        return time.monotonic() - start, str(e)
+    return "no error"
+
+
+def test_a_peer_that_exits_mid_run_is_a_transport_error_within_the_timeout(tmp_path):
+    world = GlooWorld(3, str(tmp_path))
+    try:
+        timeout = 10.0
+        results = world.run(_die_mid_run, timeout, timeout=60, fresh=True)
+    finally:
+        world.close()
+    for rank in (0, 2):
+        assert isinstance(results[rank], tuple), results[rank]
+        elapsed, message = results[rank]
+        assert elapsed < timeout + 1.0
+        assert "torch.distributed all_reduce" in message
+
+
+@pytest.mark.parametrize("wire_dtype", ["fp32", "fp16"])
+def test_torchrun_job_agrees_across_ranks_and_with_the_in_process_oracle(wire_dtype, tmp_path):
+    env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1", "PYTHONPATH": HERE}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+           os.path.join(HERE, "lan_job.py"), wire_dtype, str(tmp_path)]  # fmt: skip
+    out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=150)
+    assert out.returncode == 0, out.stderr[-3000:]
+    rank0, rank1 = (torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in (0, 1))
+    assert all(torch.equal(a, b) for a, b in zip(rank0, rank1))  # the replicas agree bit for bit
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as in the torchrun job
+    try:
+        oracle = ThreadWorld(2).run(job, wire_dtype)
+    finally:
+        torch.set_num_threads(threads)
+    assert all(torch.equal(a, b) for a, b in zip(*oracle))
+    # Same data, same math; only the CPU kernels' summation order may differ between processes.
+    for a, b in zip(rank0, oracle[0]):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_torch_kind_outside_torchrun_says_how_to_launch(monkeypatch):
+    for var in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(var, raising=False)
+    with pytest.raises(ValueError, match="torchrun"):
+        create_transport({"kind": "torch"})
+
+
+def test_torch_config_errors_name_the_field():
+    with pytest.raises(ValueError, match=r"\[transport\] backend='mpi' is invalid: expected one of \['gloo', 'nccl'\]"):
+        create_transport({"kind": "torch", "backend": "mpi"})
+    with pytest.raises(ValueError, match=r"unknown key\(s\) \['bucket'\].*bucket_mb"):
+        create_transport({"kind": "torch", "bucket": 3})
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="needs CUDA"):
+            create_transport({"kind": "torch", "backend": "nccl", "init_method": "file:///nonexistent"})
+
+
+def test_unknown_transport_kind_lists_the_valid_ones():
+    with pytest.raises(ValueError, match=r"kind='carrier-pigeon' is invalid: expected one of \['hivemind', 'inprocess', 'torch'\]"):
+        create_transport({"kind": "carrier-pigeon"})
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="NCCL needs at least 2 GPUs (bench/nccl_check.py runs on a GPU machine)")
+def test_nccl_contract_on_two_gpus():
+    out = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+         os.path.join(os.path.dirname(HERE), "bench", "nccl_check.py")],
+        capture_output=True, text=True, timeout=150,
+    )  # fmt: skip
+    assert out.returncode == 0 and "nccl check passed" in out.stdout, out.stdout + out.stderr
