@@ -21,7 +21,11 @@ class FlatBuffer:
             offset += n
 
     def copy_from(self, tensors: Sequence[torch.Tensor]) -> None:
-        torch._foreach_copy_(self.views, list(tensors))
+        tensors = list(tensors)
+        if all(t.dtype == self.flat.dtype and t.device == self.flat.device for t in tensors):
+            torch.cat([t.detach().reshape(-1) for t in tensors], out=self.flat)  # one pass, one kernel
+        else:
+            torch._foreach_copy_(self.views, tensors)
 
     def copy_to(self, tensors: Sequence[torch.Tensor]) -> None:
         torch._foreach_copy_(list(tensors), self.views)

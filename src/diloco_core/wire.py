@@ -23,12 +23,31 @@ def wire_torch_dtype(wire_dtype: str) -> torch.dtype:
         raise ValueError(f"wire_dtype={wire_dtype!r} is invalid: expected one of {sorted(WIRE_DTYPES)}") from None
 
 
-def reference_mean(contributions: Sequence[torch.Tensor], wire_dtype: str, out: torch.Tensor | None = None) -> torch.Tensor:
-    """fp32 mean of the contributions after each was cast to ``wire_dtype`` (summed in the given order)."""
+def reference_mean(
+    contributions: Sequence[torch.Tensor],
+    wire_dtype: str,
+    out: torch.Tensor | None = None,
+    scratch: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """fp32 mean of the contributions after each was cast to ``wire_dtype``, summed in the given order.
+
+    ``out`` and ``scratch`` (fp32, the contributions' shape) are reused if given: allocating a large
+    fresh buffer costs more than the arithmetic (page faults).
+    """
     assert contributions, "a mean needs at least one contribution"
     dtype = wire_torch_dtype(wire_dtype)
-    total = torch.zeros_like(contributions[0], dtype=torch.float32) if out is None else out
-    total.copy_(contributions[0].to(dtype))
-    for c in contributions[1:]:
-        total.add_(c if c.dtype == dtype else c.to(dtype))
-    return total.div_(len(contributions))
+    wire = [c if c.dtype == dtype else c.to(dtype) for c in contributions]
+    total = torch.empty_like(contributions[0], dtype=torch.float32) if out is None else out
+    if len(wire) > 1 and dtype == torch.float32:
+        torch.add(wire[0], wire[1], out=total)  # one pass for the first two addends
+        rest = wire[2:]
+    else:
+        total.copy_(wire[0])
+        rest = wire[1:]
+    if rest and dtype != torch.float32 and scratch is None:
+        scratch = torch.empty_like(total)
+    for w in rest:
+        if dtype != torch.float32:  # widening copy, then an fp32 add: far faster than a mixed-dtype add
+            w = scratch.copy_(w)
+        total.add_(w)
+    return total.div_(len(wire))

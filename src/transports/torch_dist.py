@@ -27,7 +27,7 @@ import torch.distributed as dist
 
 from diloco_core.config import check_field
 from diloco_core.transport import ReduceHandle, ReduceResult, Transport, TransportError
-from diloco_core.wire import reference_mean, wire_torch_dtype
+from diloco_core.wire import WIRE_DTYPES, reference_mean, wire_torch_dtype
 
 __all__ = ["TorchDistConfig", "TorchDistTransport"]
 
@@ -77,11 +77,18 @@ class _Handle(ReduceHandle):
     finished before its next piece of fp32 arithmetic, so later buckets stay on the wire meanwhile."""
 
     def __init__(self, buckets: list[Iterator[list]], tensors: list[torch.Tensor], flat: torch.Tensor,
-                 n: int, sent: int, start: float) -> None:  # fmt: skip
+                 n: int, sent: int, start: float, owner: "TorchDistTransport | None") -> None:  # fmt: skip
         self._buckets, self._tensors, self._flat = buckets, tensors, flat
-        self._n, self._sent, self._start = n, sent, start
+        self._n, self._sent, self._start, self._owner = n, sent, start, owner
 
     def wait(self, timeout: float) -> ReduceResult:
+        try:
+            return self._finish(timeout)
+        finally:
+            if self._owner is not None:  # this reduce held the transport's cached buffers
+                self._owner._busy = False
+
+    def _finish(self, timeout: float) -> ReduceResult:
         deadline = time.monotonic() + timeout
         try:
             for bucket in self._buckets:
@@ -103,6 +110,10 @@ def _transport_error(what: str, e: RuntimeError, timeout: float, deadline: float
     if time.monotonic() >= deadline - 0.01 or "timed out" in str(e).lower():
         return TransportError(f"torch.distributed {what} did not finish within {timeout:g}s: {e}")
     return TransportError(f"torch.distributed {what} failed (a peer died or left?): {e}")
+
+
+def _wire_name(dtype: torch.dtype) -> str:
+    return next(name for name, d in WIRE_DTYPES.items() if d == dtype)
 
 
 def _started(bucket: Iterator[list]) -> Iterator[list]:
@@ -139,6 +150,10 @@ class TorchDistTransport(Transport):
         self._size = dist.get_world_size(group)
         self._bucket_numel = max(1, int(bucket_mb * 1e6 / 4))
         self._closed = False
+        # Scratch buffers kept from round to round: a fresh 100 MB buffer costs more in page faults
+        # than the arithmetic done in it. Only one reduce at a time uses them (_busy).
+        self._buffers: dict[tuple, torch.Tensor] = {}
+        self._busy = False
 
     @property
     def rank(self) -> int:
@@ -161,6 +176,14 @@ class TorchDistTransport(Transport):
                 )
         return tensors
 
+    def _buffer(self, key: tuple, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        if self._busy:  # another reduce is still in flight and owns the cached buffers
+            return torch.empty(numel, dtype=dtype, device=device)
+        buf = self._buffers.get(key)
+        if buf is None or buf.numel() != numel or buf.dtype != dtype or buf.device != device:
+            buf = self._buffers[key] = torch.empty(numel, dtype=dtype, device=device)
+        return buf
+
     def _global_rank(self, group_rank: int) -> int:
         return group_rank if self._group is None else dist.get_global_rank(self._group, group_rank)
 
@@ -180,39 +203,45 @@ class TorchDistTransport(Transport):
             bucket_fn, sent = self._gather_all, (w - 1) * n * dtype.itemsize
         else:
             bucket_fn, sent = self._scatter_gather, (w - 1) * n * (dtype.itemsize + 4) // w
+        cached = not self._busy
         try:
             # Start every bucket's first collective now; wait() finishes them in order.
-            buckets = [_started(bucket_fn(b, dtype)) for b in flat.split(self._bucket_numel)]
+            buckets = [_started(bucket_fn(b, dtype, i)) for i, b in enumerate(flat.split(self._bucket_numel))]
         except RuntimeError as e:
             raise TransportError(f"torch.distributed all_reduce failed to start: {e}") from e
-        return _Handle(buckets, tensors, flat, w, sent, start)
+        self._busy = True
+        return _Handle(buckets, tensors, flat, w, sent, start, self if cached else None)
 
-    def _ring(self, bucket: torch.Tensor, dtype: torch.dtype) -> Iterator[list]:
+    def _ring(self, bucket: torch.Tensor, dtype: torch.dtype, index: int) -> Iterator[list]:
         yield [dist.all_reduce(bucket, group=self._group, async_op=True)]
         bucket.div_(self._size)
 
     def _exchange(self, sends: dict[int, torch.Tensor], recvs: dict[int, torch.Tensor]) -> list:
-        works = [dist.isend(t, self._global_rank(r), group=self._group) for r, t in sends.items()]
-        works += [dist.irecv(t, self._global_rank(r), group=self._group) for r, t in recvs.items()]
-        return works
+        # One batch: NCCL would deadlock on unbatched sends that both peers post before their receives.
+        ops = [dist.P2POp(dist.isend, t, self._global_rank(r), self._group) for r, t in sends.items()]
+        ops += [dist.P2POp(dist.irecv, t, self._global_rank(r), self._group) for r, t in recvs.items()]
+        return dist.batch_isend_irecv(ops)
 
-    def _gather_all(self, bucket: torch.Tensor, dtype: torch.dtype) -> Iterator[list]:
-        me, peers = self._rank, [r for r in range(self._size) if r != self._rank]
-        payloads = [bucket.to(dtype) if r == me else torch.empty_like(bucket, dtype=dtype) for r in range(self._size)]
+    def _gather_all(self, bucket: torch.Tensor, dtype: torch.dtype, index: int) -> Iterator[list]:
+        me, peers, n, dev = self._rank, [r for r in range(self._size) if r != self._rank], bucket.numel(), bucket.device
+        payloads = [self._buffer(("payload", index, r), n, dtype, dev) for r in range(self._size)]
+        payloads[me].copy_(bucket)
         yield self._exchange({r: payloads[me] for r in peers}, {r: payloads[r] for r in peers})
-        reference_mean(payloads, "fp32", out=bucket)
+        reference_mean(payloads, _wire_name(dtype), out=bucket, scratch=self._buffer(("scratch", index), n, torch.float32, dev))
 
-    def _scatter_gather(self, bucket: torch.Tensor, dtype: torch.dtype) -> Iterator[list]:
-        me, w = self._rank, self._size
+    def _scatter_gather(self, bucket: torch.Tensor, dtype: torch.dtype, index: int) -> Iterator[list]:
+        me, w, dev = self._rank, self._size, bucket.device
         peers = [r for r in range(w) if r != me]
         shard = -(-bucket.numel() // w)
-        padded = torch.zeros(shard * w, dtype=dtype, device=bucket.device)
+        padded = self._buffer(("padded", index), shard * w, dtype, dev)
         padded[: bucket.numel()].copy_(bucket)
-        received = torch.empty_like(padded)
+        padded[bucket.numel() :].zero_()
+        received = self._buffer(("received", index), shard * w, dtype, dev)
         yield [dist.all_to_all_single(received, padded, group=self._group, async_op=True)]
-        gathered = torch.empty(shard * w, dtype=torch.float32, device=bucket.device)
+        gathered = self._buffer(("gathered", index), shard * w, torch.float32, dev)
         shards = list(gathered.split(shard))
-        reference_mean(list(received.split(shard)), "fp32", out=shards[me])  # my shard of every rank, summed
+        scratch = self._buffer(("scratch", index), shard, torch.float32, dev)
+        reference_mean(list(received.split(shard)), _wire_name(dtype), out=shards[me], scratch=scratch)
         yield self._exchange({r: shards[me] for r in peers}, {r: shards[r] for r in peers})
         bucket.copy_(gathered[: bucket.numel()])
 
