@@ -1,0 +1,111 @@
+"""``diloco train`` and ``diloco plot``. Bad input ends with one clear line on stderr and exit status 2."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import math
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+from diloco_core import TransportError
+
+__all__ = ["main"]
+
+_EXAMPLE = "e.g. diloco train --set train.steps=200 --set diloco.inner_steps=50"
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="diloco", description="Train a language model with DiLoCo (or DDP, or one worker).")
+    sub = p.add_subparsers(dest="command", metavar="{train,plot}")
+    t = sub.add_parser("train", help="train (with no options: tiny model, 4 in-process workers, a few minutes on a CPU)",
+                       epilog=_EXAMPLE)  # fmt: skip
+    t.add_argument("--config", action="append", default=[], metavar="FILE.toml",
+                   help="TOML file with [model] [data] [train] [diloco] [transport] tables (repeatable; later wins)")
+    t.add_argument("--set", action="append", default=[], dest="overrides", metavar="SECTION.KEY=VALUE",
+                   help="override one key; VALUE is a TOML literal (a bare word is a string). Repeatable")
+    t.add_argument("--resume", action="store_true",
+                   help="continue run NAME from its latest checkpoint (with its saved config unless --config is given)")
+    t.add_argument("--name", metavar="RUN", help="run name: files go to <train.runs_dir>/RUN/ (default: mode-time)")
+    t.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
+    t.add_argument("-v", "--verbose", action="store_true", help="log one line per round and worker")
+    pl = sub.add_parser("plot", help="overlay the loss curves of one or more runs into a PNG")
+    pl.add_argument("runs", nargs="+", metavar="RUN", help="run folders (e.g. runs/diloco-...)")
+    pl.add_argument("--out", metavar="FILE.png", help="output file (default: plot.png in the only run, else runs.png)")
+    return p
+
+
+def _train(args: argparse.Namespace, argv: list[str]) -> int:
+    from .config import build_config, load_toml
+    from .train import train
+
+    base = None
+    config = build_config(args.config, args.overrides)
+    if args.resume:
+        if not args.name:
+            raise ValueError("--resume needs --name RUN: the run to continue")
+        saved = Path(config.train.runs_dir) / args.name / "config.toml"
+        if not args.config:
+            if not saved.is_file():
+                raise ValueError(f"--resume: run {str(saved.parent)!r} has no config.toml")
+            base = load_toml(saved)
+            config = build_config((), args.overrides, base=base)
+    name = args.name or f"{config.train.mode}-{time.strftime('%Y%m%d-%H%M%S')}"
+    run_dir = Path(config.train.runs_dir) / name
+    t = config.train
+    workers = 1 if t.mode == "single" else t.workers
+    print(
+        f"run {run_dir}: {t.mode}, {workers} worker(s) on {config.transport['kind']}, model {config.model.preset}, "
+        f"{t.steps} steps" + (f", outer round every {config.diloco.inner_steps}" if t.mode == "diloco" else ""),
+        file=sys.stderr,
+    )
+    result = train(config, run_dir, resume=args.resume, show_progress=not args.quiet, command=["diloco", *argv])
+    if math.isnan(result.eval_after):  # a non-zero rank of a multi-process run: rank 0 reports
+        return 0
+    wall = result.wall_seconds
+    util = result.compute_seconds / wall if wall else 0.0
+    print(
+        f"eval loss {result.eval_before:.4f} (perplexity {math.exp(result.eval_before):.2f}) -> "
+        f"{result.eval_after:.4f} (perplexity {math.exp(result.eval_after):.2f}) after {result.steps} steps\n"
+        f"wall {wall:.1f}s, compute utilization {100 * util:.1f}% (rank 0: compute / wall), "
+        f"{result.bytes_sent / 1e6:.1f} MB sent by rank 0\n"
+        f"files: {run_dir}/metrics.jsonl, config.toml, plot.png, checkpoints/",
+    )
+    return 0
+
+
+def _plot(args: argparse.Namespace) -> int:
+    from .plot import plot_runs
+
+    out = args.out or (Path(args.runs[0]) / "plot.png" if len(args.runs) == 1 else Path("runs.png"))
+    print(plot_runs(args.runs, out))
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``diloco`` command; returns the exit status."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv:
+        argv = ["train"]  # the embedded default run
+    args = _parser().parse_args(argv)
+    if args.command is None:
+        _parser().print_help(sys.stderr)
+        return 2
+    level = logging.INFO if getattr(args, "verbose", False) else logging.WARNING
+    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        if args.command == "train":
+            return _train(args, argv[1:])
+        return _plot(args)
+    except (ValueError, TransportError, OSError) as e:
+        print(f"diloco: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("diloco: interrupted (resume with --resume --name RUN from the last checkpoint)", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

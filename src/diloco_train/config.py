@@ -1,0 +1,239 @@
+"""The trainer's configuration: TOML sections, each mapped to one frozen dataclass, plus ``--set`` overrides."""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from diloco_core import DiLoCoConfig
+from diloco_core.config import check_field, from_mapping
+from transports import TRANSPORT_KINDS
+
+from .data import DataConfig
+from .model import ModelConfig
+
+__all__ = [
+    "MODES",
+    "SECTIONS",
+    "TRAINER_DEFAULTS",
+    "RunConfig",
+    "TrainConfig",
+    "build_config",
+    "dump_toml",
+    "load_toml",
+    "parse_override",
+]
+
+MODES = ("diloco", "ddp", "single")
+
+
+def _int(v: object, lo: int) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= lo
+
+
+def _num(v: object) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainConfig:
+    mode: str = "diloco"
+    """diloco (outer round every diloco.inner_steps), ddp (gradients averaged every step) or single (one worker)."""
+    workers: int = 4
+    """Workers as threads of this process (in-process transport). Other transports: one worker per process."""
+    steps: int = 600
+    """Inner steps per worker in total; the learning-rate schedule spans them."""
+    batch_size: int = 8
+    """Sequences per step per worker."""
+    lr: float = 1e-3
+    """Peak learning rate of the inner AdamW (the papers use 4e-4 for 150M+; the tiny model trains faster at 1e-3)."""
+    min_lr_ratio: float = 0.1
+    """The cosine decays the learning rate to lr * min_lr_ratio at the last step."""
+    warmup_steps: int = 50
+    """Steps of linear warmup from 0 to lr."""
+    weight_decay: float = 0.1
+    """AdamW weight decay."""
+    beta1: float = 0.9
+    """AdamW beta1."""
+    beta2: float = 0.95
+    """AdamW beta2."""
+    grad_clip: float = 1.0
+    """Clip the gradient norm to this (0: no clipping)."""
+    seed: int = 0
+    """Seed of the weights (rank 0's, broadcast to all) and of every worker's data order."""
+    eval_every: int = 0
+    """Evaluate on validation every this many steps (0: every diloco.inner_steps, i.e. at round boundaries)."""
+    eval_batches: int = 8
+    """Validation batches per evaluation (the same windows every time)."""
+    checkpoint_every: int = 2
+    """Checkpoint every this many rounds (of diloco.inner_steps steps, in every mode) and at the end; 0: only at the end."""
+    keep_checkpoints: int = 2
+    """Checkpoints kept per worker; older ones are deleted."""
+    stop_after: int = 0
+    """Stop (after a checkpoint) once this many steps are done, schedule unchanged; resume later. 0: run all steps."""
+    shard: int = -1
+    """This process's data shard when the transport has no fixed ranks (hivemind: give each peer its own). -1: its rank."""
+    num_shards: int = 0
+    """Number of data shards for ``shard``. 0: the transport's world size."""
+    device: str = "auto"
+    """cpu, cuda, cuda:N or auto (cuda if available). In-process workers on cuda spread over the visible GPUs."""
+    bf16: bool = True
+    """bf16 autocast for the forward pass on cuda (ignored on cpu)."""
+    threads: int = 0
+    """torch intra-op threads for this process (0: CPU cores // in-process workers, at least 1)."""
+    runs_dir: str = "runs"
+    """Runs are written to <runs_dir>/<name>/."""
+
+    def __post_init__(self) -> None:
+        check_field("mode", self.mode, self.mode in MODES, f"one of {list(MODES)}")
+        for name in ("workers", "steps", "batch_size", "eval_batches", "keep_checkpoints"):
+            check_field(name, getattr(self, name), _int(getattr(self, name), 1), "an integer >= 1")
+        for name in ("warmup_steps", "seed", "eval_every", "checkpoint_every", "stop_after", "threads", "num_shards"):
+            check_field(name, getattr(self, name), _int(getattr(self, name), 0), "an integer >= 0")
+        check_field("shard", self.shard, _int(self.shard, -1), "an integer >= 0 (or -1: the rank)")
+        ok = self.shard < max(self.num_shards, 1) if self.num_shards else self.shard <= 0
+        check_field("shard", self.shard, ok, f"below num_shards={self.num_shards} (set num_shards with shard)")
+        check_field("lr", self.lr, _num(self.lr) and self.lr > 0, "a finite number > 0")
+        r = self.min_lr_ratio
+        check_field("min_lr_ratio", r, _num(r) and 0 <= r <= 1, "a number in [0, 1]")
+        check_field("weight_decay", self.weight_decay, _num(self.weight_decay) and self.weight_decay >= 0, "a number >= 0")
+        for name in ("beta1", "beta2"):
+            v = getattr(self, name)
+            check_field(name, v, _num(v) and 0 <= v < 1, "a number in [0, 1)")
+        check_field("grad_clip", self.grad_clip, _num(self.grad_clip) and self.grad_clip >= 0, "a number >= 0")
+        ok = isinstance(self.device, str) and (self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:"))
+        check_field("device", self.device, ok, "auto, cpu, cuda or cuda:N")
+        check_field("bf16", self.bf16, isinstance(self.bf16, bool), "true or false")
+        check_field("runs_dir", self.runs_dir, isinstance(self.runs_dir, str) and self.runs_dir != "", "a non-empty path")
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    """[model]: the network's shape."""
+    data: DataConfig = field(default_factory=DataConfig)
+    """[data]: corpus, split and window length."""
+    train: TrainConfig = field(default_factory=TrainConfig)
+    """[train]: mode, workers, schedule, evaluation, checkpoints."""
+    diloco: DiLoCoConfig = field(default_factory=DiLoCoConfig)
+    """[diloco]: the outer loop (diloco_core.DiLoCoConfig)."""
+    transport: dict[str, Any] = field(default_factory=lambda: {"kind": "inprocess"})
+    """[transport]: ``kind`` plus that transport's fields, handed to transports.create_transport."""
+
+    def to_dict(self) -> dict[str, dict[str, Any]]:
+        """Every section as a table of its values, unset (None) values and ``train.stop_after`` left out.
+
+        ``stop_after`` belongs to one invocation, not to the run: a run resumed from its saved config
+        goes on to ``train.steps``.
+        """
+        out = {name: asdict(getattr(self, name)) for name in ("model", "data", "train", "diloco")}
+        out["train"].pop("stop_after")
+        out["transport"] = dict(self.transport)
+        return {s: {k: v for k, v in t.items() if v is not None} for s, t in out.items()}
+
+
+SECTIONS: dict[str, type] = {"model": ModelConfig, "data": DataConfig, "train": TrainConfig, "diloco": DiLoCoConfig}
+
+# The trainer's own defaults where they differ from a component's: the paper's H = 500 would give a
+# CPU run of a few hundred steps no round at all, so the default run syncs every 100 steps.
+TRAINER_DEFAULTS: dict[str, dict[str, Any]] = {"diloco": {"inner_steps": 100}}
+
+
+def load_toml(path: str | Path) -> dict[str, Any]:
+    """Parse a TOML file (tomllib on Python 3.11+, tomli before)."""
+    try:
+        import tomllib
+    except ImportError:  # Python 3.10
+        try:
+            import tomli as tomllib  # type: ignore[no-redef]
+        except ImportError:
+            raise ValueError("reading TOML on Python 3.10 needs tomli: pip install tomli") from None
+    p = Path(path)
+    try:
+        with p.open("rb") as f:
+            return tomllib.load(f)
+    except FileNotFoundError:
+        raise ValueError(f"config file {str(path)!r} does not exist") from None
+    except IsADirectoryError:
+        raise ValueError(f"config file {str(path)!r} is a directory") from None
+    except tomllib.TOMLDecodeError as e:
+        raise ValueError(f"config file {str(path)!r} is not valid TOML: {e}") from None
+
+
+def parse_override(text: str) -> tuple[str, str, Any]:
+    """``section.key=value`` -> (section, key, value); value is read as a TOML literal, else kept as a string."""
+    target, sep, raw = text.partition("=")
+    section, dot, key = target.strip().partition(".")
+    if not sep or not dot or not section or not key or "." in key:
+        raise ValueError(f"--set {text!r} is invalid: expected section.key=value, e.g. train.steps=100")
+    valid = [*SECTIONS, "transport"]
+    if section not in valid:
+        raise ValueError(f"--set {text!r}: unknown section [{section}]; valid sections: {valid}")
+    try:
+        import tomllib
+
+        value = tomllib.loads(f"v = {raw.strip()}")["v"]
+    except Exception:  # not a TOML literal (or no TOML reader): a bare word is a string
+        value = raw.strip()
+    return section, key, value
+
+
+def _merge(base: dict[str, dict[str, Any]], update: Mapping[str, Any], where: str) -> None:
+    valid = [*SECTIONS, "transport"]
+    for section, table in update.items():
+        if section not in valid:
+            raise ValueError(f"unknown section [{section}] in {where}; valid sections: {valid}")
+        if not isinstance(table, Mapping):
+            raise ValueError(f"[{section}] in {where} must be a table of key = value, got {type(table).__name__}")
+        base.setdefault(section, {}).update(table)
+
+
+def build_config(
+    files: Sequence[str | Path] = (), overrides: Sequence[str] = (), base: Mapping[str, Any] | None = None
+) -> RunConfig:
+    """Trainer defaults, then ``base`` (e.g. a run's saved config), then each TOML file, then ``--set`` overrides."""
+    tables: dict[str, dict[str, Any]] = {s: dict(t) for s, t in TRAINER_DEFAULTS.items()}
+    if base is not None:
+        _merge(tables, base, "the saved config")
+    for f in files:
+        _merge(tables, load_toml(f), str(f))
+    for text in overrides:
+        section, key, value = parse_override(text)
+        tables.setdefault(section, {})[key] = value
+    sections = {name: from_mapping(cls, tables.get(name, {}), name) for name, cls in SECTIONS.items()}
+    transport = dict(tables.get("transport", {}))
+    kind = transport.setdefault("kind", "inprocess")
+    check_field("[transport] kind", kind, kind in TRANSPORT_KINDS, f"one of {sorted(TRANSPORT_KINDS)}")
+    extra = sorted(set(transport) - {"kind"})
+    if kind == "inprocess" and extra:
+        raise ValueError(
+            f"unknown key(s) {extra} in [transport] for kind 'inprocess'; valid keys: ['kind'] "
+            "(the trainer sets world size and ranks from train.workers)"
+        )
+    return RunConfig(transport=transport, **sections)
+
+
+def _toml_value(v: Any) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, (int, float)):
+        return repr(v) if not isinstance(v, float) or math.isfinite(v) else ("nan" if v != v else ("inf" if v > 0 else "-inf"))
+    if isinstance(v, str):
+        return json.dumps(v)  # JSON's string escapes are valid TOML basic-string escapes
+    if isinstance(v, (list, tuple)):
+        return "[" + ", ".join(_toml_value(x) for x in v) + "]"
+    raise ValueError(f"cannot write {type(v).__name__} value {v!r} to TOML")
+
+
+def dump_toml(tables: Mapping[str, Mapping[str, Any]]) -> str:
+    """Tables of scalars (and lists of them) as TOML text that ``load_toml`` reads back unchanged."""
+    lines = []
+    for section, table in tables.items():
+        lines.append(f"[{section}]")
+        lines.extend(f"{k} = {_toml_value(v)}" for k, v in table.items())
+        lines.append("")
+    return "\n".join(lines)

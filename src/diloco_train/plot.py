@@ -1,0 +1,72 @@
+"""Loss curves from runs' metrics.jsonl: train loss (smoothed) and eval loss vs step, rounds as vertical lines."""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+__all__ = ["plot_runs", "read_metrics"]
+
+logger = logging.getLogger(__name__)
+
+
+def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
+    """The records of ``<run_dir>/metrics.jsonl`` (ValueError if the run has none)."""
+    path = Path(run_dir) / "metrics.jsonl"
+    if not path.is_file():
+        raise ValueError(f"{str(run_dir)!r} is not a run: no metrics.jsonl in it")
+    records = []
+    for i, line in enumerate(path.read_text(encoding="utf-8").splitlines()):
+        if line.strip():
+            try:
+                records.append(json.loads(line))
+            except json.JSONDecodeError:
+                raise ValueError(f"{path}:{i + 1} is not a JSON line") from None
+    return records
+
+
+def _smooth(values: list[float], alpha: float = 0.1) -> list[float]:
+    out, ema = [], None
+    for v in values:
+        ema = v if ema is None else (1 - alpha) * ema + alpha * v
+        out.append(ema)
+    return out
+
+
+def plot_runs(run_dirs: Sequence[str | Path], out: str | Path) -> Path:
+    """Overlay the runs' loss curves into the PNG ``out``; round boundaries are drawn for a single run."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # no display needed; also safe from worker threads
+    import matplotlib.pyplot as plt
+
+    runs = [(Path(d), read_metrics(d)) for d in run_dirs]
+    fig, ax = plt.subplots(figsize=(9, 5))
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    for i, (run_dir, records) in enumerate(runs):
+        color = colors[i % len(colors)]
+        steps = [r for r in records if r.get("type") == "step"]
+        evals = [r for r in records if r.get("type") == "eval"]
+        if steps:
+            ax.plot([r["step"] for r in steps], _smooth([r["loss"] for r in steps]), color=color, alpha=0.6,
+                    label=f"{run_dir.name} train (EMA)")  # fmt: skip
+        if evals:
+            ax.plot([r["step"] for r in evals], [r["loss"] for r in evals], "o-", color=color, label=f"{run_dir.name} eval")
+        if len(runs) == 1:
+            for j, r in enumerate(x for x in records if x.get("type") == "round"):
+                ax.axvline(r["step"], color="gray", lw=0.6, ls="--", label="outer round" if j == 0 else None)
+    ax.set_xlabel("step (per worker)")
+    ax.set_ylabel("loss (nats/token)")
+    ax.set_title(", ".join(d.name for d, _ in runs))
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize="small")
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    logger.info("plot written to %s", out)
+    return out

@@ -1,0 +1,93 @@
+"""The CLI end to end: a short run writes its files, resume is exact, bad input exits cleanly."""
+
+import json
+from pathlib import Path
+
+import pytest
+
+from diloco_train.cli import main
+
+# A fast run: 2 workers, 1-layer tiny model, short windows, 12 steps with a round every 3.
+FAST = [
+    "--set", "train.workers=2", "--set", "train.steps=12", "--set", "diloco.inner_steps=3",
+    "--set", "model.num_layers=1", "--set", "data.seq_len=32", "--set", "train.batch_size=4",
+    "--set", "train.eval_batches=1", "--set", "train.warmup_steps=2", "--set", "train.checkpoint_every=1",
+    "-q",
+]  # fmt: skip
+
+
+def _losses(run: Path) -> list[float]:
+    return [r["loss"] for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()) if r["type"] == "step"]
+
+
+@pytest.mark.timeout(60)
+def test_short_run_writes_metrics_config_plot_checkpoints(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["train", "--name", "r", "--set", f"train.runs_dir={tmp_path!s}", *FAST]) == 0
+    run = tmp_path / "r"
+    assert (run / "config.toml").is_file() and (run / "plot.png").stat().st_size > 1000
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    kinds = [r["type"] for r in records]
+    assert kinds.count("step") == 12 and kinds.count("round") == 4 and kinds[-1] == "summary"
+    assert all(r["num_contributors"] == 2 and r["bytes_sent"] > 0 for r in records if r["type"] == "round")
+    assert {"loss", "lr", "tokens_per_s", "compute_s", "comm_s", "bytes_sent"} <= set(records[1])
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == [
+        "step00000009-rank0.pt", "step00000009-rank1.pt", "step00000012-rank0.pt", "step00000012-rank1.pt",
+    ]  # fmt: skip
+    out = capsys.readouterr().out
+    assert "eval loss" in out and "perplexity" in out and "compute utilization" in out
+    # Same name again without --resume: refused, nothing overwritten.
+    assert main(["train", "--name", "r", "--set", f"train.runs_dir={tmp_path!s}", *FAST]) == 2
+    assert "already exists" in capsys.readouterr().err
+    assert main(["plot", str(run), str(run), "--out", str(tmp_path / "both.png")]) == 0
+    assert (tmp_path / "both.png").is_file()
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("mode", ["diloco", "ddp"])
+def test_resume_reproduces_the_uninterrupted_losses_exactly(tmp_path: Path, mode: str) -> None:
+    common = ["--set", f"train.runs_dir={tmp_path!s}", "--set", f"train.mode={mode}", *FAST]
+    assert main(["train", "--name", "whole", *common]) == 0
+    # Stop after round 2 (step 6), then resume from the run's saved config and finish.
+    assert main(["train", "--name", "split", *common, "--set", "train.stop_after=6"]) == 0
+    assert len(_losses(tmp_path / "split")) == 6
+    assert main(["train", "--name", "split", "--resume", "--set", f"train.runs_dir={tmp_path!s}", "-q"]) == 0
+    whole, split = _losses(tmp_path / "whole"), _losses(tmp_path / "split")
+    assert len(whole) == 12 and split == whole
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--set", "train.stpes=3"], "valid keys: ['mode', 'workers', 'steps'"),
+        (["--set", "train.steps=many"], "steps='many' is invalid"),
+        (["--set", "data.path=DIR/nothing-here"], "does not exist"),
+        (["--set", "data.path=DIR/empty"], "holds no"),
+        (["--set", "data.path=DIR/small.txt", "--set", "train.batch_size=5000"], "batch_size=5000 is larger"),
+        (["--config", "DIR/missing.toml"], "does not exist"),
+        (["--resume", "--name", "never-ran"], "has no config.toml"),
+        (["--set", "train"], "section.key=value"),
+    ],
+)
+def test_bad_input_is_one_line_on_stderr_and_exit_2(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], args: list[str], message: str
+) -> None:
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "small.txt").write_text("hello world\n" * 400)
+    args = [a.replace("DIR", str(tmp_path)) for a in args]
+    assert main(["train", "--set", f"train.runs_dir={tmp_path!s}", *args, "-q"]) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
+
+
+@pytest.mark.timeout(60)
+def test_an_error_inside_the_worker_threads_ends_the_run_cleanly(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    common = ["--set", f"train.runs_dir={tmp_path!s}", *FAST]
+    assert main(["train", "--name", "r", *common, "--set", "train.mode=ddp", "--set", "train.stop_after=3"]) == 0
+    capsys.readouterr()
+    # Every worker thread finds a ddp checkpoint where it expects a diloco one; none may hang.
+    assert main(["train", "--name", "r", "--resume", *common, "--set", "train.mode=diloco"]) == 2
+    err = capsys.readouterr().err
+    assert "checkpoint is of a ddp run" in err and "Traceback" not in err

@@ -1,0 +1,88 @@
+"""Config: TOML sections to dataclasses, unknown keys and wrong types rejected, --set parsing."""
+
+import tomllib
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from diloco_train.config import build_config, dump_toml, load_toml, parse_override
+
+
+@pytest.mark.timeout(30)
+def test_defaults_and_trainer_defaults() -> None:
+    c = build_config()
+    assert c.train.mode == "diloco" and c.train.workers == 4 and c.model.preset == "tiny"
+    assert c.diloco.inner_steps == 100 and c.diloco.outer_lr == 0.7 and c.diloco.nesterov
+    assert c.transport == {"kind": "inprocess"}
+
+
+@pytest.mark.timeout(30)
+def test_toml_file_then_overrides(tmp_path: Path) -> None:
+    f = tmp_path / "run.toml"
+    f.write_text('[train]\nsteps = 10\nmode = "ddp"\n[diloco]\nouter_lr = 0.5\n[model]\nnum_layers = 2\n')
+    c = build_config([f], ["train.steps=20", "data.seq_len=64", "diloco.wire_dtype=fp16", "train.bf16=false"])
+    assert (c.train.steps, c.train.mode, c.diloco.outer_lr, c.model.num_layers) == (20, "ddp", 0.5, 2)
+    assert c.data.seq_len == 64 and c.diloco.wire_dtype == "fp16" and c.train.bf16 is False
+
+
+@pytest.mark.timeout(30)
+def test_parse_override_values() -> None:
+    assert parse_override("train.lr=3e-4") == ("train", "lr", 3e-4)
+    assert parse_override("train.mode=ddp") == ("train", "mode", "ddp")
+    assert parse_override('data.path="a b.txt"') == ("data", "path", "a b.txt")
+    assert parse_override("transport.peers=[\"x\", \"y\"]") == ("transport", "peers", ["x", "y"])
+    assert parse_override("data.path=/tmp/x=y") == ("data", "path", "/tmp/x=y")
+    for bad in ("train", "train.steps", "steps=3", "train.a.b=1"):
+        with pytest.raises(ValueError, match="section.key=value"):
+            parse_override(bad)
+    with pytest.raises(ValueError, match=r"valid sections: \['model', 'data', 'train', 'diloco', 'transport'\]"):
+        parse_override("trian.steps=3")
+
+
+@pytest.mark.timeout(30)
+def test_unknown_key_lists_the_valid_ones(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match=r"unknown key\(s\) \['stpes'\] in \[train\]; valid keys: \[.*'steps'"):
+        build_config(overrides=["train.stpes=3"])
+    f = tmp_path / "bad.toml"
+    f.write_text("[diloco]\nH = 5\n")
+    with pytest.raises(ValueError, match=r"valid keys: \['inner_steps'"):
+        build_config([f])
+    f.write_text("[optimizer]\nlr = 5\n")
+    with pytest.raises(ValueError, match="unknown section"):
+        build_config([f])
+    with pytest.raises(ValueError, match="valid keys: \\['kind'\\]"):
+        build_config(overrides=["transport.world_size=2"])
+
+
+@pytest.mark.timeout(30)
+def test_wrong_types_and_ranges_name_the_field(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match=r"\[train\] steps='many' is invalid"):
+        build_config(overrides=["train.steps=many"])
+    with pytest.raises(ValueError, match=r"\[train\] lr=-1 is invalid"):
+        build_config(overrides=["train.lr=-1"])
+    with pytest.raises(ValueError, match=r"\[diloco\] inner_steps=1.5"):
+        build_config(overrides=["diloco.inner_steps=1.5"])
+    with pytest.raises(ValueError, match="mode"):
+        build_config(overrides=["train.mode=fsdp"])
+    with pytest.raises(ValueError, match=r"shard=1 is invalid: expected below num_shards=0"):
+        build_config(overrides=["train.shard=1"])
+    with pytest.raises(ValueError, match="kind"):
+        build_config(overrides=["transport.kind=carrier-pigeon"])
+    with pytest.raises(ValueError, match="does not exist"):
+        build_config([tmp_path / "missing.toml"])
+    (tmp_path / "broken.toml").write_text("[train\n")
+    with pytest.raises(ValueError, match="not valid TOML"):
+        build_config([tmp_path / "broken.toml"])
+
+
+@pytest.mark.timeout(30)
+def test_saved_config_round_trips(tmp_path: Path) -> None:
+    c = build_config(overrides=["train.lr=1e-5", "data.path=some/where", "train.stop_after=5", "model.num_layers=3"])
+    text = dump_toml(c.to_dict())
+    assert "stop_after" not in text  # one invocation's setting, not the run's
+    again = build_config(base=tomllib.loads(text))
+    assert again == replace(c, train=replace(c.train, stop_after=0))
+    f = tmp_path / "c.toml"
+    f.write_text(text)
+    assert load_toml(f) == tomllib.loads(text)
