@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import logging
 import math
+import os
 import sys
 import time
 from collections.abc import Sequence
@@ -55,12 +56,16 @@ def _train(args: argparse.Namespace, argv: list[str]) -> int:
     name = args.name or f"{config.train.mode}-{time.strftime('%Y%m%d-%H%M%S')}"
     run_dir = Path(config.train.runs_dir) / name
     t = config.train
-    workers = 1 if t.mode == "single" else t.workers
-    print(
-        f"run {run_dir}: {t.mode}, {workers} worker(s) on {config.transport['kind']}, model {config.model.preset}, "
-        f"{t.steps} steps" + (f", outer round every {config.diloco.inner_steps}" if t.mode == "diloco" else ""),
-        file=sys.stderr,
+    kind = config.transport.get("kind", "inprocess")
+    workers = f"{1 if t.mode == 'single' else t.workers} in-process worker(s)" if kind == "inprocess" else (
+        f"one worker per process on {kind}"
     )
+    if os.environ.get("RANK", "0") == "0":  # under torchrun, rank 0 speaks for the run
+        print(
+            f"run {run_dir}: {t.mode}, {workers}, model {config.model.preset}, {t.steps} steps"
+            + (f", outer round every {config.diloco.inner_steps}" if t.mode == "diloco" else ""),
+            file=sys.stderr,
+        )
     result = train(config, run_dir, resume=args.resume, show_progress=not args.quiet, command=["diloco", *argv])
     if math.isnan(result.eval_after):  # a non-zero rank of a multi-process run: rank 0 reports
         return 0
