@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -26,3 +27,39 @@ def test_torchrun_two_workers_end_with_identical_global_params(tmp_path):
     ranks = [torch.load(run / "checkpoints" / f"step00000020-rank{r}.pt", weights_only=True)["core"] for r in (0, 1)]
     assert ranks[0]["round"] == ranks[1]["round"] == 2
     assert torch.equal(ranks[0]["global"], ranks[1]["global"])
+
+
+@pytest.mark.timeout(240)
+def test_two_hivemind_peers_on_loopback_end_with_identical_global_params(tmp_path):
+    pytest.importorskip("hivemind")
+    common = ["--set", "transport.kind=hivemind", "--set", 'transport.host_maddrs=["/ip4/127.0.0.1/tcp/0"]',
+              "--set", "transport.matchmaking_time=5.0", "--set", "transport.averaging_timeout=30.0",
+              "--set", 'transport.secret="test-secret"', "--set", "train.num_shards=2", "--set", "train.steps=20",
+              "--set", "diloco.inner_steps=10", "--set", "train.eval_batches=2", "--set", "diloco.wire_dtype=fp16",
+              "--set", f"train.runs_dir={str(tmp_path)!r}", "-q"]  # fmt: skip
+    cli = [sys.executable, "-m", "diloco_train.cli", "train"]
+    first = subprocess.Popen(cli + ["--name", "p1", "--set", "train.shard=0", *common], cwd=tmp_path,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    second = None
+    try:
+        join = None
+        for line in first.stderr:  # the first peer prints the command the others run
+            if "transport.initial_peers=" in line:
+                join = line.split("transport.initial_peers=", 1)[1].strip().strip("'")
+                assert line.strip().startswith("diloco train ")
+                break
+        assert join, "the first peer printed no join command"
+        second = subprocess.run(cli + ["--name", "p2", "--set", "train.shard=1", "--set", f"transport.initial_peers={join}",
+                                       *common], cwd=tmp_path, capture_output=True, text=True, timeout=200)  # fmt: skip
+        assert second.returncode == 0, second.stderr[-3000:]
+        assert first.wait(timeout=60) == 0
+    finally:
+        if first.poll() is None:
+            first.kill()
+            first.wait()
+    cores = [torch.load(tmp_path / p / "checkpoints" / "step00000020-rank0.pt", weights_only=True)["core"] for p in ("p1", "p2")]
+    assert cores[0]["round"] == cores[1]["round"] == 2
+    assert torch.equal(cores[0]["global"], cores[1]["global"])
+    assert "secret" not in (tmp_path / "p1" / "config.toml").read_text()
+    rounds = [json.loads(line) for line in (tmp_path / "p1" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["num_contributors"] for r in rounds if r["type"] == "round"] == [2, 2]

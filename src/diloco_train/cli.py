@@ -66,7 +66,7 @@ def _train(args: argparse.Namespace, argv: list[str]) -> int:
             + (f", outer round every {config.diloco.inner_steps}" if t.mode == "diloco" else ""),
             file=sys.stderr,
         )
-    result = train(config, run_dir, resume=args.resume, show_progress=not args.quiet, command=["diloco", *argv])
+    result = train(config, run_dir, resume=args.resume, show_progress=not args.quiet, command=["diloco", "train", *argv])
     if math.isnan(result.eval_after):  # a non-zero rank of a multi-process run: rank 0 reports
         return 0
     wall = result.wall_seconds

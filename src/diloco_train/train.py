@@ -229,6 +229,11 @@ class _Worker:
         if t.mode == "diloco":
             assert self.transport is not None
             diloco = DiLoCo(model, optimizer, self.transport, c.diloco)
+            if c.transport.get("kind") == "hivemind":  # a joiner takes the swarm's round and outer momentum
+                from transports.hivemind import load_diloco_state, share_diloco_state
+
+                share_diloco_state(self.transport, diloco)
+                load_diloco_state(self.transport, diloco, timeout=timeout)
         elif t.mode == "ddp":
             assert self.transport is not None
             with torch.no_grad():
@@ -366,7 +371,9 @@ def _prepare_run_dir(run_dir: Path, config: RunConfig, resume: bool) -> None:
     elif metrics.exists() or (run_dir / "checkpoints").exists():
         raise ValueError(f"run {str(run_dir)!r} already exists: pass --resume to continue it, or another --name")
     run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "config.toml").write_text(dump_toml(config.to_dict()), encoding="utf-8")
+    tables = config.to_dict()
+    tables["transport"] = {k: v for k, v in tables["transport"].items() if k != "secret"}  # never on disk
+    (run_dir / "config.toml").write_text(dump_toml(tables), encoding="utf-8")
 
 
 def _check_resume_workers(run_dir: Path, world_size: int) -> None:

@@ -1,0 +1,86 @@
+"""One round of averaging 25M fp32 values between 2 peers on 127.0.0.1: our transport vs hivemind's
+``DecentralizedAverager`` used directly with the same settings (OpenDiLoCo's path), fp32 and fp16 wire.
+
+    python -m pytest bench/test_bench_hivemind.py --benchmark-only
+
+Both include the same matchmaking wait (MATCHMAKING seconds); compare the medians side by side.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+hivemind = pytest.importorskip("hivemind")
+
+from transports.hivemind import HivemindConfig, HivemindTransport  # noqa: E402
+
+NUM_VALUES = 25_000_000
+MATCHMAKING = 1.0
+TIMEOUT = 120.0
+LOCAL = ["/ip4/127.0.0.1/tcp/0"]
+
+
+def _both(fns):
+    out = [None, None]
+
+    def body(i):
+        out[i] = fns[i]()
+
+    threads = [threading.Thread(target=body, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return out
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("wire", ["fp32", "fp16"])
+def test_ours(benchmark, wire):
+    cfg = dict(run_id=f"bench-{wire}", host_maddrs=LOCAL, matchmaking_time=MATCHMAKING, averaging_timeout=TIMEOUT, secret="b")
+    a = HivemindTransport(HivemindConfig(**cfg))
+    b = HivemindTransport(HivemindConfig(**cfg, initial_peers=a.join_addresses))
+    xs = [torch.randn(NUM_VALUES), torch.randn(NUM_VALUES)]
+    try:
+        def one_round():
+            results = _both([lambda t=t, x=x: t.all_reduce([x], wire_dtype=wire).wait(TIMEOUT) for t, x in zip((a, b), xs)])
+            assert [r.num_contributors for r in results] == [2, 2]
+
+        benchmark.group = f"25M values, 2 peers, {wire} wire"
+        benchmark.pedantic(one_round, rounds=3, warmup_rounds=1)
+    finally:
+        a.close()
+        b.close()
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("wire", ["fp32", "fp16"])
+def test_raw_hivemind(benchmark, wire):
+    from hivemind.compression import Float16Compression, NoCompression
+
+    compression = Float16Compression() if wire == "fp16" else NoCompression()
+    dht_a = hivemind.DHT(start=True, host_maddrs=LOCAL)
+    dht_b = hivemind.DHT(start=True, host_maddrs=LOCAL, initial_peers=[str(m) for m in dht_a.get_visible_maddrs()])
+    averagers = [
+        hivemind.averaging.DecentralizedAverager(
+            [torch.randn(NUM_VALUES)], dht, start=True, prefix=f"raw_{wire}", min_group_size=2,
+            min_matchmaking_time=MATCHMAKING, request_timeout=min(3.0, MATCHMAKING / 3), allreduce_timeout=TIMEOUT,
+            next_chunk_timeout=TIMEOUT / 4, compression=compression,
+        )  # fmt: skip
+        for dht in (dht_a, dht_b)
+    ]
+    try:
+        def one_round():
+            out = _both([lambda av=av: av.step(timeout=2 * MATCHMAKING, allow_retries=False) for av in averagers])
+            assert all(o is not None and len(o) == 2 for o in out)
+
+        benchmark.group = f"25M values, 2 peers, {wire} wire"
+        benchmark.pedantic(one_round, rounds=3, warmup_rounds=1)
+    finally:
+        for av in averagers:
+            av.shutdown()
+        dht_b.shutdown()
+        dht_a.shutdown()

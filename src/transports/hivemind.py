@@ -1,0 +1,680 @@
+"""WAN transport over hivemind: a DHT to find peers, ``DecentralizedAverager`` groups to average.
+
+Peers have no fixed ranks: whoever matchmakes within ``matchmaking_time`` forms the round's group.
+One all-reduce (``HivemindTransport.all_reduce``) runs in phases:
+
+1. the fp32 values are rounded to the wire dtype into a flat buffer owned by a hivemind averager
+   (one averager per (size, wire dtype), created on first use: hivemind fixes tensors at construction);
+2. matchmaking: a group forms; if none forms, the peer is alone: its own values, 1 contributor, logged;
+3. butterfly all-reduce: every peer reduces one slice, summing the wire values in fp32 *in group
+   order* and sending back the mean rounded to the wire dtype (not hivemind's compressed delta
+   ``local + fp16(avg - local)``), so every participant holds the very same bits;
+4. confirm: every peer sends (ok, digest of its result) to every groupmate. It commits only if all
+   groupmates reported ok with its own digest; a lost peer or a partial all-reduce (hivemind fills a
+   dead reducer's slice with local values) fails the attempt on every survivor, and the round is
+   retried among the survivors until ``averaging_timeout + 2 * matchmaking_time`` has passed;
+5. on commit the mean is copied into the caller's tensors; otherwise they are untouched and
+   ``TransportError`` is raised, so DiLoCo keeps its state and the caller may retry.
+
+Exact guarantee: the result is ``to_wire(sum_in_group_order(to_wire(x_i)) / n)`` widened to fp32 (for
+fp32 the rounding is the identity), bit-identical on every contributor. Against
+``diloco_core.wire.reference_mean`` it differs by the final rounding to the wire dtype (at most half
+an ulp of the wire dtype) and, for 3 or more peers, by fp32 summation order.
+
+``broadcast`` has no source rank: the run's first peer (started without ``initial_peers``) keeps its
+values, a joining peer downloads them from any peer that already holds them (``src`` must be 0,
+meaning "whoever holds the run's state"). Peers serve a snapshot taken at each broadcast and at the
+start of each all-reduce (a point between rounds), plus whatever ``share_state`` adds (DiLoCo's
+outer momentum and round: see ``share_diloco_state`` / ``load_diloco_state``).
+
+Only peers that know the run's ``secret`` can take part: every DHT key and RPC namespace is derived
+from HMAC-SHA256(secret, run_id). Nothing received is unpickled (protobuf and msgpack only) and every
+received tensor is checked for shape, dtype and finite values before use.
+"""
+
+import concurrent.futures
+import hashlib
+import hmac
+import logging
+import os
+import signal
+import threading
+import time
+import weakref
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from diloco_core.config import check_field
+from diloco_core.transport import FutureHandle, ReduceHandle, ReduceResult, Transport, TransportError
+from diloco_core.wire import wire_torch_dtype
+
+__all__ = ["HivemindConfig", "HivemindTransport", "share_diloco_state", "load_diloco_state"]
+
+logger = logging.getLogger(__name__)
+
+_INSTALL_HINT = "the hivemind transport needs hivemind: pip install diloco[hivemind]"
+_PART_SIZE_BYTES = 2**19  # hivemind's default part size; tests set it small to get many parts
+
+
+def _number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and value == value and abs(value) != float("inf")
+
+
+def _maddrs(value: object) -> bool:
+    return isinstance(value, (list, tuple)) and all(isinstance(a, str) and a.startswith("/") for a in value)
+
+
+@dataclass(frozen=True, kw_only=True)
+class HivemindConfig:
+    run_id: str = "diloco"
+    """Name of the run: peers with the same run_id (and secret) average together."""
+    initial_peers: Sequence[str] = ()
+    """Multiaddrs of peers already in the swarm (another peer's ``join_addresses``); empty starts a new swarm."""
+    host_maddrs: Sequence[str] = ("/ip4/0.0.0.0/tcp/0",)
+    """Where to listen. The default takes every interface and a free port, as a WAN peer needs; use
+    /ip4/127.0.0.1/tcp/0 for a single machine."""
+    announce_maddrs: Sequence[str] = ()
+    """Addresses to announce to others instead of the listened ones: the public address behind NAT."""
+    matchmaking_time: float = 15.0
+    """Seconds a peer waits for groupmates before each all-reduce (OpenDiLoCo's 15)."""
+    averaging_timeout: float = 120.0
+    """Seconds one all-reduce attempt may take once its group has formed."""
+    min_group_size: int = 2
+    """Smallest group worth averaging with; a peer that finds fewer averages alone (1 contributor)."""
+    secret: str | None = field(default=None, repr=False)
+    """Shared secret of the run: only peers that hold it can matchmake, average or download state.
+    None makes an open swarm (logged as a warning)."""
+
+    def __post_init__(self) -> None:
+        check_field("run_id", self.run_id, isinstance(self.run_id, str) and self.run_id != "", "a non-empty string")
+        for name in ("initial_peers", "host_maddrs", "announce_maddrs"):
+            value = getattr(self, name)
+            check_field(name, value, _maddrs(value), "a list of multiaddrs such as /ip4/1.2.3.4/tcp/31337/p2p/Qm...")
+            object.__setattr__(self, name, tuple(value))
+        check_field("host_maddrs", self.host_maddrs, len(self.host_maddrs) > 0, "at least one multiaddr")
+        t = self.matchmaking_time
+        check_field("matchmaking_time", t, _number(t) and t > 0, "a number of seconds > 0")
+        t = self.averaging_timeout
+        check_field("averaging_timeout", t, _number(t) and t > 0, "a number of seconds > 0")
+        m = self.min_group_size
+        check_field("min_group_size", m, isinstance(m, int) and not isinstance(m, bool) and m >= 1, "an integer >= 1")
+        s = self.secret
+        check_field("secret", "<hidden>" if s else s, s is None or (isinstance(s, str) and s != ""), "a non-empty string or none")
+
+
+def _import_hivemind() -> Any:
+    try:
+        import hivemind
+    except ImportError as e:
+        raise ImportError(_INSTALL_HINT) from e
+    return hivemind
+
+
+def _namespace(run_id: str, secret: str | None) -> str:
+    """The prefix of every DHT key and RPC name of the run; without the secret it cannot be guessed."""
+    key = (secret or "").encode()
+    return "diloco_" + hmac.new(key, run_id.encode(), hashlib.sha256).hexdigest()[:40]
+
+
+def _digest(t: torch.Tensor) -> bytes:
+    raw = t.detach().contiguous().view(-1)
+    raw = raw.view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[raw.element_size()])
+    return hashlib.blake2b(raw.numpy().tobytes(), digest_size=16).digest()
+
+
+def _check_tensor(t: torch.Tensor, shape: Sequence[int], dtype: torch.dtype, what: str) -> None:
+    if tuple(t.shape) != tuple(shape) or t.dtype != dtype:
+        raise ValueError(f"{what}: got {t.dtype}{list(t.shape)}, expected {dtype}{list(shape)}")
+    if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+        raise ValueError(f"{what}: holds non-finite values")
+
+
+_classes: dict[str, type] = {}
+
+
+def _averager_class() -> type:
+    """``DecentralizedAverager`` with phases 3-4 of the module docstring (built once hivemind is imported)."""
+    if "averager" in _classes:
+        return _classes["averager"]
+    import asyncio
+
+    from hivemind.averaging import DecentralizedAverager
+    from hivemind.averaging.allreduce import AllreduceException, AllReduceRunner, AveragingMode
+    from hivemind.averaging.partition import BannedException, TensorPartReducer
+    from hivemind.compression import deserialize_torch_tensor, serialize_torch_tensor
+    from hivemind.p2p import P2PContext
+    from hivemind.proto import averaging_pb2, runtime_pb2
+    from hivemind.utils.asyncio import aiter_with_timeout, amap_in_executor
+
+    class OrderedReducer(TensorPartReducer):
+        """Keeps every sender's part and sums them in group order once all arrived (not arrival order)."""
+
+        def reset_accumulators(self) -> None:
+            self.received: dict[int, torch.Tensor] = {}
+            super().reset_accumulators()
+
+        async def accumulate_part(self, sender_index: int, part_index: int, tensor_part: torch.Tensor,
+                                  weight: float = 1.0) -> torch.Tensor:  # fmt: skip
+            self.num_parts_received[sender_index] += 1
+            while part_index > self.current_part_index:
+                await asyncio.wait({self.current_part_future, asyncio.create_task(self.finished.wait())},
+                                   return_when=asyncio.FIRST_COMPLETED)  # fmt: skip
+                if self.finished.is_set():
+                    raise AllreduceException("attempted to aggregate a part in a finalized reducer")
+            if self.sender_failed_after[sender_index] != float("inf"):
+                raise BannedException(f"sender {sender_index} was banned in background")
+            assert part_index == self.current_part_index
+            future = self.current_part_future
+            self.received[sender_index] = tensor_part  # every contributor weighs 1
+            self.current_part_accumulated_from += 1
+            self.denominator += 1.0
+            self.check_current_part_finished()
+            return await future
+
+        def check_current_part_finished(self) -> None:
+            if self.current_part_accumulated_from == self.num_current_senders:
+                total = self.accumulator
+                for i in sorted(self.received):
+                    total.add_(self.received[i])
+                self.current_part_future.set_result(total.div_(self.denominator))
+                self.reset_accumulators()
+
+    class Runner(AllReduceRunner):
+        """Returns the rounded mean itself (not a delta), checks what it receives, records failures."""
+
+        def __init__(self, *, wire: torch.dtype, **kwargs: Any) -> None:
+            super().__init__(**kwargs)
+            self.wire = wire
+            self.failures: list[str] = []
+            self.tensor_part_reducer.finished.set()  # replaced before use: keep its finalizer quiet
+            self.tensor_part_reducer = OrderedReducer(self.tensor_part_reducer.part_shapes, len(self.sender_peer_ids))
+            self.expected = [[p.shape for p, _ in parts] for parts in self.tensor_part_container._input_parts_by_peer]
+
+        async def _ban_sender(self, peer_id: Any) -> None:
+            if peer_id not in self.banned_senders:
+                self.failures.append(f"sender {peer_id} failed")
+            await super()._ban_sender(peer_id)
+
+        async def _communicate_with_peer(self, peer_id: Any) -> None:
+            index = self.ordered_peer_ids.index(peer_id)
+            container = self.tensor_part_container
+            if peer_id == self.peer_id:
+                me = self.sender_peer_ids.index(peer_id)
+                for part_index, part in enumerate(self.parts_for_local_averaging):
+                    mean = await self.tensor_part_reducer.accumulate_part(me, part_index, part)
+                    container.register_processed_part(index, part_index, mean.to(self.wire))
+                return
+            try:
+                stream = await self._get_peer_stub(peer_id).rpc_aggregate_part(self._generate_input_for_peer(index))
+
+                def receive(msg: Any) -> torch.Tensor:
+                    if msg.code != averaging_pb2.AVERAGED_PART:
+                        raise AllreduceException(f"{peer_id} sent {averaging_pb2.MessageCode.Name(msg.code)}")
+                    return deserialize_torch_tensor(msg.tensor_part)
+
+                part_index = 0
+                async for mean in amap_in_executor(receive, aiter_with_timeout(stream, self.reducer_timeout),
+                                                   max_prefetch=container.prefetch):  # fmt: skip
+                    if part_index >= len(self.expected[index]):
+                        raise AllreduceException(f"{peer_id} sent more parts than expected")
+                    _check_tensor(mean, self.expected[index][part_index], self.wire, f"mean part from {peer_id}")
+                    container.register_processed_part(index, part_index, mean)
+                    part_index += 1
+                if part_index != container.num_parts_by_peer[index]:
+                    raise AllreduceException(f"{peer_id} sent {part_index} parts, expected {container.num_parts_by_peer[index]}")
+            except BaseException as e:
+                self.failures.append(f"reducer {peer_id} failed: {type(e).__name__}: {e}")
+                container.register_failed_reducer(index)  # fills its slice with local values: never committed
+                raise
+
+        async def _accumulate_parts_streaming(self, stream: Any, sender_index: int) -> Any:
+            part_index = 0
+            shapes = self.tensor_part_reducer.part_shapes
+            try:
+                loop = asyncio.get_event_loop()
+                async for part in amap_in_executor(lambda msg: deserialize_torch_tensor(msg.tensor_part), stream,
+                                                   max_prefetch=self.tensor_part_container.prefetch):  # fmt: skip
+                    if part_index >= len(shapes):
+                        raise AllreduceException("sender sent more parts than expected")
+                    _check_tensor(part, shapes[part_index], self.wire, f"part from sender {sender_index}")
+                    _test_hook("reducer_received_part")
+                    try:
+                        mean = await self.tensor_part_reducer.accumulate_part(sender_index, part_index, part)
+                        part_index += 1
+                    except BannedException:
+                        break
+                    serialized = await loop.run_in_executor(
+                        None, lambda: serialize_torch_tensor(mean.to(self.wire), runtime_pb2.CompressionType.NONE)
+                    )
+                    yield averaging_pb2.AveragingData(code=averaging_pb2.AVERAGED_PART, tensor_part=serialized)
+            finally:
+                if part_index != self.tensor_part_reducer.num_parts:
+                    await self._ban_sender(self.sender_peer_ids[sender_index])
+
+    class Averager(DecentralizedAverager):
+        """One flat buffer; the round's result replaces it only after the group confirmed one digest."""
+
+        state_fn: Callable[[], tuple[Any, list[torch.Tensor]]] | None = None
+
+        def __init__(self, *args: Any, wire: torch.dtype, **kwargs: Any) -> None:
+            self.wire = wire
+            self._confirms: OrderedDict[bytes, dict] = OrderedDict()
+            super().__init__(*args, **kwargs)
+
+        def run(self) -> None:
+            signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl+C is the parent's: it closes us cleanly
+            super().run()
+
+        def get_current_state(self) -> tuple[Any, list[torch.Tensor], None]:
+            fn = self.state_fn
+            meta, tensors = fn() if fn is not None else ({"ready": False}, [])
+            return meta, tensors, None
+
+        async def rpc_confirm(self, request: averaging_pb2.AveragingData, context: P2PContext) -> averaging_pb2.AveragingData:
+            box = self._confirm_box(request.group_id)
+            box["got"][context.remote_id] = (request.code == averaging_pb2.AVERAGED_PART, request.tensor_part.buffer)
+            box["event"].set()
+            return averaging_pb2.AveragingData(code=averaging_pb2.AVERAGED_PART)
+
+        def _confirm_box(self, group_id: bytes) -> dict:
+            if group_id not in self._confirms:
+                self._confirms[group_id] = {"got": {}, "event": asyncio.Event()}
+                while len(self._confirms) > 16:  # a peer only ever needs its latest groups
+                    self._confirms.popitem(last=False)
+            return self._confirms[group_id]
+
+        async def _aggregate_with_group(self, group_info: Any, min_vector_size: int, **kwargs: Any) -> Any:
+            self._group_deadline = time.monotonic() + (self._allreduce_timeout or 60.0) - 0.5
+            gathered = await super()._aggregate_with_group(group_info, min_vector_size, **kwargs)
+            return {"peers": [p.to_bytes() for p in group_info.peer_ids], "gathered": gathered}
+
+        async def _run_allreduce_inplace_(self, tensors: Sequence[torch.Tensor], group_info: Any,
+                                          group_id: bytes | None = None, **kwargs: Any) -> None:  # fmt: skip
+            group_id = group_info.group_id if group_id is None else group_id
+            runner = Runner(p2p=self._p2p, servicer_type=type(self), prefix=self.prefix, tensors=tensors,
+                            group_id=group_id, ordered_peer_ids=group_info.peer_ids, wire=self.wire, **kwargs)  # fmt: skip
+            self._running_groups[group_id].set_result(runner)
+            error = None
+            try:
+                if runner.modes[group_info.peer_ids.index(self.peer_id)] == AveragingMode.AUX:
+                    raise AllreduceException("auxiliary peers are not supported")
+                async for tensor, mean in _azip(tensors, runner):
+                    tensor.copy_(mean)
+                if runner.failures:
+                    error = "partial all-reduce: " + "; ".join(runner.failures[:3])
+            except Exception as e:
+                error = f"{type(e).__name__}: {e}"
+            digest = b"" if error else await asyncio.get_event_loop().run_in_executor(None, _digest, tensors[0])
+            await self._confirm(group_info, group_id, error, digest)
+
+        async def _confirm(self, group_info: Any, group_id: bytes, error: str | None, digest: bytes) -> None:
+            others = [p for p in group_info.peer_ids if p != self.peer_id]
+            code = averaging_pb2.AVERAGED_PART if error is None else averaging_pb2.INTERNAL_ERROR
+            msg = averaging_pb2.AveragingData(code=code, group_id=group_id, tensor_part=runtime_pb2.Tensor(buffer=digest))
+            left = max(0.1, self._group_deadline - time.monotonic())
+
+            async def send(peer: Any) -> None:
+                try:
+                    await asyncio.wait_for(self.get_stub(self._p2p, peer, namespace=self.prefix).rpc_confirm(msg), left)
+                except Exception as e:  # a lost peer is seen by the receivers as a missing confirmation
+                    logger.debug("confirm to %s failed: %r", peer, e)
+
+            sends = [asyncio.create_task(send(p)) for p in others]
+            box = self._confirm_box(group_id)
+            try:
+                while error is None:
+                    got = box["got"]
+                    bad = [p for p, (ok, d) in got.items() if not ok or d != digest]
+                    if bad:
+                        error = f"{len(bad)} groupmate(s) failed or hold a different result"
+                    elif all(p in got for p in others):
+                        break
+                    else:
+                        box["event"].clear()
+                        left = self._group_deadline - time.monotonic()
+                        if left <= 0:
+                            error = f"{sum(p not in got for p in others)} groupmate(s) never confirmed the result"
+                            break
+                        try:
+                            await asyncio.wait_for(box["event"].wait(), left)
+                        except asyncio.TimeoutError:
+                            pass
+            finally:
+                await asyncio.gather(*sends, return_exceptions=True)
+                self._confirms.pop(group_id, None)
+            if error is not None:
+                raise AllreduceException(f"round not committed: {error}")
+
+    async def _azip(tensors: Sequence[torch.Tensor], runner: Any) -> Any:
+        it = iter(tensors)
+        async for mean in runner:
+            yield next(it), mean
+
+    _classes["averager"] = Averager
+    _classes["AllreduceException"] = AllreduceException
+    return Averager
+
+
+_test_hooks: dict[str, Callable[[], None]] = {}
+
+
+def _test_hook(name: str) -> None:
+    """Fault injection for tests (tests/hivemind_peer.py): a no-op unless a test installed a hook."""
+    hook = _test_hooks.get(name)
+    if hook is not None:
+        hook()
+
+
+@dataclass
+class _Resources:
+    """What ``close`` releases; kept apart from the transport so that a finalizer can hold it."""
+
+    dht: Any = None
+    averagers: list = field(default_factory=list)
+    pool: concurrent.futures.ThreadPoolExecutor | None = None
+    closed: bool = False
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        if self.pool is not None:
+            self.pool.shutdown(wait=False, cancel_futures=True)
+        for averager in self.averagers:  # averagers first: they use the DHT's p2p daemon
+            try:
+                if averager.is_alive():
+                    averager.shutdown()
+            except Exception as e:  # keep closing the rest
+                logger.warning("hivemind averager did not shut down cleanly: %r", e)
+        if self.dht is not None:
+            try:
+                if self.dht.is_alive():
+                    self.dht.shutdown()
+                    self.dht.join(10)
+            except Exception as e:
+                logger.warning("hivemind DHT did not shut down cleanly: %r", e)
+
+
+class HivemindTransport(Transport):
+    """A peer of a hivemind swarm (see the module docstring for the phases of a round)."""
+
+    def __init__(self, config: HivemindConfig) -> None:
+        hivemind = _import_hivemind()
+        self.config = config
+        self._ns = _namespace(config.run_id, config.secret)
+        if config.secret is None:
+            logger.warning("hivemind run %r has no secret: anyone who knows the run_id can join and average", config.run_id)
+        self._joining = bool(config.initial_peers)
+        self._res = _Resources()
+        self._finalizer = weakref.finalize(self, self._res.close)
+        self._lock = threading.Lock()
+        self._averagers: dict[tuple[int, str], Any] = {}
+        self._shared: list[list[torch.Tensor]] = []  # the tensors of every broadcast, in call order
+        self._extra_fn: Callable[[], tuple[dict, list[torch.Tensor]]] | None = None
+        self._snapshot: tuple[dict, list[torch.Tensor]] = ({"ready": False}, [])
+        self._downloaded: tuple[dict, list[torch.Tensor]] | None = None
+        self._last_group: list[bytes] = []
+        self._closed = False
+        try:
+            self._res.dht = hivemind.DHT(
+                initial_peers=list(config.initial_peers), start=True, host_maddrs=list(config.host_maddrs),
+                announce_maddrs=list(config.announce_maddrs) or None,
+            )  # fmt: skip
+            # A 1-value averager that never averages: it serves this peer's state to joiners (a joiner
+            # only once it holds the run's state).
+            self._state_averager = self._make_averager(1, "fp32", prefix=f"{self._ns}_state", share=not self._joining)
+            self._state_averager.state_fn = self._serve_state
+            self._res.pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="hivemind-transport")
+        except BaseException:
+            self._res.close()
+            raise
+        self.join_addresses: list[str] = [str(a) for a in self._res.dht.get_visible_maddrs()]
+        """Multiaddrs to pass as ``initial_peers`` to peers that should join this one's swarm."""
+        logger.info("hivemind peer up; others join with initial_peers = %s", self.join_addresses)
+
+    # -- membership --------------------------------------------------------------------------------
+
+    @property
+    def rank(self) -> int:
+        """This peer's index in its last group (peers have no fixed rank; 0 before the first round)."""
+        me = self._res.dht.peer_id.to_bytes() if self._res.dht is not None else b""
+        return self._last_group.index(me) if me in self._last_group else 0
+
+    @property
+    def world_size(self) -> int:
+        """Size of the last group this peer averaged in (1 before the first round)."""
+        return max(1, len(self._last_group))
+
+    # -- averaging -----------------------------------------------------------------------------------
+
+    def _make_averager(self, size: int, wire_dtype: str, *, prefix: str, share: bool = False) -> Any:
+        cfg = self.config
+        dtype = wire_torch_dtype(wire_dtype)
+        request_timeout = min(3.0, cfg.matchmaking_time / 3)
+        averager = _averager_class()(
+            [torch.zeros(size, dtype=dtype)], self._res.dht, start=False, prefix=prefix, wire=dtype,
+            min_group_size=cfg.min_group_size, min_matchmaking_time=cfg.matchmaking_time,
+            request_timeout=request_timeout, allreduce_timeout=cfg.averaging_timeout,
+            next_chunk_timeout=cfg.averaging_timeout / 4, part_size_bytes=_PART_SIZE_BYTES,
+            allow_state_sharing=share, declare_state_period=max(5.0, cfg.matchmaking_time),
+        )  # fmt: skip
+        # Started by hand: hivemind's run_in_background would make *this* process ignore Ctrl+C
+        # (and fails outside the main thread); the child ignores SIGINT itself (Averager.run).
+        averager.start()
+        self._res.averagers.append(averager)
+        averager.wait_until_ready(60)
+        return averager
+
+    def _averager(self, size: int, wire_dtype: str) -> Any:
+        key = (size, wire_dtype)
+        if key not in self._averagers:
+            self._averagers[key] = self._make_averager(size, wire_dtype, prefix=f"{self._ns}_{wire_dtype}_{size}")
+        return self._averagers[key]
+
+    def all_reduce(self, tensors: Sequence[torch.Tensor], *, wire_dtype: str = "fp32") -> ReduceHandle:
+        dtype = wire_torch_dtype(wire_dtype)  # every wire dtype is honoured: it picks the averager
+        tensors = list(tensors)
+        if not tensors:
+            raise ValueError("all_reduce needs at least one tensor")
+        for t in tensors:
+            if t.dtype != torch.float32:
+                raise ValueError(f"all_reduce takes fp32 tensors, got {t.dtype}")
+        if self._closed:
+            raise TransportError("hivemind transport is closed")
+        self._take_snapshot()  # a point between rounds: what joiners download
+        self._averager(sum(t.numel() for t in tensors), wire_dtype)  # created here: it starts a process
+        # The caller's tensors are the contribution (untouched until commit, so a retry re-reads them).
+        future = self._res.pool.submit(self._reduce, tensors, wire_dtype, dtype)
+        return FutureHandle(future, "hivemind all_reduce")
+
+    def _reduce(self, tensors: list[torch.Tensor], wire_dtype: str, dtype: torch.dtype) -> ReduceResult:
+        start = time.perf_counter()
+        cfg = self.config
+        numels = [t.numel() for t in tensors]
+        averager = self._averager(sum(numels), wire_dtype)
+        deadline = time.monotonic() + cfg.averaging_timeout + 2 * cfg.matchmaking_time
+        n_bytes = sum(numels) * dtype.itemsize
+        attempt = 0
+        while True:
+            attempt += 1
+            with averager.get_tensors() as (buf,):  # rounded to the wire dtype on the way in
+                torch._foreach_copy_([v.view(-1) for v in buf.split(numels)], [t.detach().reshape(-1) for t in tensors])
+            try:
+                out = averager.step(timeout=2 * cfg.matchmaking_time, allow_retries=False)
+            except Exception as e:
+                if "could not find a group" in str(e):
+                    out = None
+                else:
+                    left = deadline - time.monotonic()
+                    if left < cfg.matchmaking_time:
+                        raise TransportError(f"hivemind all_reduce failed after {attempt} attempt(s): {e}") from e
+                    logger.warning("hivemind all_reduce attempt %d failed (%s); retrying among the survivors", attempt, e)
+                    continue
+            if out is None:  # nobody to average with: my own values, as OpenDiLoCo
+                logger.warning("hivemind all_reduce: no group formed within %.1fs; averaging alone", 2 * cfg.matchmaking_time)
+                n, sent, self._last_group = 1, 0, []
+            else:
+                n, self._last_group = len(out["peers"]), list(out["peers"])
+                sent = 2 * (n - 1) * n_bytes // n  # butterfly: my parts out, my slice's means back
+            # Alone, the buffer holds my own values rounded to the wire, like every contributor's.
+            with averager.get_tensors() as (buf,):
+                torch._foreach_copy_(tensors, [r.view_as(t) for r, t in zip(buf.split(numels), tensors)])
+            return ReduceResult(n, sent, sent, time.perf_counter() - start)
+
+    # -- state for joiners ---------------------------------------------------------------------------
+
+    def share_state(self, get_state: Callable[[], tuple[dict, list[torch.Tensor]]]) -> None:
+        """Also serve ``get_state() -> (msgpack-able dict, tensors)`` to joiners; it is called at the start
+        of every all_reduce (between rounds), so it should return tensors that are not changed in place."""
+        self._extra_fn = get_state
+        self._take_snapshot()
+
+    def load_state(self, timeout: float) -> tuple[dict, list[torch.Tensor]] | None:
+        """The state a peer shared with ``share_state`` (downloaded with the broadcast values on joining);
+        None when this peer started the swarm."""
+        if not self._joining:
+            return None
+        if self._downloaded is None:
+            self._downloaded = self._download(timeout)
+        meta, tensors = self._downloaded
+        skip = sum(meta["broadcasts"])
+        return meta["extra"], tensors[skip:]
+
+    def _take_snapshot(self) -> None:
+        if self._joining and self._downloaded is None:
+            return  # a joiner serves nothing until it holds the run's state
+        extra_meta, extra = self._extra_fn() if self._extra_fn is not None else ({}, [])
+        tensors = [t.detach().clone() for group in self._shared for t in group] + [t.detach().clone() for t in extra]
+        meta = {"ready": True, "broadcasts": [len(g) for g in self._shared], "extra": extra_meta}
+        with self._lock:
+            self._snapshot = (meta, tensors)
+
+    def _serve_state(self) -> tuple[dict, list[torch.Tensor]]:
+        with self._lock:
+            return self._snapshot
+
+    def _download(self, timeout: float) -> tuple[dict, list[torch.Tensor]]:
+        deadline = time.monotonic() + timeout
+        while True:
+            left = deadline - time.monotonic()
+            try:
+                got = self._state_averager.load_state_from_peers(timeout=max(1.0, min(left, 30.0)))
+            except Exception as e:  # a timeout or a peer that vanished: try again
+                logger.debug("state download failed: %r", e)
+                got = None
+            if got is not None:
+                meta, tensors = got
+                if _valid_state(meta, tensors):
+                    return meta, tensors
+                logger.warning("ignored an invalid or not yet ready state from a peer")
+            if time.monotonic() + 1.0 > deadline:
+                raise TransportError(
+                    f"hivemind: no peer of run {self.config.run_id!r} served its state within {timeout:g}s "
+                    "(are initial_peers right, and do all peers use the same secret?)"
+                )
+            time.sleep(1.0)
+
+    def broadcast(self, tensors: Sequence[torch.Tensor], *, src: int = 0, timeout: float) -> None:
+        """Make ``tensors`` the run's values: kept on the swarm's first peer, downloaded on a joiner."""
+        if src != 0:
+            raise ValueError(f"src={src!r} is invalid: hivemind peers have no ranks; src=0 means whoever holds the run's state")
+        tensors = list(tensors)
+        index = len(self._shared)
+        if self._joining:
+            deadline = time.monotonic() + timeout
+            if self._downloaded is None:
+                self._downloaded = self._download(timeout)
+            while index >= len(self._downloaded[0]["broadcasts"]) and time.monotonic() + 1.0 < deadline:
+                time.sleep(1.0)  # the donor has not made this broadcast yet (it may still be starting)
+                self._downloaded = self._download(deadline - time.monotonic())
+            meta, got = self._downloaded
+            counts = meta["broadcasts"]
+            if index >= len(counts) or counts[index] != len(tensors):
+                raise TransportError(f"hivemind broadcast #{index}: the peers' state holds no matching broadcast ({counts})")
+            values = got[sum(counts[:index]) : sum(counts[: index + 1])]
+            try:
+                for t, v in zip(tensors, values):
+                    _check_tensor(v, t.shape, t.dtype, f"broadcast #{index}")
+            except ValueError as e:
+                raise TransportError(f"hivemind broadcast #{index}: peers' values do not fit: {e}") from None
+            torch._foreach_copy_(tensors, values)
+            self._state_averager.allow_state_sharing = True
+        self._shared.append(tensors)
+        self._take_snapshot()
+
+    def close(self) -> None:
+        """Shut down the averagers, then the DHT and its p2p daemon. Idempotent."""
+        self._closed = True
+        self._finalizer()
+
+
+def _valid_state(meta: Any, tensors: Any) -> bool:
+    if not isinstance(meta, dict) or meta.get("ready") is not True:
+        return False
+    counts, extra = meta.get("broadcasts"), meta.get("extra")
+    if not isinstance(counts, list) or not all(isinstance(c, int) and c >= 0 for c in counts) or not isinstance(extra, dict):
+        return False
+    if not isinstance(tensors, list) or len(tensors) < sum(counts):
+        return False
+    return all(isinstance(t, torch.Tensor) and (not t.is_floating_point() or bool(torch.isfinite(t).all())) for t in tensors)
+
+
+# -- DiLoCo's outer state for joiners (public DiLoCo API only) -----------------------------------------
+
+
+def share_diloco_state(transport: HivemindTransport, diloco: Any) -> None:
+    """Serve ``diloco``'s outer momentum and round to joiners (the global params travel by broadcast).
+
+    The snapshot joiners download is refreshed right after every outer step (a torch optimizer
+    post-hook), so a joiner gets the round that just finished, not the one before it."""
+
+    stepped = [0]  # 1 while the outer step has run but DiLoCo has not yet counted the round
+
+    def get_state() -> tuple[dict, list[torch.Tensor]]:
+        state = diloco.state_dict()
+        buffers = [s["momentum_buffer"] for s in state["outer_optimizer"]["state"].values() if s.get("momentum_buffer") is not None]
+        return {"round": diloco.round + stepped[0], "num_momentum": len(buffers)}, [b.detach().clone() for b in buffers]
+
+    def after_outer_step(*_: Any) -> None:
+        # The newest consistent state: global params and momentum of the round that just finished.
+        stepped[0] = 1
+        try:
+            transport._take_snapshot()
+        finally:
+            stepped[0] = 0
+
+    transport.share_state(get_state)
+    diloco.outer_optimizer.register_step_post_hook(after_outer_step)
+
+
+def load_diloco_state(transport: HivemindTransport, diloco: Any, timeout: float) -> bool:
+    """On a joiner, take the outer momentum and round the peers shared; False on the swarm's first peer."""
+    got = transport.load_state(timeout)
+    if got is None:
+        return False
+    meta, tensors = got
+    if not meta:
+        logger.warning("the peers shared no DiLoCo state (no share_diloco_state there): keeping round and momentum")
+        return False
+    n = meta.get("num_momentum")
+    rnd = meta.get("round")
+    if not isinstance(n, int) or not isinstance(rnd, int) or rnd < 0 or len(tensors) != n:
+        raise TransportError(f"hivemind: peers shared a DiLoCo state that does not fit ({meta})")
+    state = diloco.state_dict()
+    state["model"] = [p.detach() for p in diloco.global_params]  # after a round the model is the global copy
+    outer = state["outer_optimizer"]
+    if n:
+        keys = list(outer["param_groups"][0]["params"])
+        for k, t in zip(keys, tensors):
+            like = state["global"]
+            _check_tensor(t, like.shape, torch.float32, "outer momentum")
+            outer["state"][k] = {"momentum_buffer": t.clone()}
+    state["round"] = rnd
+    state["inner_step"] = rnd * diloco.config.inner_steps
+    diloco.load_state_dict(state)
+    return True
+

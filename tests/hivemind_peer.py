@@ -1,0 +1,92 @@
+"""One DiLoCo peer over the hivemind transport, driven line by line on stdin (for tests/test_hivemind.py).
+
+    python tests/hivemind_peer.py '{"name": 1, "transport": {...}, "die_flag": "/tmp/x"}'
+
+Prints one JSON line per event on stdout: {"addr": [...]} once up, {"ready": ...} once DiLoCo is built
+(state loaded from peers when joining), then one {"round": ...} or {"error": ...} per "round" command.
+"exit" closes the transport. With ``die_flag``: once that file exists, the peer kills its whole process
+group (itself, its DHT, its averagers, its p2pd) with SIGKILL as soon as, acting as a reducer, it has
+received a part of someone's tensors — a peer lost in the middle of an all-reduce.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import signal
+import sys
+
+import torch
+
+import transports.hivemind as hm
+from diloco_core import DiLoCo, DiLoCoConfig, TransportError
+from transports import create_transport
+
+INNER_STEPS = 2
+
+
+def say(**msg: object) -> None:
+    print(json.dumps(msg), flush=True)
+
+
+def digest(diloco: DiLoCo) -> str:
+    h = hashlib.sha256()
+    for p in diloco.global_params:
+        h.update(p.detach().numpy().tobytes())
+    for s in diloco.outer_optimizer.state.values():
+        h.update(s["momentum_buffer"].numpy().tobytes())
+    return h.hexdigest()
+
+
+def main() -> None:
+    args = json.loads(sys.argv[1])
+    torch.set_num_threads(1)
+    hm._PART_SIZE_BYTES = 512  # many parts per all-reduce, so that a peer can die in the middle of one
+    flag = args.get("die_flag")
+    if flag:
+        def die() -> None:
+            if os.path.exists(flag):
+                os.killpg(os.getpgid(0), signal.SIGKILL)
+
+        hm._test_hooks["reducer_received_part"] = die
+    transport = create_transport({"kind": "hivemind", **args["transport"]})
+    try:
+        say(addr=transport.join_addresses)
+        name = int(args["name"])
+        torch.manual_seed(name)  # different initial weights on every peer: the broadcast must fix that
+        model = torch.nn.Linear(32, 32)
+        inner = torch.optim.SGD(model.parameters(), lr=0.1)
+        config = DiLoCoConfig(inner_steps=INNER_STEPS, wire_dtype="fp16", reduce_timeout=60)
+        diloco = DiLoCo(model, inner, transport, config)
+        hm.share_diloco_state(transport, diloco)
+        loaded = hm.load_diloco_state(transport, diloco, timeout=30)
+        say(ready=True, loaded=loaded, round=diloco.round, digest=digest(diloco))
+        data = torch.Generator().manual_seed(100 + name)
+        for line in sys.stdin:
+            cmd = line.strip()
+            if cmd == "exit":
+                break
+            if cmd != "round":
+                continue
+            report = None
+            try:
+                for _ in range(INNER_STEPS):
+                    x = torch.randn(16, 32, generator=data)
+                    loss = (model(x) - x.flip(1)).pow(2).mean()
+                    loss.backward()
+                    report = diloco.step()
+                    inner.zero_grad()
+                assert report is not None
+                say(round=report.round, contributors=report.num_contributors, digest=digest(diloco),
+                    comm_seconds=report.comm_seconds)  # fmt: skip
+            except TransportError as e:
+                inner.zero_grad()
+                say(error=str(e), round=diloco.round)
+    finally:
+        transport.close()
+    say(closed=True)
+
+
+if __name__ == "__main__":
+    main()

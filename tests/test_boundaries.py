@@ -1,0 +1,55 @@
+"""The core stays small and framework-free; hivemind is never imported unless asked for."""
+
+from __future__ import annotations
+
+import ast
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+SRC = pathlib.Path(__file__).resolve().parents[1] / "src"
+CORE_BUDGET = 1000
+
+
+def _core_files() -> list[pathlib.Path]:
+    return sorted((SRC / "diloco_core").glob("*.py"))
+
+
+def test_core_is_within_its_line_budget():
+    lines = sum(len(f.read_text().splitlines()) for f in _core_files())
+    assert lines <= CORE_BUDGET, f"src/diloco_core is {lines} lines; the budget is {CORE_BUDGET}"
+
+
+def test_core_imports_torch_and_the_standard_library_only():
+    allowed = set(sys.stdlib_module_names) | {"torch", "__future__"}
+    for f in _core_files():
+        for node in ast.walk(ast.parse(f.read_text())):
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.level == 0:
+                names = [node.module or ""]
+            else:
+                continue
+            for name in names:
+                top = name.split(".")[0]
+                assert top in allowed, f"{f.name} imports {name}"
+                assert not name.startswith("torch.distributed"), f"{f.name} imports {name}"
+
+
+@pytest.mark.timeout(60)
+def test_library_imports_without_hivemind_and_says_how_to_get_it():
+    code = (
+        "import sys; sys.modules['hivemind'] = None\n"  # as if it were not installed
+        "import diloco_core, transports\n"
+        "from transports import create_transport\n"
+        "t = create_transport({'kind': 'inprocess'}); t.close()\n"
+        "try:\n"
+        "    create_transport({'kind': 'hivemind'})\n"
+        "except Exception as e:\n"
+        "    print(type(e).__name__, e)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=50)
+    assert out.returncode == 0, out.stderr
+    assert "pip install diloco[hivemind]" in out.stdout

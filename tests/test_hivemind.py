@@ -1,0 +1,326 @@
+"""hivemind (WAN) transport: the contract, consistency under churn, joining, the secret, clean shutdown.
+
+Everything runs over 127.0.0.1. In-process tests hold several transports at once (each has its own DHT
+and averager processes); the DiLoCo tests run every peer as its own process (tests/hivemind_peer.py).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+import torch
+
+pytest.importorskip("hivemind")
+
+from diloco_core import TransportError, reference_mean  # noqa: E402
+from transports import create_transport  # noqa: E402
+from transports.hivemind import HivemindConfig, HivemindTransport  # noqa: E402
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+LOCAL = ["/ip4/127.0.0.1/tcp/0"]
+FAST = dict(host_maddrs=LOCAL, matchmaking_time=1.0, averaging_timeout=8.0)
+SHAPES = [(7, 3), (5,), (2, 2, 3)]
+
+
+def _contribution(i: int) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(1000 + i)
+    return [torch.randn(s, generator=g) * (i + 1) for s in SHAPES]
+
+
+def _together(calls):
+    """Run the zero-argument ``calls`` at once (threads); return their results or exceptions."""
+    out: list = [None] * len(calls)
+
+    def body(i):
+        try:
+            out[i] = calls[i]()
+        except Exception as e:  # noqa: BLE001 - the test inspects it
+            out[i] = e
+
+    threads = [threading.Thread(target=body, args=(i,), daemon=True) for i in range(len(calls))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(90)
+    return out
+
+
+def _p2pd_children() -> set[int]:
+    """pids of p2pd processes descended from this process (via /proc; psutil is not required)."""
+    parents, names = {}, {}
+    for pid in os.listdir("/proc"):
+        if pid.isdigit():
+            try:
+                with open(f"/proc/{pid}/stat") as f:
+                    stat = f.read()
+            except OSError:
+                continue
+            names[int(pid)] = stat[stat.index("(") + 1 : stat.rindex(")")]
+            parents[int(pid)] = int(stat[stat.rindex(")") + 2 :].split()[1])
+    found = set()
+    for pid, name in names.items():
+        if name.startswith("p2pd"):
+            p = pid
+            while p > 1:
+                p = parents.get(p, 0)
+                if p == os.getpid():
+                    found.add(pid)
+                    break
+    return found
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(") ")[1][0] != "Z"
+    except OSError:
+        return False
+
+
+@pytest.fixture(scope="module")
+def swarm():
+    """Three peers of one run (secret "s"): the first starts the swarm, the others join it."""
+    peers: list[HivemindTransport] = []
+    try:
+        peers.append(HivemindTransport(HivemindConfig(run_id="contract", secret="s", **FAST)))
+        for _ in range(2):
+            peers.append(HivemindTransport(HivemindConfig(run_id="contract", secret="s", initial_peers=peers[0].join_addresses, **FAST)))
+        yield peers
+    finally:
+        for p in peers:
+            p.close()
+
+
+# -- config, factory, packaging (no network) -----------------------------------------------------------
+
+
+def test_config_errors_name_the_field():
+    with pytest.raises(ValueError, match=r"\[transport\] matchmaking_time=0 is invalid: expected a number of seconds > 0"):
+        create_transport({"kind": "hivemind", "matchmaking_time": 0})
+    with pytest.raises(ValueError, match=r"unknown key\(s\) \['wire'\].*initial_peers"):
+        create_transport({"kind": "hivemind", "wire": "fp16"})
+    with pytest.raises(ValueError, match="initial_peers='1.2.3.4' is invalid"):
+        HivemindConfig(initial_peers="1.2.3.4")
+    with pytest.raises(ValueError, match="min_group_size=0"):
+        HivemindConfig(min_group_size=0)
+    assert HivemindConfig(initial_peers=["/ip4/1.2.3.4/tcp/5"]).initial_peers == ("/ip4/1.2.3.4/tcp/5",)
+
+
+def test_without_hivemind_the_error_says_what_to_install(monkeypatch):
+    monkeypatch.setitem(sys.modules, "hivemind", None)
+    with pytest.raises(ImportError, match=r"pip install diloco\[hivemind\]"):
+        create_transport({"kind": "hivemind", "host_maddrs": LOCAL})
+
+
+# -- the contract ----------------------------------------------------------------------------------------
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("wire_dtype", ["fp32", "fp16", "bf16"])
+def test_mean_over_contributors_is_bit_identical_on_every_peer(swarm, wire_dtype):
+    tensors = [_contribution(i) for i in range(3)]
+    results = _together([lambda t=t, x=x: t.all_reduce(x, wire_dtype=wire_dtype).wait(30) for t, x in zip(swarm, tensors)])
+    assert all(r.num_contributors == 3 and r.bytes_sent > 0 for r in results), results
+    wire = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}[wire_dtype]
+    for i in range(len(SHAPES)):
+        want = reference_mean([_contribution(r)[i] for r in range(3)], wire_dtype)
+        for x in tensors:
+            # Guarantee: the fp32 mean of the wire-rounded values (summed in group order), rounded to the wire.
+            torch.testing.assert_close(x[i], want.to(wire).float(), rtol=0 if wire_dtype == "fp32" else 2 * torch.finfo(wire).eps, atol=1e-6)
+        assert all(torch.equal(tensors[0][i], x[i]) for x in tensors[1:])  # the very same bits everywhere
+
+
+@pytest.mark.timeout(60)
+def test_two_contributors_equal_the_reference_mean_rounded_to_the_wire(swarm):
+    for wire_dtype, wire in [("fp16", torch.float16), ("fp32", torch.float32)]:
+        tensors = [_contribution(i) for i in range(2)]
+        results = _together([lambda t=t, x=x: t.all_reduce(x, wire_dtype=wire_dtype).wait(30) for t, x in zip(swarm, tensors)])
+        assert [r.num_contributors for r in results] == [2, 2]
+        for i in range(len(SHAPES)):
+            want = reference_mean([_contribution(r)[i] for r in range(2)], wire_dtype).to(wire).float()
+            assert torch.equal(tensors[0][i], want) and torch.equal(tensors[1][i], want)
+
+
+@pytest.mark.timeout(60)
+def test_sixteen_bit_wire_sends_fewer_bytes(swarm):
+    sent = {}
+    for wire in ("fp32", "fp16"):
+        results = _together([lambda t=t: t.all_reduce([torch.ones(10_000)], wire_dtype=wire).wait(30) for t in swarm[:2]])
+        sent[wire] = results[0].bytes_sent
+    assert sent["fp16"] * 2 == sent["fp32"]
+
+
+@pytest.mark.timeout(60)
+def test_alone_a_peer_keeps_its_own_values_with_one_contributor(swarm):
+    x = [torch.tensor([1.0, 2.5])]
+    result = swarm[2].all_reduce(x, wire_dtype="fp32").wait(30)
+    assert result.num_contributors == 1 and torch.equal(x[0], torch.tensor([1.0, 2.5]))
+
+
+def test_bad_input_is_a_clear_value_error(swarm):
+    t = swarm[0]
+    with pytest.raises(ValueError, match="float64"):
+        t.all_reduce([torch.ones(3, dtype=torch.float64)])
+    with pytest.raises(ValueError, match=r"wire_dtype='int8'.*fp16"):
+        t.all_reduce([torch.ones(3)], wire_dtype="int8")
+    with pytest.raises(ValueError, match="src=1"):
+        t.broadcast([torch.ones(3)], src=1, timeout=5)
+
+
+@pytest.mark.timeout(60)
+def test_broadcast_gives_a_joiner_the_first_peers_values_exactly():
+    first = HivemindTransport(HivemindConfig(run_id="bcast", secret="b", **FAST))
+    joiner = None
+    try:
+        ints, floats = torch.arange(6).view(2, 3), torch.tensor([1.5, -2.25, 1e-30, 3.0], dtype=torch.float64)
+        first.broadcast([ints.clone(), floats.clone()], timeout=5)  # the first peer keeps its own values
+        joiner = HivemindTransport(HivemindConfig(run_id="bcast", secret="b", initial_peers=first.join_addresses, **FAST))
+        mine = [torch.zeros(2, 3, dtype=torch.int64), torch.zeros(4, dtype=torch.float64)]
+        joiner.broadcast(mine, timeout=30)
+        assert torch.equal(mine[0], ints) and torch.equal(mine[1], floats)
+        with pytest.raises(TransportError, match="no matching broadcast"):
+            joiner.broadcast([torch.zeros(3)], timeout=5)  # the run's state has no second broadcast
+    finally:
+        first.close()
+        if joiner is not None:
+            joiner.close()
+
+
+# -- the secret --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.timeout(90)
+def test_a_peer_without_the_secret_can_neither_contribute_nor_read(swarm):
+    outsiders = [HivemindTransport(HivemindConfig(run_id="contract", secret=s, initial_peers=swarm[0].join_addresses, **FAST)) for s in (None, "wrong")]
+    try:
+        inside = [[torch.full((4,), 1.0)], [torch.full((4,), 3.0)]]
+        outside = [[torch.full((4,), 1000.0)], [torch.full((4,), 5000.0)]]
+        calls = [lambda t=t, x=x: t.all_reduce(x).wait(30) for t, x in zip(swarm[:2] + outsiders, inside + outside)]
+        results = _together(calls)
+        assert [r.num_contributors for r in results[:2]] == [2, 2], results
+        assert all(torch.equal(x[0], torch.full((4,), 2.0)) for x in inside)  # no outsider's value got in
+        assert [r.num_contributors for r in results[2:]] == [1, 1]  # outsiders only ever see themselves
+        assert torch.equal(outside[0][0], torch.full((4,), 1000.0))
+        with pytest.raises(TransportError, match="served its state"):
+            outsiders[1].broadcast([torch.zeros(4)], timeout=4)  # cannot read the run's state either
+    finally:
+        for o in outsiders:
+            o.close()
+
+
+# -- clean shutdown ----------------------------------------------------------------------------------------
+
+
+@pytest.mark.timeout(60)
+def test_close_leaves_no_p2pd_daemon_behind():
+    before = _p2pd_children()
+    t = HivemindTransport(HivemindConfig(run_id="close", **FAST))
+    t.all_reduce([torch.ones(3)]).wait(30)  # starts an averager process too
+    mine = _p2pd_children() - before
+    assert mine, "expected this transport to run a p2pd daemon"
+    t.close()
+    t.close()  # idempotent
+    deadline = time.monotonic() + 10
+    while any(_alive(p) for p in mine) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not any(_alive(p) for p in mine)
+    with pytest.raises(TransportError, match="closed"):
+        t.all_reduce([torch.ones(3)])
+
+
+# -- DiLoCo peers as processes: rounds, a SIGKILL mid-all-reduce, a restart ----------------------------------
+
+
+class _Peer:
+    def __init__(self, name: int, transport: dict, log: str, die_flag: str | None = None) -> None:
+        args = json.dumps({"name": name, "transport": transport, "die_flag": die_flag})
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join([HERE, os.path.join(os.path.dirname(HERE), "src")])}
+        self.proc = subprocess.Popen(
+            [sys.executable, os.path.join(HERE, "hivemind_peer.py"), args], stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE, stderr=open(log, "a"), text=True, env=env, start_new_session=True,
+        )  # fmt: skip
+        self.lines: queue.Queue = queue.Queue()
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            if line.startswith("{"):
+                self.lines.put(json.loads(line))
+        self.lines.put({"exited": self.proc.poll()})
+
+    def next(self, timeout: float = 60) -> dict:
+        return self.lines.get(timeout=timeout)
+
+    def send(self, cmd: str) -> None:
+        self.proc.stdin.write(cmd + "\n")
+        self.proc.stdin.flush()
+
+    def kill(self) -> None:
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)  # the peer, its DHT, its averagers and its p2pd
+        except ProcessLookupError:
+            pass
+        self.proc.wait(10)
+
+
+@pytest.mark.timeout(150)
+def test_diloco_peers_agree_after_every_round_through_a_kill_and_a_restart(tmp_path):
+    flag = str(tmp_path / "die")
+    base = dict(run_id="diloco", secret="t", **FAST)
+    peers: list[_Peer] = []
+    try:
+        peers.append(_Peer(0, base, str(tmp_path / "peer0.log")))
+        addr = peers[0].next()["addr"]
+        joined = dict(base, initial_peers=addr)
+        peers += [_Peer(1, joined, str(tmp_path / "peer1.log")), _Peer(2, joined, str(tmp_path / "peer2.log"), die_flag=flag)]
+        ready = [p.next() if i == 0 else (p.next(), p.next())[1] for i, p in enumerate(peers)]
+        assert len({r["digest"] for r in ready}) == 1, ready  # one start state, whatever each peer's seed
+
+        def round_on(group):
+            for p in group:
+                p.send("round")
+            return [p.next() for p in group]
+
+        for rnd in (1, 2):
+            out = round_on(peers)
+            assert [o.get("round") for o in out] == [rnd] * 3 and {o["contributors"] for o in out} == {3}, out
+            assert len({o["digest"] for o in out}) == 1
+
+        open(flag, "w").close()  # peer 2 dies as soon as it has received a part to reduce
+        start = time.monotonic()
+        peers[2].send("round")  # it joins the all-reduce, and dies in it
+        out = round_on(peers[:2])
+        took = time.monotonic() - start
+        assert peers[2].next(30).get("exited") is not None
+        assert [o.get("round") for o in out] == [3, 3] and [o["contributors"] for o in out] == [2, 2], out
+        assert out[0]["digest"] == out[1]["digest"]
+        # The failed attempt ends within averaging_timeout; the retry takes one more matchmaking.
+        assert took < 2 * FAST["matchmaking_time"] + FAST["averaging_timeout"] + 2 * FAST["matchmaking_time"] + 5, took
+        print(f"round with a peer killed mid-all-reduce: {took:.1f}s")
+
+        out = round_on(peers[:2])  # the survivors keep training
+        assert [o.get("round") for o in out] == [4, 4] and out[0]["digest"] == out[1]["digest"], out
+        survivors = out[0]["digest"]
+
+        os.remove(flag)
+        peers[2] = _Peer(2, joined, str(tmp_path / "peer2b.log"))  # restarts and loads the run's state from the survivors
+        assert "addr" in peers[2].next()
+        back = peers[2].next()
+        assert back.get("loaded") is True and back["round"] == 4 and back["digest"] == survivors, back
+        out = round_on(peers)
+        assert [o.get("round") for o in out] == [5] * 3 and {o["contributors"] for o in out} == {3}, out
+        assert len({o["digest"] for o in out}) == 1
+        for p in peers:
+            p.send("exit")
+        assert all(p.next().get("closed") for p in peers)
+    finally:
+        for p in peers:
+            p.kill()
