@@ -76,4 +76,4 @@ def pair(tmp_path_factory):
 def test_gloo_all_reduce_25m(benchmark, pair, name):
     benchmark.group = GROUP
     op = "raw" if name == "raw_baseline" else name
-    benchmark.pedantic(pair, args=(op,), rounds=10, warmup_rounds=2)
+    benchmark.pedantic(pair, args=(op,), rounds=20, warmup_rounds=3)

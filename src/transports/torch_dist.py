@@ -45,7 +45,7 @@ class TorchDistConfig:
     MASTER_ADDR and MASTER_PORT."""
     timeout: float = 600.0
     """Seconds any collective may take before the process group fails it (a dead peer's bound)."""
-    bucket_mb: float = 64.0
+    bucket_mb: float = 8.0
     """Size of the buckets a reduce is split into, in MB of fp32: few large collectives, pipelined."""
 
     def __post_init__(self) -> None:
@@ -139,7 +139,7 @@ class TorchDistTransport(Transport):
             _init_from_env(config)
         return cls(bucket_mb=config.bucket_mb)
 
-    def __init__(self, group: dist.ProcessGroup | None = None, *, bucket_mb: float = 64.0) -> None:
+    def __init__(self, group: dist.ProcessGroup | None = None, *, bucket_mb: float = 8.0) -> None:
         if not dist.is_initialized():
             raise ValueError("TorchDistTransport needs an initialized process group (dist.init_process_group)")
         self._group = group
