@@ -50,7 +50,7 @@ def test_ours(benchmark, wire):
             assert [r.num_contributors for r in results] == [2, 2]
 
         benchmark.group = f"25M values, 2 peers, {wire} wire"
-        benchmark.pedantic(one_round, rounds=3, warmup_rounds=1)
+        benchmark.pedantic(one_round, rounds=5, warmup_rounds=1)
     finally:
         a.close()
         b.close()
@@ -58,7 +58,7 @@ def test_ours(benchmark, wire):
 
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("wire", ["fp32", "fp16"])
-def test_raw_hivemind(benchmark, wire):
+def test_raw_hivemind_baseline(benchmark, wire):
     from hivemind.compression import Float16Compression, NoCompression
 
     compression = Float16Compression() if wire == "fp16" else NoCompression()
@@ -78,7 +78,7 @@ def test_raw_hivemind(benchmark, wire):
             assert all(o is not None and len(o) == 2 for o in out)
 
         benchmark.group = f"25M values, 2 peers, {wire} wire"
-        benchmark.pedantic(one_round, rounds=3, warmup_rounds=1)
+        benchmark.pedantic(one_round, rounds=5, warmup_rounds=1)
     finally:
         for av in averagers:
             av.shutdown()

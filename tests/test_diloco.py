@@ -89,8 +89,12 @@ def _data(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _model(seed: int = 0) -> torch.nn.Module:
-    torch.manual_seed(seed)
-    return torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
+    model = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
+    g = torch.Generator().manual_seed(seed)  # not torch's global RNG: ranks are threads that share it
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.4)
+    return model
 
 
 def _loss(model: torch.nn.Module, rank: int, step: int) -> torch.Tensor:
@@ -240,7 +244,7 @@ def test_failed_reduce_changes_nothing_and_the_round_can_be_retried():
     model = _model()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     t = FailingTransport(InProcessGroup(1).transport(0), fail_at={3})  # 1: shape check, 2: round 1, 3: round 2
-    dl = DiLoCo(model, opt, t, DiLoCoConfig(inner_steps=2))
+    dl = DiLoCo(model, opt, t, DiLoCoConfig(inner_steps=2, round_retries=0))
     _train(dl, opt, 0, range(2))
     before = _state_digest(dl)
     _loss(model, 0, 2).backward()
@@ -294,6 +298,7 @@ def test_models_with_different_shapes_are_refused_on_every_rank():
         ("nesterov", "yes", "true or false"),
         ("wire_dtype", "int8", "fp16"),
         ("reduce_timeout", 0, "> 0"),
+        ("round_retries", -1, ">= 0"),
         ("global_device", "gpu0", "global_device"),
     ],
 )
@@ -310,3 +315,17 @@ def test_config_is_keyword_only_and_frozen():
     assert (cfg.inner_steps, cfg.outer_lr, cfg.outer_momentum, cfg.nesterov, cfg.wire_dtype) == (500, 0.7, 0.9, True, "fp32")
     with pytest.raises(AttributeError):
         cfg.inner_steps = 3  # type: ignore[misc]
+
+
+def test_step_retries_a_failed_round_before_giving_up():
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    t = FailingTransport(InProcessGroup(1).transport(0), fail_at={2, 3, 5, 6, 7})  # round 1: 2 failures; round 2: 3
+    dl = DiLoCo(model, opt, t, DiLoCoConfig(inner_steps=1, round_retries=2))
+    _loss(model, 0, 0).backward()
+    assert dl.step().round == 1  # the third attempt went through
+    opt.zero_grad()
+    _loss(model, 0, 1).backward()
+    with pytest.raises(TransportError, match="injected"):
+        dl.step()
+    assert dl.round == 1 and t.calls == 7

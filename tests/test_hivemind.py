@@ -303,7 +303,7 @@ def test_diloco_peers_agree_after_every_round_through_a_kill_and_a_restart(tmp_p
         assert [o.get("round") for o in out] == [3, 3] and [o["contributors"] for o in out] == [2, 2], out
         assert out[0]["digest"] == out[1]["digest"]
         # The failed attempt ends within averaging_timeout; the retry takes one more matchmaking.
-        assert took < 2 * FAST["matchmaking_time"] + FAST["averaging_timeout"] + 2 * FAST["matchmaking_time"] + 5, took
+        assert took < 2 * FAST["matchmaking_time"] + FAST["averaging_timeout"] + 4 * FAST["matchmaking_time"] + 5, took
         print(f"round with a peer killed mid-all-reduce: {took:.1f}s")
 
         out = round_on(peers[:2])  # the survivors keep training

@@ -36,6 +36,9 @@ class DiLoCoConfig:
     """dtype the pseudo-gradients travel in: fp32, fp16 or bf16. Sums are always accumulated in fp32."""
     reduce_timeout: float = 600.0
     """Seconds an outer all-reduce (or the initial broadcast) may take before TransportError."""
+    round_retries: int = 2
+    """Times ``step()`` retries a round whose all-reduce failed (a peer left: the survivors regroup)
+    before the TransportError reaches the caller. Nothing changes until a round succeeds."""
     global_device: str = "cpu"
     """Where the fp32 global copy and the outer optimizer state live (CPU saves accelerator memory)."""
 
@@ -50,6 +53,8 @@ class DiLoCoConfig:
         check_field("wire_dtype", self.wire_dtype, self.wire_dtype in WIRE_DTYPES, f"one of {sorted(WIRE_DTYPES)}")
         t = self.reduce_timeout
         check_field("reduce_timeout", t, _is_number(t) and t > 0, "a finite number of seconds > 0")
+        r = self.round_retries
+        check_field("round_retries", r, isinstance(r, int) and not isinstance(r, bool) and r >= 0, "an integer >= 0")
         check_field("global_device", self.global_device, isinstance(self.global_device, str), "a torch device string")
         try:
             import torch

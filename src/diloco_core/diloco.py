@@ -12,7 +12,7 @@ import torch
 
 from .config import DiLoCoConfig
 from .flat import FlatBuffer
-from .transport import Transport
+from .transport import Transport, TransportError
 
 __all__ = ["DiLoCo", "RoundReport"]
 
@@ -46,7 +46,9 @@ class DiLoCo:
     4. the new global params are copied into the model, and inner training resumes from them.
 
     If phase 2 raises ``TransportError`` nothing has changed: the global copy and the outer optimizer
-    are as before and the model keeps its local params, so the caller may retry with ``sync()``.
+    are as before and the model keeps its local params. ``step()`` retries the round up to
+    ``round_retries`` times (survivors of a lost peer regroup), then lets the error through; the caller
+    may call ``sync()`` again later.
     The inner optimizer's state is kept across rounds and never communicated.
     """
 
@@ -93,7 +95,15 @@ class DiLoCo:
         self.inner_step += 1
         if self.inner_step % self.config.inner_steps:
             return None
-        return self.sync()
+        for attempt in range(self.config.round_retries + 1):
+            try:
+                return self.sync()
+            except TransportError as e:
+                if attempt == self.config.round_retries:
+                    raise
+                logger.warning("round %d failed (%s); retrying (%d of %d)", self.round + 1, e, attempt + 1,
+                               self.config.round_retries)  # fmt: skip
+        raise AssertionError("unreachable")
 
     @torch.no_grad()
     def sync(self) -> RoundReport:

@@ -12,7 +12,8 @@ One all-reduce (``HivemindTransport.all_reduce``) runs in phases:
 4. confirm: every peer sends (ok, digest of its result) to every groupmate. It commits only if all
    groupmates reported ok with its own digest; a lost peer or a partial all-reduce (hivemind fills a
    dead reducer's slice with local values) fails the attempt on every survivor, and the round is
-   retried among the survivors until ``averaging_timeout + 2 * matchmaking_time`` has passed;
+   retried among the survivors until ``averaging_timeout + 4 * matchmaking_time`` has passed; after
+   a failed attempt a peer never falls back to averaging alone (the others may regroup or give up);
 5. on commit the mean is copied into the caller's tensors; otherwise they are untouched and
    ``TransportError`` is raised, so DiLoCo keeps its state and the caller may retry.
 
@@ -41,6 +42,7 @@ import signal
 import threading
 import time
 import weakref
+import zlib
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -121,16 +123,24 @@ def _namespace(run_id: str, secret: str | None) -> str:
 
 
 def _digest(t: torch.Tensor) -> bytes:
+    """A fingerprint of the exact bits: CRC-32 runs at memory speed (blake2b took 10x longer on 100 MB).
+    It guards against accidental divergence among authenticated peers, not against forgery."""
     raw = t.detach().contiguous().view(-1)
     raw = raw.view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[raw.element_size()])
-    return hashlib.blake2b(raw.numpy().tobytes(), digest_size=16).digest()
+    return zlib.crc32(raw.numpy().data).to_bytes(4, "big") + raw.numel().to_bytes(8, "big")
 
 
 def _check_tensor(t: torch.Tensor, shape: Sequence[int], dtype: torch.dtype, what: str) -> None:
     if tuple(t.shape) != tuple(shape) or t.dtype != dtype:
         raise ValueError(f"{what}: got {t.dtype}{list(t.shape)}, expected {dtype}{list(shape)}")
-    if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+    if t.is_floating_point() and t.numel() and not _finite(t):
         raise ValueError(f"{what}: holds non-finite values")
+
+
+def _finite(t: torch.Tensor) -> bool:
+    """One pass, no temporary: min and max are NaN if any value is, and +-inf if any value is."""
+    lo, hi = torch.aminmax(t.detach())
+    return bool(torch.isfinite(lo) and torch.isfinite(hi))
 
 
 _classes: dict[str, type] = {}
@@ -496,24 +506,29 @@ class HivemindTransport(Transport):
         cfg = self.config
         numels = [t.numel() for t in tensors]
         averager = self._averager(sum(numels), wire_dtype)
-        deadline = time.monotonic() + cfg.averaging_timeout + 2 * cfg.matchmaking_time
+        # Room for one failed attempt (up to averaging_timeout after matchmaking) and a regroup.
+        deadline = time.monotonic() + cfg.averaging_timeout + 4 * cfg.matchmaking_time
         n_bytes = sum(numels) * dtype.itemsize
         attempt = 0
+        failed: Exception | None = None  # set once a group attempt failed
         while True:
             attempt += 1
             with averager.get_tensors() as (buf,):  # rounded to the wire dtype on the way in
-                torch._foreach_copy_([v.view(-1) for v in buf.split(numels)], [t.detach().reshape(-1) for t in tensors])
+                for v, t in zip(buf.split(numels), tensors):  # plain copies: foreach_copy_ is 5x slower on CPU
+                    v.copy_(t.detach().reshape(-1))
             try:
                 out = averager.step(timeout=2 * cfg.matchmaking_time, allow_retries=False)
             except Exception as e:
-                if "could not find a group" in str(e):
-                    out = None
-                else:
-                    left = deadline - time.monotonic()
-                    if left < cfg.matchmaking_time:
-                        raise TransportError(f"hivemind all_reduce failed after {attempt} attempt(s): {e}") from e
-                    logger.warning("hivemind all_reduce attempt %d failed (%s); retrying among the survivors", attempt, e)
-                    continue
+                out = None
+                if "could not find a group" not in str(e):
+                    failed = e
+            if out is None and failed is not None:
+                # After a failed group attempt a survivor never commits alone: another survivor may be
+                # retrying or giving up, and only a new group (or a failure on all of them) stays consistent.
+                if deadline - time.monotonic() < cfg.matchmaking_time:
+                    raise TransportError(f"hivemind all_reduce failed after {attempt} attempt(s): {failed}") from failed
+                logger.warning("hivemind all_reduce attempt %d failed (%s); retrying among the survivors", attempt, failed)
+                continue
             if out is None:  # nobody to average with: my own values, as OpenDiLoCo
                 logger.warning("hivemind all_reduce: no group formed within %.1fs; averaging alone", 2 * cfg.matchmaking_time)
                 n, sent, self._last_group = 1, 0, []
@@ -522,7 +537,8 @@ class HivemindTransport(Transport):
                 sent = 2 * (n - 1) * n_bytes // n  # butterfly: my parts out, my slice's means back
             # Alone, the buffer holds my own values rounded to the wire, like every contributor's.
             with averager.get_tensors() as (buf,):
-                torch._foreach_copy_(tensors, [r.view_as(t) for r, t in zip(buf.split(numels), tensors)])
+                for r, t in zip(buf.split(numels), tensors):
+                    t.copy_(r.view_as(t))
             return ReduceResult(n, sent, sent, time.perf_counter() - start)
 
     # -- state for joiners ---------------------------------------------------------------------------
@@ -620,7 +636,7 @@ def _valid_state(meta: Any, tensors: Any) -> bool:
         return False
     if not isinstance(tensors, list) or len(tensors) < sum(counts):
         return False
-    return all(isinstance(t, torch.Tensor) and (not t.is_floating_point() or bool(torch.isfinite(t).all())) for t in tensors)
+    return all(isinstance(t, torch.Tensor) and (not t.is_floating_point() or not t.numel() or _finite(t)) for t in tensors)
 
 
 # -- DiLoCo's outer state for joiners (public DiLoCo API only) -----------------------------------------
