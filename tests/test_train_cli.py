@@ -65,7 +65,6 @@ def test_resume_reproduces_the_uninterrupted_losses_exactly(tmp_path: Path, mode
         (["--set", "data.path=DIR/empty"], "holds no"),
         (["--set", "data.path=DIR/small.txt", "--set", "train.batch_size=5000"], "batch_size=5000 is larger"),
         (["--config", "DIR/missing.toml"], "does not exist"),
-        (["--resume", "--name", "never-ran"], "has no config.toml"),
         (["--set", "train"], "section.key=value"),
     ],
 )
@@ -91,3 +90,12 @@ def test_an_error_inside_the_worker_threads_ends_the_run_cleanly(
     assert main(["train", "--name", "r", "--resume", *common, "--set", "train.mode=diloco"]) == 2
     err = capsys.readouterr().err
     assert "checkpoint is of a ddp run" in err and "Traceback" not in err
+
+
+@pytest.mark.timeout(60)
+def test_resume_without_a_checkpoint_starts_the_run(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # What torchrun --max-restarts runs again after a crash before the first checkpoint (or at first start).
+    common = ["--set", f"train.runs_dir={tmp_path!s}", *FAST]
+    assert main(["train", "--name", "fresh", "--resume", *common]) == 0
+    run = tmp_path / "fresh"
+    assert (run / "metrics.jsonl").is_file() and (run / "checkpoints").is_dir()

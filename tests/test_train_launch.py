@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -63,3 +65,47 @@ def test_two_hivemind_peers_on_loopback_end_with_identical_global_params(tmp_pat
     assert "secret" not in (tmp_path / "p1" / "config.toml").read_text()
     rounds = [json.loads(line) for line in (tmp_path / "p1" / "metrics.jsonl").read_text().splitlines()]
     assert [r["num_contributors"] for r in rounds if r["type"] == "round"] == [2, 2]
+
+
+def _children(pid: int) -> list[int]:
+    kids = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    if int(f.read().rsplit(")", 1)[1].split()[1]) == pid:
+                        kids.append(int(entry))
+            except (OSError, ValueError, IndexError):
+                pass
+    return kids
+
+
+@pytest.mark.timeout(300)
+def test_torchrun_restarts_a_killed_worker_and_the_run_resumes_to_the_end(tmp_path):
+    env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "--max-restarts=1",
+           "-m", "diloco_train.cli", "train", "--name", "lan", "--resume", "-q", "--set", "transport.kind=torch",
+           "--set", "transport.timeout=20.0", "--set", "diloco.reduce_timeout=20.0",
+           "--set", "train.steps=60", "--set", "diloco.inner_steps=10", "--set", "train.eval_batches=2",
+           "--set", "train.checkpoint_every=1", "--set", f"train.runs_dir={str(tmp_path)!r}"]  # fmt: skip
+    agent = subprocess.Popen(cmd, env=env, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        ckpt = tmp_path / "lan" / "checkpoints"
+        deadline = time.monotonic() + 150
+        while not (ckpt / "step00000020-rank1.pt").exists() and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert (ckpt / "step00000020-rank1.pt").exists(), "no checkpoint appeared"
+        workers = [p for p in _children(agent.pid) if b"diloco_train" in open(f"/proc/{p}/cmdline", "rb").read()]
+        assert len(workers) == 2, workers
+        os.kill(workers[1], signal.SIGKILL)  # a node dies mid-run
+        out, err = agent.communicate(timeout=200)
+    finally:
+        if agent.poll() is None:
+            agent.kill()
+            agent.wait()
+    assert agent.returncode == 0, err[-3000:]
+    cores = [torch.load(ckpt / f"step00000060-rank{r}.pt", weights_only=True)["core"] for r in (0, 1)]
+    assert cores[0]["round"] == cores[1]["round"] == 6
+    assert torch.equal(cores[0]["global"], cores[1]["global"])
+    rows = [json.loads(line) for line in (tmp_path / "lan" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows if r["type"] == "step"] == list(range(1, 61))  # nothing logged twice

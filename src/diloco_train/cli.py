@@ -48,9 +48,7 @@ def _train(args: argparse.Namespace, argv: list[str]) -> int:
         if not args.name:
             raise ValueError("--resume needs --name RUN: the run to continue")
         saved = Path(config.train.runs_dir) / args.name / "config.toml"
-        if not args.config:
-            if not saved.is_file():
-                raise ValueError(f"--resume: run {str(saved.parent)!r} has no config.toml")
+        if not args.config and saved.is_file():  # else nothing to resume yet: start the run as configured
             base = load_toml(saved)
             config = build_config((), args.overrides, base=base)
     name = args.name or f"{config.train.mode}-{time.strftime('%Y%m%d-%H%M%S')}"

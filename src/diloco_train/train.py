@@ -171,16 +171,24 @@ class _Shared:
         self.result: TrainResult | None = None
 
 
-def _agree(transport: Transport | None, value: int, what: str, timeout: float) -> None:
-    """Raise on every rank unless all ranks hold the same ``value``."""
-    if transport is None:
-        return
-    mean = torch.tensor([float(value)])
-    transport.all_reduce([mean], wire_dtype="fp32").wait(timeout)
-    differs = torch.tensor([float(mean.item() != float(value))])
-    transport.all_reduce([differs], wire_dtype="fp32").wait(timeout)
-    if differs.item() != 0:
-        raise ValueError(f"workers disagree on {what}: this rank (rank {transport.rank}) has {value}")
+def _common_step(transport: Transport | None, steps: list[int], timeout: float) -> int:
+    """The newest checkpoint step every rank holds (-1: none). A worker killed mid-checkpoint leaves its
+    peers one checkpoint ahead of it; all then resume from the step they have in common."""
+    latest = steps[-1] if steps else -1
+    if transport is None or transport.world_size == 1:
+        return latest
+    everyone = []
+    for src in range(transport.world_size):
+        value = torch.tensor([latest], dtype=torch.int64)
+        transport.broadcast([value], src=src, timeout=timeout)
+        everyone.append(int(value.item()))
+    common = min(everyone)
+    if common >= 0 and common not in steps:
+        raise ValueError(
+            f"workers hold no common checkpoint: their latest steps are {everyone}, and rank {transport.rank} "
+            f"has {steps} (keep_checkpoints may be too small)"
+        )
+    return common
 
 
 def _read_metrics(path: Path) -> list[dict[str, Any]]:
@@ -232,8 +240,8 @@ class _Worker:
             if c.transport.get("kind") == "hivemind":  # a joiner takes the swarm's round and outer momentum
                 from transports.hivemind import load_diloco_state, share_diloco_state
 
-                share_diloco_state(self.transport, diloco)
                 load_diloco_state(self.transport, diloco, timeout=timeout)
+                share_diloco_state(self.transport, diloco)
         elif t.mode == "ddp":
             assert self.transport is not None
             with torch.no_grad():
@@ -246,12 +254,16 @@ class _Worker:
             steps = list_checkpoints(ckpt_dir, self.rank)
             step = steps[-1] if steps else -1
             if self.config.transport.get("kind") != "hivemind":  # hivemind peers have no fixed ranks to agree among
-                _agree(self.transport, step, "the latest checkpoint step", timeout)
-            if step < 0:
-                raise ValueError(f"run {self.run_dir} has no checkpoint to resume from")
-            state = load_checkpoint(checkpoint_path(ckpt_dir, step, self.rank))
-            self._load(state, model, optimizer, diloco, sampler)
-            logger.info("rank %d: resumed from step %d", self.rank, step)
+                step = _common_step(self.transport, steps, timeout)
+            if step >= 0:
+                if self.rank == 0:  # drop what was logged after the checkpoint all ranks resume from
+                    _truncate_metrics(self.run_dir, step)
+                state = load_checkpoint(checkpoint_path(ckpt_dir, step, self.rank))
+                self._load(state, model, optimizer, diloco, sampler)
+                logger.info("rank %d: resumed from step %d", self.rank, step)
+            else:  # crashed (or restarted by torchrun) before its first checkpoint: start over
+                step = 0
+                logger.warning("rank %d: run %s has no checkpoint yet; starting from step 0", self.rank, self.run_dir)
 
         end = min(t.stop_after, t.steps) if t.stop_after else t.steps
         h = c.diloco.inner_steps
@@ -367,7 +379,7 @@ def _prepare_run_dir(run_dir: Path, config: RunConfig, resume: bool) -> None:
     metrics = run_dir / "metrics.jsonl"
     if resume:
         if not list_checkpoints(run_dir / "checkpoints", 0):
-            raise ValueError(f"run {str(run_dir)!r} has no checkpoint to resume from")
+            metrics.unlink(missing_ok=True)  # nothing to resume: what was logged is from a run that starts over
     elif metrics.exists() or (run_dir / "checkpoints").exists():
         raise ValueError(f"run {str(run_dir)!r} already exists: pass --resume to continue it, or another --name")
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -379,13 +391,12 @@ def _prepare_run_dir(run_dir: Path, config: RunConfig, resume: bool) -> None:
 def _check_resume_workers(run_dir: Path, world_size: int) -> None:
     """In-process: every worker's checkpoint is on this disk, so a changed worker count is caught up front."""
     folder = run_dir / "checkpoints"
-    latest = list_checkpoints(folder, 0)[-1]
     have = 0
-    while latest in list_checkpoints(folder, have):
+    while list_checkpoints(folder, have):
         have += 1
     if have != world_size:
         raise ValueError(
-            f"run {str(run_dir)!r} was checkpointed at step {latest} with {have} worker(s); "
+            f"run {str(run_dir)!r} was checkpointed with {have} worker(s); "
             f"this run has {world_size} (set train.workers={have}, or start a new run)"
         )
 
@@ -448,15 +459,19 @@ def train(
     torch.set_num_threads(t.threads or max(1, (os.cpu_count() or 1) // on_machine))
 
     shared = _Shared()
+    if kind == "hivemind" and t.mode != "single" and (t.shard < 0 or t.num_shards < 1):
+        raise ValueError(
+            "hivemind peers have no fixed ranks: give each peer its own data shard with "
+            "train.shard=K and train.num_shards=N (0 <= K < N), or all peers train on the same data"
+        )
     if kind == "inprocess" and (t.shard >= 0 or t.num_shards):
         raise ValueError("train.shard and train.num_shards are for one-worker-per-process transports; in-process "
                          "workers take their rank's shard")
     if kind == "inprocess":
         _check_data(config, corpus, local_workers)
         _prepare_run_dir(run_dir, config, resume)
-        if resume:
+        if resume and list_checkpoints(run_dir / "checkpoints", 0):
             _check_resume_workers(run_dir, local_workers)
-            _truncate_metrics(run_dir, list_checkpoints(run_dir / "checkpoints", 0)[-1])
         if local_workers == 1 and t.mode == "single":
             _Worker(0, 1, None, config, corpus, run_dir, resume, shared, show_progress).run()
         else:
@@ -468,8 +483,6 @@ def train(
             _check_data(config, corpus, world)
             if rank == 0:
                 _prepare_run_dir(run_dir, config, resume)
-                if resume:
-                    _truncate_metrics(run_dir, list_checkpoints(run_dir / "checkpoints", 0)[-1])
                 _print_join(transport, command)
             _Worker(rank, world, transport, config, corpus, run_dir, resume, shared, show_progress and rank == 0).run()
         finally:

@@ -517,7 +517,14 @@ class HivemindTransport(Transport):
                 for v, t in zip(buf.split(numels), tensors):  # plain copies: foreach_copy_ is 5x slower on CPU
                     v.copy_(t.detach().reshape(-1))
             try:
-                out = averager.step(timeout=2 * cfg.matchmaking_time, allow_retries=False)
+                # Bounded even if the averager's process dies mid-step: never wait on it forever.
+                control = averager.step(timeout=2 * cfg.matchmaking_time, allow_retries=False, wait=False)
+                try:
+                    out = control.result(timeout=2 * cfg.matchmaking_time + cfg.averaging_timeout + 10)
+                except BaseException:
+                    if not control.done():
+                        control.cancel()
+                    raise
             except Exception as e:
                 out = None
                 if "could not find a group" not in str(e):
@@ -578,7 +585,15 @@ class HivemindTransport(Transport):
         while True:
             left = deadline - time.monotonic()
             try:
-                got = self._state_averager.load_state_from_peers(timeout=max(1.0, min(left, 30.0)))
+                # One try may take all the time left (a large state over a slow link); a stalled donor is
+                # caught by hivemind's per-chunk timeout, and a try that outlives its time is cancelled.
+                future = self._state_averager.load_state_from_peers(wait=False, timeout=max(1.0, left))
+                try:
+                    got = future.result(timeout=max(1.0, left) + 5)
+                except BaseException:
+                    if not future.done():
+                        future.cancel()
+                    raise
             except Exception as e:  # a timeout or a peer that vanished: try again
                 logger.debug("state download failed: %r", e)
                 got = None
@@ -683,8 +698,10 @@ def load_diloco_state(transport: HivemindTransport, diloco: Any, timeout: float)
     state = diloco.state_dict()
     state["model"] = [p.detach() for p in diloco.global_params]  # after a round the model is the global copy
     outer = state["outer_optimizer"]
+    keys = list(outer["param_groups"][0]["params"])
+    if n not in (0, len(keys)):
+        raise TransportError(f"hivemind: peers shared {n} momentum buffers for {len(keys)} outer parameter(s)")
     if n:
-        keys = list(outer["param_groups"][0]["params"])
         for k, t in zip(keys, tensors):
             like = state["global"]
             _check_tensor(t, like.shape, torch.float32, "outer momentum")
@@ -692,5 +709,6 @@ def load_diloco_state(transport: HivemindTransport, diloco: Any, timeout: float)
     state["round"] = rnd
     state["inner_step"] = rnd * diloco.config.inner_steps
     diloco.load_state_dict(state)
+    transport._take_snapshot()  # serve what was just loaded, not the state from before it
     return True
 

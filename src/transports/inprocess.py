@@ -201,9 +201,13 @@ class InProcessTransport(Transport):
             if src == self._rank:
                 g._consume(op, slot, self._rank)
                 return
-            ready = g._cond.wait_for(lambda: src in slot.contributions or slot.error is not None, timeout)
+            ready = g._cond.wait_for(
+                lambda: src in slot.contributions or slot.error is not None or src not in g._members, timeout
+            )
             if slot.error is not None:
                 raise TransportError(slot.error)
+            if src not in slot.contributions and src not in g._members:
+                raise TransportError(f"in-process broadcast #{op}: rank {src} left the group before sending")
             if not ready:
                 raise TransportError(f"in-process broadcast #{op}: rank {src} did not send within {timeout:g}s")
             values = slot.contributions[src]

@@ -67,9 +67,22 @@ def _init_from_env(config: TorchDistConfig) -> None:
             )
     if config.backend == "nccl" and not torch.cuda.is_available():
         raise ValueError("backend='nccl' needs CUDA, and torch.cuda.is_available() is False; use backend='gloo'")
-    dist.init_process_group(
-        config.backend, init_method=config.init_method, timeout=datetime.timedelta(seconds=config.timeout)
-    )
+    timeout = datetime.timedelta(seconds=config.timeout)
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+    if config.init_method == "env://" and attempt is not None:
+        # After torchrun restarts the workers (--max-restarts) they meet in the same store as before,
+        # where the killed group's keys still stand: gloo then dials the dead workers' addresses
+        # ("Connection refused") or waits for them. Each attempt gets keys of its own.
+        rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+        store = dist.TCPStore(
+            os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
+            is_master=rank == 0 and not agent_store, timeout=timeout,
+        )  # fmt: skip
+        prefixed = dist.PrefixStore(f"diloco/attempt_{attempt}", store)
+        dist.init_process_group(config.backend, store=prefixed, rank=rank, world_size=world, timeout=timeout)
+        return
+    dist.init_process_group(config.backend, init_method=config.init_method, timeout=timeout)
 
 
 class _Handle(ReduceHandle):
