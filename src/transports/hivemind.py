@@ -143,6 +143,25 @@ def _finite(t: torch.Tensor) -> bool:
     return bool(torch.isfinite(lo) and torch.isfinite(hi))
 
 
+class _Handle(FutureHandle):
+    """Marks the reduce abandoned when the caller's wait times out, so a late result is never copied
+    into tensors the caller has taken back (``_reduce`` checks the mark under the same lock)."""
+
+    def __init__(self, future: concurrent.futures.Future, abandoned: threading.Event, lock: threading.Lock) -> None:
+        super().__init__(future, "hivemind all_reduce")
+        self._abandoned, self._lock = abandoned, lock
+
+    def wait(self, timeout: float) -> ReduceResult:
+        try:
+            return super().wait(timeout)
+        except TransportError:
+            with self._lock:
+                self._abandoned.set()
+            if self._future.done() and self._future.exception() is None:
+                return self._future.result()  # it landed just as the wait ran out
+            raise
+
+
 _classes: dict[str, type] = {}
 
 
@@ -495,13 +514,29 @@ class HivemindTransport(Transport):
                 raise ValueError(f"all_reduce takes fp32 tensors, got {t.dtype}")
         if self._closed:
             raise TransportError("hivemind transport is closed")
-        self._take_snapshot()  # a point between rounds: what joiners download
+        # While this round is in flight, joiners are told to wait: the values from before it may be a
+        # round old by the time they arrive. The snapshot is renewed once the round is over.
+        with self._lock:
+            self._snapshot = ({"ready": False}, [])
         self._averager(sum(t.numel() for t in tensors), wire_dtype)  # created here: it starts a process
         # The caller's tensors are the contribution (untouched until commit, so a retry re-reads them).
-        future = self._res.pool.submit(self._reduce, tensors, wire_dtype, dtype)
-        return FutureHandle(future, "hivemind all_reduce")
+        abandoned = threading.Event()
+        future = self._res.pool.submit(self._reduce_and_snapshot, tensors, wire_dtype, dtype, abandoned)
+        return _Handle(future, abandoned, self._lock)
 
-    def _reduce(self, tensors: list[torch.Tensor], wire_dtype: str, dtype: torch.dtype) -> ReduceResult:
+    def _reduce_and_snapshot(self, tensors: list[torch.Tensor], wire_dtype: str, dtype: torch.dtype,
+                             abandoned: threading.Event) -> ReduceResult:  # fmt: skip
+        try:
+            result = self._reduce(tensors, wire_dtype, dtype, abandoned)
+        except BaseException:
+            self._take_snapshot()  # nothing changed: the state from before the round is current again
+            raise
+        if self._extra_fn is None:  # with share_diloco_state, the outer step's hook takes it instead
+            self._take_snapshot()
+        return result
+
+    def _reduce(self, tensors: list[torch.Tensor], wire_dtype: str, dtype: torch.dtype,
+                abandoned: threading.Event) -> ReduceResult:  # fmt: skip
         start = time.perf_counter()
         cfg = self.config
         numels = [t.numel() for t in tensors]
@@ -543,7 +578,9 @@ class HivemindTransport(Transport):
                 n, self._last_group = len(out["peers"]), list(out["peers"])
                 sent = 2 * (n - 1) * n_bytes // n  # butterfly: my parts out, my slice's means back
             # Alone, the buffer holds my own values rounded to the wire, like every contributor's.
-            with averager.get_tensors() as (buf,):
+            with self._lock, averager.get_tensors() as (buf,):
+                if abandoned.is_set():  # the caller timed out and may be retrying with these tensors
+                    raise TransportError("hivemind all_reduce finished after its caller had given up")
                 for r, t in zip(buf.split(numels), tensors):
                     t.copy_(r.view_as(t))
             return ReduceResult(n, sent, sent, time.perf_counter() - start)
