@@ -514,26 +514,15 @@ class HivemindTransport(Transport):
                 raise ValueError(f"all_reduce takes fp32 tensors, got {t.dtype}")
         if self._closed:
             raise TransportError("hivemind transport is closed")
-        # While this round is in flight, joiners are told to wait: the values from before it may be a
-        # round old by the time they arrive. The snapshot is renewed once the round is over.
-        with self._lock:
-            self._snapshot = ({"ready": False}, [])
+        # A point between rounds: what joiners download. A joiner that takes it while this round is in
+        # flight trains from it and meets this round's group if it matchmakes in time (tested); telling
+        # joiners to wait instead made them miss the round and average a round behind.
+        self._take_snapshot()
         self._averager(sum(t.numel() for t in tensors), wire_dtype)  # created here: it starts a process
         # The caller's tensors are the contribution (untouched until commit, so a retry re-reads them).
         abandoned = threading.Event()
-        future = self._res.pool.submit(self._reduce_and_snapshot, tensors, wire_dtype, dtype, abandoned)
+        future = self._res.pool.submit(self._reduce, tensors, wire_dtype, dtype, abandoned)
         return _Handle(future, abandoned, self._lock)
-
-    def _reduce_and_snapshot(self, tensors: list[torch.Tensor], wire_dtype: str, dtype: torch.dtype,
-                             abandoned: threading.Event) -> ReduceResult:  # fmt: skip
-        try:
-            result = self._reduce(tensors, wire_dtype, dtype, abandoned)
-        except BaseException:
-            self._take_snapshot()  # nothing changed: the state from before the round is current again
-            raise
-        if self._extra_fn is None:  # with share_diloco_state, the outer step's hook takes it instead
-            self._take_snapshot()
-        return result
 
     def _reduce(self, tensors: list[torch.Tensor], wire_dtype: str, dtype: torch.dtype,
                 abandoned: threading.Event) -> ReduceResult:  # fmt: skip
