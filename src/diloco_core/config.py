@@ -9,7 +9,7 @@ from typing import Any
 
 from .wire import WIRE_DTYPES
 
-__all__ = ["DiLoCoConfig", "check_field", "from_mapping"]
+__all__ = ["DiLoCoConfig", "check_field", "from_mapping", "is_finite_number"]
 
 
 def check_field(name: str, value: object, ok: bool, valid: str) -> None:
@@ -18,7 +18,8 @@ def check_field(name: str, value: object, ok: bool, valid: str) -> None:
         raise ValueError(f"{name}={value!r} is invalid: expected {valid}")
 
 
-def _is_number(value: object) -> bool:
+def is_finite_number(value: object) -> bool:
+    """An int or float (not a bool) that is neither NaN nor infinite."""
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
@@ -46,13 +47,13 @@ class DiLoCoConfig:
         h = self.inner_steps
         check_field("inner_steps", h, isinstance(h, int) and not isinstance(h, bool) and h >= 1, "an integer >= 1")
         lr = self.outer_lr
-        check_field("outer_lr", lr, _is_number(lr) and lr > 0, "a finite number > 0")
+        check_field("outer_lr", lr, is_finite_number(lr) and lr > 0, "a finite number > 0")
         mom = self.outer_momentum
-        check_field("outer_momentum", mom, _is_number(mom) and 0 <= mom < 1, "a number in [0, 1)")
+        check_field("outer_momentum", mom, is_finite_number(mom) and 0 <= mom < 1, "a number in [0, 1)")
         check_field("nesterov", self.nesterov, isinstance(self.nesterov, bool), "true or false")
         check_field("wire_dtype", self.wire_dtype, self.wire_dtype in WIRE_DTYPES, f"one of {sorted(WIRE_DTYPES)}")
         t = self.reduce_timeout
-        check_field("reduce_timeout", t, _is_number(t) and t > 0, "a finite number of seconds > 0")
+        check_field("reduce_timeout", t, is_finite_number(t) and t > 0, "a finite number of seconds > 0")
         r = self.round_retries
         check_field("round_retries", r, isinstance(r, int) and not isinstance(r, bool) and r >= 0, "an integer >= 0")
         check_field("global_device", self.global_device, isinstance(self.global_device, str), "a torch device string")

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from diloco_core import DiLoCoConfig
-from diloco_core.config import check_field, from_mapping
+from diloco_core.config import check_field, from_mapping, is_finite_number
 from transports import TRANSPORT_KINDS
 
 from .data import DataConfig
@@ -33,10 +33,6 @@ MODES = ("diloco", "ddp", "single")
 
 def _int(v: object, lo: int) -> bool:
     return isinstance(v, int) and not isinstance(v, bool) and v >= lo
-
-
-def _num(v: object) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -97,14 +93,14 @@ class TrainConfig:
         check_field("shard", self.shard, _int(self.shard, -1), "an integer >= 0 (or -1: the rank)")
         ok = self.shard < max(self.num_shards, 1) if self.num_shards else self.shard <= 0
         check_field("shard", self.shard, ok, f"below num_shards={self.num_shards} (set num_shards with shard)")
-        check_field("lr", self.lr, _num(self.lr) and self.lr > 0, "a finite number > 0")
+        check_field("lr", self.lr, is_finite_number(self.lr) and self.lr > 0, "a finite number > 0")
         r = self.min_lr_ratio
-        check_field("min_lr_ratio", r, _num(r) and 0 <= r <= 1, "a number in [0, 1]")
-        check_field("weight_decay", self.weight_decay, _num(self.weight_decay) and self.weight_decay >= 0, "a number >= 0")
+        check_field("min_lr_ratio", r, is_finite_number(r) and 0 <= r <= 1, "a number in [0, 1]")
+        check_field("weight_decay", self.weight_decay, is_finite_number(self.weight_decay) and self.weight_decay >= 0, "a number >= 0")
         for name in ("beta1", "beta2"):
             v = getattr(self, name)
-            check_field(name, v, _num(v) and 0 <= v < 1, "a number in [0, 1)")
-        check_field("grad_clip", self.grad_clip, _num(self.grad_clip) and self.grad_clip >= 0, "a number >= 0")
+            check_field(name, v, is_finite_number(v) and 0 <= v < 1, "a number in [0, 1)")
+        check_field("grad_clip", self.grad_clip, is_finite_number(self.grad_clip) and self.grad_clip >= 0, "a number >= 0")
         ok = isinstance(self.device, str) and (self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:"))
         check_field("device", self.device, ok, "auto, cpu, cuda or cuda:N")
         check_field("bf16", self.bf16, isinstance(self.bf16, bool), "true or false")

@@ -11,7 +11,6 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import math
 import os
 import sysconfig
 import threading
@@ -20,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from diloco_core.config import check_field
+from diloco_core.config import check_field, is_finite_number
 
 __all__ = ["DataConfig", "Corpus", "BatchSampler", "load_corpus", "stdlib_root"]
 
@@ -55,7 +54,7 @@ class DataConfig:
         for name in ("path", "text_field", "hf_dataset", "hf_split", "hf_tokenizer"):
             check_field(name, getattr(self, name), isinstance(getattr(self, name), str), "a string")
         vf = self.val_fraction
-        ok = isinstance(vf, (int, float)) and not isinstance(vf, bool) and math.isfinite(vf) and 0 < vf < 1
+        ok = is_finite_number(vf) and 0 < vf < 1
         check_field("val_fraction", vf, ok, "a number in (0, 1)")
         sl = self.seq_len
         check_field("seq_len", sl, isinstance(sl, int) and not isinstance(sl, bool) and sl >= 1, "an integer >= 1")

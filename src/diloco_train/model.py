@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from diloco_core.config import check_field
+from diloco_core.config import check_field, is_finite_number
 
 __all__ = ["PRESETS", "ModelConfig", "Llama", "count_parameters"]
 
@@ -60,7 +60,7 @@ class ModelConfig:
             check_field(name, v, v is None or (_is_int(v) and v >= 1), "an integer >= 1 (or unset for the preset's)")
         for name in ("rope_theta", "norm_eps", "init_std"):
             v = getattr(self, name)
-            ok = isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v > 0
+            ok = is_finite_number(v) and v > 0
             check_field(name, v, ok, "a finite number > 0")
         r = self._shape(None)
         hidden, heads, kv_heads = r["hidden_size"], r["num_heads"], r["num_kv_heads"]

@@ -37,7 +37,6 @@ import concurrent.futures
 import hashlib
 import hmac
 import logging
-import os
 import signal
 import threading
 import time
@@ -50,7 +49,7 @@ from typing import Any
 
 import torch
 
-from diloco_core.config import check_field
+from diloco_core.config import check_field, is_finite_number
 from diloco_core.transport import FutureHandle, ReduceHandle, ReduceResult, Transport, TransportError
 from diloco_core.wire import wire_torch_dtype
 
@@ -60,10 +59,6 @@ logger = logging.getLogger(__name__)
 
 _INSTALL_HINT = "the hivemind transport needs hivemind: pip install diloco[hivemind]"
 _PART_SIZE_BYTES = 2**19  # hivemind's default part size; tests set it small to get many parts
-
-
-def _number(value: object) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and value == value and abs(value) != float("inf")
 
 
 def _maddrs(value: object) -> bool:
@@ -99,9 +94,9 @@ class HivemindConfig:
             object.__setattr__(self, name, tuple(value))
         check_field("host_maddrs", self.host_maddrs, len(self.host_maddrs) > 0, "at least one multiaddr")
         t = self.matchmaking_time
-        check_field("matchmaking_time", t, _number(t) and t > 0, "a number of seconds > 0")
+        check_field("matchmaking_time", t, is_finite_number(t) and t > 0, "a number of seconds > 0")
         t = self.averaging_timeout
-        check_field("averaging_timeout", t, _number(t) and t > 0, "a number of seconds > 0")
+        check_field("averaging_timeout", t, is_finite_number(t) and t > 0, "a number of seconds > 0")
         m = self.min_group_size
         check_field("min_group_size", m, isinstance(m, int) and not isinstance(m, bool) and m >= 1, "an integer >= 1")
         s = self.secret

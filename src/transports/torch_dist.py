@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from diloco_core.config import check_field
+from diloco_core.config import check_field, is_finite_number
 from diloco_core.transport import ReduceHandle, ReduceResult, Transport, TransportError
 from diloco_core.wire import WIRE_DTYPES, reference_mean, wire_torch_dtype
 
@@ -51,10 +51,8 @@ class TorchDistConfig:
     def __post_init__(self) -> None:
         check_field("backend", self.backend, self.backend in _BACKEND_DEVICE, f"one of {sorted(_BACKEND_DEVICE)}")
         check_field("init_method", self.init_method, isinstance(self.init_method, str), "a URL such as env://")
-        ok = isinstance(self.timeout, (int, float)) and not isinstance(self.timeout, bool) and self.timeout > 0
-        check_field("timeout", self.timeout, ok, "a number of seconds > 0")
-        ok = isinstance(self.bucket_mb, (int, float)) and not isinstance(self.bucket_mb, bool) and self.bucket_mb > 0
-        check_field("bucket_mb", self.bucket_mb, ok, "a number of MB > 0")
+        check_field("timeout", self.timeout, is_finite_number(self.timeout) and self.timeout > 0, "a number of seconds > 0")
+        check_field("bucket_mb", self.bucket_mb, is_finite_number(self.bucket_mb) and self.bucket_mb > 0, "a number of MB > 0")
 
 
 def _init_from_env(config: TorchDistConfig) -> None:
