@@ -341,17 +341,19 @@ def _averager_class() -> type:
             msg = averaging_pb2.AveragingData(code=code, group_id=group_id, tensor_part=runtime_pb2.Tensor(buffer=digest))
             left = max(0.1, self._group_deadline - time.monotonic())
 
-            async def send(peer: Any) -> None:
+            async def send(peer: Any) -> bool:
                 try:
                     await asyncio.wait_for(self.get_stub(self._p2p, peer, namespace=self.prefix).rpc_confirm(msg), left)
+                    return True
                 except Exception as e:  # a lost peer is seen by the receivers as a missing confirmation
                     logger.debug("confirm to %s failed: %r", peer, e)
+                    return False
 
             sends = [asyncio.create_task(send(p)) for p in others]
             box = self._confirm_box(group_id)
             try:
                 while error is None:
-                    got = box["got"]
+                    got = {p: v for p, v in box["got"].items() if p in others}  # only this group's members count
                     bad = [p for p, (ok, d) in got.items() if not ok or d != digest]
                     if bad:
                         error = f"{len(bad)} groupmate(s) failed or hold a different result"
@@ -368,8 +370,11 @@ def _averager_class() -> type:
                         except asyncio.TimeoutError:
                             pass
             finally:
-                await asyncio.gather(*sends, return_exceptions=True)
+                delivered = await asyncio.gather(*sends, return_exceptions=True)
                 self._confirms.pop(group_id, None)
+            if error is None and not all(d is True for d in delivered):
+                # A groupmate that did not get my confirmation will not commit; neither may I.
+                error = f"{sum(d is not True for d in delivered)} confirmation(s) could not be delivered"
             if error is not None:
                 raise AllreduceException(f"round not committed: {error}")
 
@@ -593,7 +598,8 @@ class HivemindTransport(Transport):
             return  # a joiner serves nothing until it holds the run's state
         extra_meta, extra = self._extra_fn() if self._extra_fn is not None else ({}, [])
         tensors = [t.detach().clone() for group in self._shared for t in group] + [t.detach().clone() for t in extra]
-        meta = {"ready": True, "broadcasts": [len(g) for g in self._shared], "extra": extra_meta}
+        counts = [len(g) for g in self._shared]
+        meta = {"ready": True, "broadcasts": counts, "extra": extra_meta, "num_tensors": len(tensors)}
         with self._lock:
             self._snapshot = (meta, tensors)
 
@@ -670,7 +676,8 @@ def _valid_state(meta: Any, tensors: Any) -> bool:
     counts, extra = meta.get("broadcasts"), meta.get("extra")
     if not isinstance(counts, list) or not all(isinstance(c, int) and c >= 0 for c in counts) or not isinstance(extra, dict):
         return False
-    if not isinstance(tensors, list) or len(tensors) < sum(counts):
+    # A download cut short can arrive with fewer tensors than were served: never use part of a state.
+    if not isinstance(tensors, list) or len(tensors) < sum(counts) or len(tensors) != meta.get("num_tensors"):
         return False
     return all(isinstance(t, torch.Tensor) and (not t.is_floating_point() or not t.numel() or _finite(t)) for t in tensors)
 
