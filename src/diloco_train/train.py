@@ -233,6 +233,7 @@ class _Worker:
         )  # fmt: skip
         params = [p for p in model.parameters() if p.requires_grad]
         diloco: DiLoCo | None = None
+        joined = False  # a hivemind peer that took the swarm's global params, momentum and round
         grads: FlatBuffer | None = None
         if t.mode == "diloco":
             assert self.transport is not None
@@ -240,7 +241,7 @@ class _Worker:
             if c.transport.get("kind") == "hivemind":  # a joiner takes the swarm's round and outer momentum
                 from transports.hivemind import load_diloco_state, share_diloco_state
 
-                load_diloco_state(self.transport, diloco, timeout=timeout)
+                joined = load_diloco_state(self.transport, diloco, timeout=timeout)
                 share_diloco_state(self.transport, diloco)
         elif t.mode == "ddp":
             assert self.transport is not None
@@ -259,7 +260,7 @@ class _Worker:
                 if self.rank == 0:  # drop what was logged after the checkpoint all ranks resume from
                     _truncate_metrics(self.run_dir, step)
                 state = load_checkpoint(checkpoint_path(ckpt_dir, step, self.rank))
-                self._load(state, model, optimizer, diloco, sampler)
+                self._load(state, model, optimizer, diloco, sampler, keep_swarm_state=joined)
                 logger.info("rank %d: resumed from step %d", self.rank, step)
             else:  # crashed (or restarted by torchrun) before its first checkpoint: start over
                 step = 0
@@ -357,16 +358,21 @@ class _Worker:
         save_checkpoint(self.run_dir / "checkpoints", step, self.rank, state, self.t.keep_checkpoints)
 
     def _load(self, state: dict[str, Any], model: Llama, optimizer: torch.optim.Optimizer, diloco: DiLoCo | None,
-              sampler: BatchSampler) -> None:  # fmt: skip
+              sampler: BatchSampler, keep_swarm_state: bool = False) -> None:  # fmt: skip
         if state.get("format") != _CHECKPOINT_FORMAT:
             raise ValueError(f"checkpoint format {state.get('format')!r} is not {_CHECKPOINT_FORMAT}")
-        if (state["mode"], state["world_size"]) != (self.t.mode, self.world_size):
+        hivemind = self.config.transport.get("kind") == "hivemind"  # group sizes change from round to round
+        if state["mode"] != self.t.mode or (not hivemind and state["world_size"] != self.world_size):
             raise ValueError(
                 f"the checkpoint is of a {state['mode']} run with {state['world_size']} worker(s); "
                 f"this run is {self.t.mode} with {self.world_size}"
             )
         core = state["core"]
-        if diloco is not None:
+        if diloco is not None and keep_swarm_state:
+            # The swarm's global params, outer momentum and round are newer than this checkpoint:
+            # take only what is this peer's own, its inner optimizer (and its data position, below).
+            optimizer.load_state_dict(core["inner_optimizer"])
+        elif diloco is not None:
             diloco.load_state_dict(core)
         else:
             with torch.no_grad():
