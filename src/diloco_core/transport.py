@@ -3,9 +3,8 @@
 from __future__ import annotations
 
 import concurrent.futures
-import time
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -84,14 +83,3 @@ class Transport(ABC):
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def timed(fn: Callable[[], tuple[int, int, int]]) -> Callable[[], ReduceResult]:
-    """Wrap ``fn() -> (contributors, sent, received)`` so that it reports its wall time."""
-
-    def run() -> ReduceResult:
-        start = time.perf_counter()
-        n, sent, received = fn()
-        return ReduceResult(n, sent, received, time.perf_counter() - start)
-
-    return run
