@@ -165,6 +165,32 @@ def test_alone_a_peer_keeps_its_own_values_with_one_contributor(swarm):
     assert result.num_contributors == 1 and torch.equal(x[0], torch.tensor([1.0, 2.5]))
 
 
+@pytest.mark.timeout(90)
+def test_a_reducer_that_sends_its_groupmates_a_different_mean_commits_nowhere(monkeypatch):
+    """Each reducer keeps its slice's true mean but sends groupmates a changed one (hook inherited by the
+    averager processes forked below): the digests differ, so no peer commits and every input is untouched."""
+    import transports.hivemind as hm
+
+    def corrupt(mean: torch.Tensor) -> torch.Tensor:
+        out = mean.clone()
+        out.view(-1)[0] = torch.nextafter(out.view(-1)[0], torch.tensor(float("inf"), dtype=out.dtype))  # one ulp
+        return out
+
+    monkeypatch.setitem(hm._test_hooks, "reducer_sends_mean", corrupt)
+    cfg = dict(run_id="corrupt", secret="c", host_maddrs=LOCAL, matchmaking_time=1.0, averaging_timeout=3.0)
+    peers = [HivemindTransport(HivemindConfig(**cfg))]
+    try:
+        peers.append(HivemindTransport(HivemindConfig(**cfg, initial_peers=peers[0].join_addresses)))
+        tensors = [[torch.full((64,), float(i + 1))] for i in range(2)]
+        results = _together([lambda t=t, x=x: t.all_reduce(x).wait(60) for t, x in zip(peers, tensors)])
+        for r in results:
+            assert isinstance(r, TransportError) and "different result" in str(r), results
+        assert all(torch.equal(x[0], torch.full((64,), float(i + 1))) for i, x in enumerate(tensors))
+    finally:
+        for p in peers:
+            p.close()
+
+
 def test_bad_input_is_a_clear_value_error(swarm):
     t = swarm[0]
     with pytest.raises(ValueError, match="float64"):
