@@ -50,7 +50,7 @@ import torch
 
 from diloco_core.config import check_field, is_finite_number
 from diloco_core.transport import FutureHandle, ReduceHandle, ReduceResult, Transport, TransportError
-from diloco_core.wire import wire_torch_dtype
+from diloco_core.wire import reference_mean, wire_torch_dtype
 
 __all__ = ["HivemindConfig", "HivemindTransport", "share_diloco_state", "load_diloco_state"]
 
@@ -186,7 +186,8 @@ def _averager_class() -> type:
     from hivemind.utils.asyncio import aiter_with_timeout, amap_in_executor
 
     class OrderedReducer(TensorPartReducer):
-        """Keeps every sender's part and sums them in group order once all arrived (not arrival order)."""
+        """Keeps every sender's part; once all arrived, their mean is ``reference_mean`` of them in group
+        order (not arrival order): the same arithmetic as the transport contract's reference."""
 
         def reset_accumulators(self) -> None:
             self.received: dict[int, torch.Tensor] = {}
@@ -212,22 +213,21 @@ def _averager_class() -> type:
 
         def check_current_part_finished(self) -> None:
             if self.current_part_accumulated_from == self.num_current_senders:
-                total = self.accumulator
-                for i in sorted(self.received):
-                    total.add_(self.received[i])
-                self.current_part_future.set_result(total.div_(self.denominator))
+                parts = [self.received[i] for i in sorted(self.received)]
+                self.current_part_future.set_result(reference_mean(parts, self.wire_dtype, out=self.accumulator))
                 self.reset_accumulators()
 
     class Runner(AllReduceRunner):
         """Returns the rounded mean itself (not a delta), checks what it receives, records failures, and
         writes every mean part straight into the averaged tensors (no final concatenation and copy)."""
 
-        def __init__(self, *, wire: torch.dtype, **kwargs: Any) -> None:
+        def __init__(self, *, wire_dtype: str, **kwargs: Any) -> None:
             super().__init__(**kwargs)
-            self.wire = wire
+            self.wire = wire_torch_dtype(wire_dtype)
             self.failures: list[str] = []
             self.tensor_part_reducer.finished.set()  # replaced before use: keep its finalizer quiet
             self.tensor_part_reducer = OrderedReducer(self.tensor_part_reducer.part_shapes, len(self.sender_peer_ids))
+            self.tensor_part_reducer.wire_dtype = wire_dtype
             container = self.tensor_part_container
             self.inputs = [[p for p, _ in parts] for parts in container._input_parts_by_peer]  # views of the tensors
             self.expected = [[p.shape for p in parts] for parts in self.inputs]
@@ -333,8 +333,8 @@ def _averager_class() -> type:
 
         state_fn: Callable[[], tuple[Any, list[torch.Tensor]]] | None = None
 
-        def __init__(self, *args: Any, wire: torch.dtype, **kwargs: Any) -> None:
-            self.wire = wire
+        def __init__(self, *args: Any, wire_dtype: str, **kwargs: Any) -> None:
+            self.wire_dtype = wire_dtype
             self._confirms: OrderedDict[bytes, dict] = OrderedDict()
             super().__init__(*args, **kwargs)
 
@@ -372,7 +372,7 @@ def _averager_class() -> type:
                                           group_id: bytes | None = None, **kwargs: Any) -> None:  # fmt: skip
             group_id = group_info.group_id if group_id is None else group_id
             runner = Runner(p2p=self._p2p, servicer_type=type(self), prefix=self.prefix, tensors=tensors,
-                            group_id=group_id, ordered_peer_ids=group_info.peer_ids, wire=self.wire, **kwargs)  # fmt: skip
+                            group_id=group_id, ordered_peer_ids=group_info.peer_ids, wire_dtype=self.wire_dtype, **kwargs)  # fmt: skip
             self._running_groups[group_id].set_result(runner)
             error = None
             try:
@@ -532,7 +532,7 @@ class HivemindTransport(Transport):
         dtype = wire_torch_dtype(wire_dtype)
         request_timeout = min(3.0, cfg.matchmaking_time / 3)
         averager = _averager_class()(
-            [torch.zeros(size, dtype=dtype)], self._res.dht, start=False, prefix=prefix, wire=dtype,
+            [torch.zeros(size, dtype=dtype)], self._res.dht, start=False, prefix=prefix, wire_dtype=wire_dtype,
             min_group_size=cfg.min_group_size, min_matchmaking_time=cfg.matchmaking_time,
             request_timeout=request_timeout, allreduce_timeout=cfg.averaging_timeout,
             next_chunk_timeout=cfg.averaging_timeout / 4, part_size_bytes=_PART_SIZE_BYTES,
