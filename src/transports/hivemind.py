@@ -320,9 +320,7 @@ def _averager_class() -> type:
                     except BannedException:
                         break
                     out = _test_hook("reducer_sends_mean", mean.to(self.wire))
-                    serialized = await loop.run_in_executor(
-                        None, lambda: serialize_torch_tensor(out, runtime_pb2.CompressionType.NONE)
-                    )
+                    serialized = await loop.run_in_executor(None, serialize_torch_tensor, out, runtime_pb2.CompressionType.NONE)
                     yield averaging_pb2.AveragingData(code=averaging_pb2.AVERAGED_PART, tensor_part=serialized)
             finally:
                 if part_index != self.tensor_part_reducer.num_parts:
