@@ -220,6 +220,60 @@ def test_broadcast_gives_a_joiner_the_first_peers_values_exactly():
             joiner.close()
 
 
+# -- a peer that fell behind ---------------------------------------------------------------------------
+
+
+def _diloco_peer(transport: HivemindTransport, seed: int):
+    from diloco_core import DiLoCo, DiLoCoConfig
+    from transports.hivemind import load_diloco_state, share_diloco_state
+
+    torch.manual_seed(seed)
+    model = torch.nn.Linear(8, 8)
+    inner = torch.optim.SGD(model.parameters(), lr=0.1)
+    diloco = DiLoCo(model, inner, transport, DiLoCoConfig(inner_steps=2, wire_dtype="fp16", reduce_timeout=60))
+    load_diloco_state(transport, diloco, timeout=30)
+    share_diloco_state(transport, diloco)
+    data = torch.randn(16, 8, generator=torch.Generator().manual_seed(seed))
+
+    def one_round():
+        for _ in range(diloco.config.inner_steps):
+            model.weight.grad = model.bias.grad = None
+            model(data).pow(2).mean().backward()
+            report = diloco.step()
+        return report
+
+    return diloco, one_round
+
+
+@pytest.mark.timeout(150)
+def test_a_peer_that_fell_behind_takes_its_groups_state_then_averages_with_it():
+    cfg = dict(run_id="behind", secret="b", **FAST)
+    a = HivemindTransport(HivemindConfig(**cfg))
+    b = None
+    try:
+        da, round_a = _diloco_peer(a, seed=0)
+        b = HivemindTransport(HivemindConfig(**cfg, initial_peers=a.join_addresses))
+        db, round_b = _diloco_peer(b, seed=1)
+        assert [r.num_contributors for r in _together([round_a, round_b])] == [2, 2]
+        assert round_a().num_contributors == 1  # b sits this round out: it is now a round behind
+        ra, rb = _together([round_a, round_b])
+        # b's state was replaced by a's (no round of its own); a, whose groupmate was stale, went on alone
+        assert rb is None and ra.num_contributors == 1, (ra, rb)
+        assert da.round == db.round == 3
+        assert all(torch.equal(x, y) for x, y in zip(da.global_params, db.global_params))
+        ra, rb = _together([round_a, round_b])  # in step again: they average together, identical
+        assert ra.num_contributors == rb.num_contributors == 2, (ra, rb)
+        assert da.round == db.round == 4
+        assert all(torch.equal(x, y) for x, y in zip(da.global_params, db.global_params))
+        assert da.outer_optimizer.state_dict()["state"][0]["momentum_buffer"].equal(
+            db.outer_optimizer.state_dict()["state"][0]["momentum_buffer"]
+        )
+    finally:
+        for t in (a, b):
+            if t is not None:
+                t.close()
+
+
 # -- the secret --------------------------------------------------------------------------------------------
 
 

@@ -2,7 +2,7 @@
 
 from .config import DiLoCoConfig
 from .diloco import DiLoCo, RoundReport
-from .transport import FutureHandle, ReduceHandle, ReduceResult, Transport, TransportError
+from .transport import FutureHandle, ReduceHandle, ReduceResult, StateReplaced, Transport, TransportError
 from .wire import WIRE_DTYPES, reference_mean
 
 __all__ = [
@@ -12,6 +12,7 @@ __all__ = [
     "ReduceHandle",
     "ReduceResult",
     "RoundReport",
+    "StateReplaced",
     "Transport",
     "TransportError",
     "WIRE_DTYPES",

@@ -12,7 +12,7 @@ import torch
 
 from .config import DiLoCoConfig
 from .flat import FlatBuffer
-from .transport import Transport, TransportError
+from .transport import StateReplaced, Transport, TransportError
 
 __all__ = ["DiLoCo", "RoundReport"]
 
@@ -48,7 +48,8 @@ class DiLoCo:
     If phase 2 raises ``TransportError`` nothing has changed: the global copy and the outer optimizer
     are as before and the model keeps its local params. ``step()`` retries the round up to
     ``round_retries`` times (survivors of a lost peer regroup), then lets the error through; the caller
-    may call ``sync()`` again later.
+    may call ``sync()`` again later. If it raises ``StateReplaced`` (this worker was behind its group and
+    the transport loaded the group's state into it), ``step()`` returns None and training goes on.
     The inner optimizer's state is kept across rounds and never communicated.
     """
 
@@ -98,6 +99,9 @@ class DiLoCo:
         for attempt in range(self.config.round_retries + 1):
             try:
                 return self.sync()
+            except StateReplaced as e:  # the transport loaded the group's state: nothing to retry
+                logger.warning("round %d dropped: %s", self.round + 1, e)
+                return None
             except TransportError as e:
                 if attempt == self.config.round_retries:
                     raise

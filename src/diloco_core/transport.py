@@ -9,11 +9,17 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["Transport", "ReduceHandle", "FutureHandle", "ReduceResult", "TransportError"]
+__all__ = ["Transport", "ReduceHandle", "FutureHandle", "ReduceResult", "TransportError", "StateReplaced"]
 
 
 class TransportError(RuntimeError):
     """A collective failed or did not finish in time. Raised within a bounded time, never a hang."""
+
+
+class StateReplaced(TransportError):
+    """The worker's state was stale or had diverged from its group's, and the transport replaced it with
+    the group's (global params, outer state, round) instead of averaging: this round's contribution is
+    dropped and training continues from the replaced state."""
 
 
 @dataclass(frozen=True)

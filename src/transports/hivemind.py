@@ -37,11 +37,12 @@ import concurrent.futures
 import hashlib
 import hmac
 import logging
+import re
 import signal
 import threading
 import time
 import weakref
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -49,7 +50,7 @@ from typing import Any
 import torch
 
 from diloco_core.config import check_field, is_finite_number
-from diloco_core.transport import FutureHandle, ReduceHandle, ReduceResult, Transport, TransportError
+from diloco_core.transport import FutureHandle, ReduceHandle, ReduceResult, StateReplaced, Transport, TransportError
 from diloco_core.wire import reference_mean, wire_torch_dtype
 
 __all__ = ["HivemindConfig", "HivemindTransport", "share_diloco_state", "load_diloco_state"]
@@ -149,20 +150,71 @@ def _finite(t: torch.Tensor) -> bool:
     return bool(torch.isfinite(lo) and torch.isfinite(hi))
 
 
+_TAG_BYTES = 16
+
+
+def _next_tag(tag: tuple[int, bytes], result_digest: bytes) -> tuple[int, bytes]:
+    """The state tag after one more committed round: (rounds committed, hash chain of their results).
+    Peers with equal tags applied the same results to the same start state, so they hold the same
+    global state (the outer step is deterministic); no pass over the parameters is needed."""
+    count, chain = tag
+    return count + 1, hashlib.sha256(chain + result_digest).digest()[:_TAG_BYTES]
+
+
+def _valid_tag(tag: Any) -> bool:
+    return (isinstance(tag, (list, tuple)) and len(tag) == 2 and isinstance(tag[0], int) and tag[0] >= 0
+            and isinstance(tag[1], bytes) and len(tag[1]) == _TAG_BYTES)  # fmt: skip
+
+
+def _tag_or_none(serializer: Any, gathered: bytes) -> tuple[int, bytes] | None:
+    """A groupmate's state tag from its matchmaking data (msgpack, checked); None if it sent none."""
+    try:
+        tag = serializer.loads(serializer.loads(gathered)[2])
+    except Exception:  # malformed: treated as a peer with no (or a foreign) state
+        return None
+    return (tag[0], tag[1]) if _valid_tag(tag) else None
+
+
+def _stale_verdict(tags: Sequence[tuple[int, bytes] | None], me: int) -> str | None:
+    """None if every groupmate holds the same state tag. Otherwise the group's state is the tag with the
+    most rounds (then the most holders, then the larger hash: the same choice on every peer), and the
+    message tells this peer whether it is behind (it must re-sync) or a groupmate is."""
+    if all(t == tags[0] for t in tags):
+        return None
+    held = Counter(t for t in tags if t is not None)
+    group = max(held, key=lambda t: (t[0], held[t], t[1]))
+    if tags[me] == group:
+        return f"[stale:groupmate] {sum(t != group for t in tags)} groupmate(s) hold an older or diverged state"
+    mine = "no state" if tags[me] is None else f"round {tags[me][0]}"
+    return f"[stale:behind:{group[0]}] this peer's state ({mine}) differs from its group's (round {group[0]})"
+
+
+@dataclass
+class _Outcome:
+    """What one reduce did to the caller's state, set under the transport's lock."""
+
+    abandoned: bool = False
+    """The caller's wait ran out: nothing may be copied into its tensors or state any more."""
+    replaced: StateReplaced | None = None
+    """The caller's state was replaced by the group's (set before the reduce's future completes)."""
+
+
 class _Handle(FutureHandle):
     """Marks the reduce abandoned when the caller's wait times out, so a late result is never copied
     into tensors the caller has taken back (``_reduce`` checks the mark under the same lock)."""
 
-    def __init__(self, future: concurrent.futures.Future, abandoned: threading.Event, lock: threading.Lock) -> None:
+    def __init__(self, future: concurrent.futures.Future, outcome: _Outcome, lock: threading.Lock) -> None:
         super().__init__(future, "hivemind all_reduce")
-        self._abandoned, self._lock = abandoned, lock
+        self._outcome, self._lock = outcome, lock
 
     def wait(self, timeout: float) -> ReduceResult:
         try:
             return super().wait(timeout)
         except TransportError:
             with self._lock:
-                self._abandoned.set()
+                self._outcome.abandoned = True
+                if self._outcome.replaced is not None:
+                    raise self._outcome.replaced from None  # the state was replaced just as the wait ran out
             if self._future.done() and self._future.exception() is None:
                 return self._future.result()  # it landed just as the wait ran out
             raise
@@ -363,8 +415,13 @@ def _averager_class() -> type:
 
         async def _aggregate_with_group(self, group_info: Any, min_vector_size: int, **kwargs: Any) -> Any:
             self._group_deadline = time.monotonic() + (self._allreduce_timeout or 60.0) - 0.5
-            gathered = await super()._aggregate_with_group(group_info, min_vector_size, **kwargs)
-            return {"peers": [p.to_bytes() for p in group_info.peer_ids], "gathered": gathered}
+            tags = [_tag_or_none(self.serializer, g) for g in group_info.gathered]
+            verdict = _stale_verdict(tags, group_info.peer_ids.index(self.peer_id))
+            if verdict is not None:  # every groupmate reaches the same verdict: nobody sends anything
+                raise AllreduceException(verdict)
+            self._last_digest = b""
+            await super()._aggregate_with_group(group_info, min_vector_size, **kwargs)
+            return {"peers": [p.to_bytes() for p in group_info.peer_ids], "digest": self._last_digest}
 
         async def _run_allreduce_inplace_(self, tensors: Sequence[torch.Tensor], group_info: Any,
                                           group_id: bytes | None = None, **kwargs: Any) -> None:  # fmt: skip
@@ -384,6 +441,7 @@ def _averager_class() -> type:
                 error = f"{type(e).__name__}: {e}"
             digest = b"" if error else runner.digest()
             await self._confirm(group_info, group_id, error, digest)
+            self._last_digest = digest
 
         async def _confirm(self, group_info: Any, group_id: bytes, error: str | None, digest: bytes) -> None:
             others = [p for p in group_info.peer_ids if p != self.peer_id]
@@ -492,6 +550,9 @@ class HivemindTransport(Transport):
         self._snapshot: tuple[dict, list[torch.Tensor]] = ({"ready": False}, [])
         self._downloaded: tuple[dict, list[torch.Tensor]] | None = None
         self._last_group: list[bytes] = []
+        self._tracked_key: tuple[int, str] | None = None  # the all-reduce whose results make up the state
+        self._tag: tuple[int, bytes] = (0, bytes(_TAG_BYTES))
+        self._on_resync: Callable[[dict, list[torch.Tensor]], None] | None = None
         self._closed = False
         try:
             self._res.dht = hivemind.DHT(
@@ -565,16 +626,17 @@ class HivemindTransport(Transport):
         self._take_snapshot()
         self._averager(sum(t.numel() for t in tensors), wire_dtype)  # created here: it starts a process
         # The caller's tensors are the contribution (untouched until commit, so a retry re-reads them).
-        abandoned = threading.Event()
-        future = self._res.pool.submit(self._reduce, tensors, wire_dtype, dtype, abandoned)
-        return _Handle(future, abandoned, self._lock)
+        outcome = _Outcome()
+        future = self._res.pool.submit(self._reduce, tensors, wire_dtype, dtype, outcome)
+        return _Handle(future, outcome, self._lock)
 
     def _reduce(self, tensors: list[torch.Tensor], wire_dtype: str, dtype: torch.dtype,
-                abandoned: threading.Event) -> ReduceResult:  # fmt: skip
+                outcome: _Outcome) -> ReduceResult:  # fmt: skip
         start = time.perf_counter()
         cfg = self.config
         numels = [t.numel() for t in tensors]
         averager = self._averager(sum(numels), wire_dtype)
+        tracked = (sum(numels), wire_dtype) == self._tracked_key  # DiLoCo's rounds: groupmates compare state tags
         # Room for one failed attempt (up to averaging_timeout after matchmaking) and a regroup.
         deadline = time.monotonic() + cfg.averaging_timeout + 4 * cfg.matchmaking_time
         n_bytes = sum(numels) * dtype.itemsize
@@ -585,7 +647,8 @@ class HivemindTransport(Transport):
             try:
                 # Matchmaking starts first and the contribution is copied in while it runs (a group that forms
                 # sooner waits for the trigger). Bounded even if the averager's process dies mid-step.
-                control = averager.step(timeout=2 * cfg.matchmaking_time, allow_retries=False, wait=False, require_trigger=True)
+                control = averager.step(gather=list(self._tag) if tracked else None, timeout=2 * cfg.matchmaking_time,
+                                        allow_retries=False, wait=False, require_trigger=True)  # fmt: skip
                 try:
                     with averager.get_tensors() as (buf,):  # rounded to the wire dtype on the way in
                         for v, t in zip(buf.split(numels), tensors):  # plain copies: foreach_copy_ is 5x slower on CPU
@@ -598,6 +661,14 @@ class HivemindTransport(Transport):
                     raise
             except Exception as e:
                 out = None
+                behind = re.search(r"\[stale:behind:(\d+)\]", str(e))
+                if behind:  # nothing moved; my state is older than my group's: take theirs
+                    self._resync(int(behind.group(1)), outcome)
+                if "[stale:groupmate]" in str(e):  # nothing moved: retry without the stale peer(s), alone if need be
+                    if deadline - time.monotonic() < cfg.matchmaking_time:
+                        raise TransportError(f"hivemind all_reduce: {e}") from e
+                    logger.warning("hivemind all_reduce attempt %d: %s; retrying without them", attempt, e)
+                    continue
                 if "could not find a group" not in str(e):
                     failed = e
             if out is None and failed is not None:
@@ -615,10 +686,13 @@ class HivemindTransport(Transport):
                 sent = 2 * (n - 1) * n_bytes // n  # butterfly: my parts out, my slice's means back
             # Alone, the buffer holds my own values rounded to the wire, like every contributor's.
             with self._lock, averager.get_tensors() as (buf,):
-                if abandoned.is_set():  # the caller timed out and may be retrying with these tensors
+                if outcome.abandoned:  # the caller timed out and may be retrying with these tensors
                     raise TransportError("hivemind all_reduce finished after its caller had given up")
                 for r, t in zip(buf.split(numels), tensors):
                     t.copy_(r.view_as(t))
+                if tracked:  # alone, my state leaves the group's: my own mark, never equal to theirs
+                    me = self._res.dht.peer_id.to_bytes()
+                    self._tag = _next_tag(self._tag, out["digest"] if out is not None else b"alone:" + me)
             return ReduceResult(n, sent, sent, time.perf_counter() - start)
 
     # -- state for joiners ---------------------------------------------------------------------------
@@ -648,6 +722,7 @@ class HivemindTransport(Transport):
         counts = [len(g) for g in self._shared]
         meta = {"ready": True, "broadcasts": counts, "extra": extra_meta, "num_tensors": len(tensors)}
         with self._lock:
+            meta["tag"] = list(self._tag) if self._tracked_key is not None else None
             self._snapshot = (meta, tensors)
 
     def _serve_state(self) -> tuple[dict, list[torch.Tensor]]:
@@ -696,20 +771,61 @@ class HivemindTransport(Transport):
             while index >= len(self._downloaded[0]["broadcasts"]) and time.monotonic() + 1.0 < deadline:
                 time.sleep(1.0)  # the donor has not made this broadcast yet (it may still be starting)
                 self._downloaded = self._download(deadline - time.monotonic())
-            meta, got = self._downloaded
-            counts = meta["broadcasts"]
-            if index >= len(counts) or counts[index] != len(tensors):
-                raise TransportError(f"hivemind broadcast #{index}: the peers' state holds no matching broadcast ({counts})")
-            values = got[sum(counts[:index]) : sum(counts[: index + 1])]
-            try:
-                for t, v in zip(tensors, values):
-                    _check_tensor(v, t.shape, t.dtype, f"broadcast #{index}")
-            except ValueError as e:
-                raise TransportError(f"hivemind broadcast #{index}: peers' values do not fit: {e}") from None
-            torch._foreach_copy_(tensors, values)
+            torch._foreach_copy_(tensors, _broadcast_values(self._downloaded, index, tensors))
             self._state_averager.allow_state_sharing = True
         self._shared.append(tensors)
         self._take_snapshot()
+
+    # -- stale or diverged state ------------------------------------------------------------------------
+
+    def track_state(self, numel: int, wire_dtype: str, on_resync: Callable[[dict, list[torch.Tensor]], None]) -> None:
+        """Declare the all-reduce of ``numel`` values on ``wire_dtype`` as the one whose results make up the
+        run's state (DiLoCo's rounds; ``share_diloco_state`` calls this). From then on groupmates compare
+        state tags before averaging: a peer that is behind or has diverged takes its group's state
+        instead (broadcast values, then ``on_resync(extra meta, extra tensors)`` for what ``share_state``
+        serves) and its ``all_reduce`` raises ``StateReplaced``. A joiner starts from the tag it downloaded."""
+        with self._lock:
+            self._tracked_key, self._on_resync = (numel, wire_dtype), on_resync
+            tag = self._downloaded[0].get("tag") if self._downloaded is not None else None
+            if tag is not None:
+                self._tag = (tag[0], tag[1])
+        self._take_snapshot()
+
+    def _resync(self, group_round: int, outcome: _Outcome) -> None:
+        """Replace this peer's state with its group's, then raise ``StateReplaced``. The group is retrying
+        this round without us, so wait (within one round's time) for the state it commits: taking the
+        older one would leave us a round behind again."""
+        if self._on_resync is None:
+            raise TransportError("hivemind: this peer's state is older than its group's and nothing can reload it")
+        cfg = self.config
+        deadline = time.monotonic() + cfg.averaging_timeout + 4 * cfg.matchmaking_time
+        best = None  # the newest state at or past the group's round
+        while True:
+            try:
+                got = self._download(max(1.0, deadline - time.monotonic()))
+            except TransportError:
+                got = None
+            tag = got[0].get("tag") if got is not None else None
+            if tag is not None and tag[0] >= group_round and (best is None or tag[0] > best[0]["tag"][0]):
+                best = got
+            if (best is not None and best[0]["tag"][0] > group_round) or time.monotonic() + 1.0 > deadline:
+                break
+            time.sleep(1.0)
+        if best is None:
+            raise TransportError(f"hivemind: this peer is behind its group (round {group_round}) and no peer served that state")
+        meta, got = best
+        skip = sum(meta["broadcasts"])
+        with self._lock:
+            if outcome.abandoned:
+                raise TransportError("hivemind: re-sync finished after the caller had given up")
+            for index, tensors in enumerate(self._shared):
+                torch._foreach_copy_(tensors, _broadcast_values(best, index, tensors))
+            self._on_resync(meta["extra"], got[skip:])
+            self._tag, self._downloaded = (meta["tag"][0], meta["tag"][1]), best
+            outcome.replaced = StateReplaced(f"this peer was behind its group; it took the group's state of round {meta['tag'][0]}")
+        self._take_snapshot()
+        logger.warning("hivemind: %s", outcome.replaced)
+        raise outcome.replaced
 
     def close(self) -> None:
         """Shut down the averagers, then the DHT and its p2p daemon. Idempotent."""
@@ -717,11 +833,28 @@ class HivemindTransport(Transport):
         self._finalizer()
 
 
+def _broadcast_values(downloaded: tuple[dict, list[torch.Tensor]], index: int, like: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The values of broadcast #``index`` in a downloaded state, checked against the local tensors."""
+    meta, got = downloaded
+    counts = meta["broadcasts"]
+    if index >= len(counts) or counts[index] != len(like):
+        raise TransportError(f"hivemind broadcast #{index}: the peers' state holds no matching broadcast ({counts})")
+    values = got[sum(counts[:index]) : sum(counts[: index + 1])]
+    try:
+        for t, v in zip(like, values):
+            _check_tensor(v, t.shape, t.dtype, f"broadcast #{index}")
+    except ValueError as e:
+        raise TransportError(f"hivemind broadcast #{index}: peers' values do not fit: {e}") from None
+    return values
+
+
 def _valid_state(meta: Any, tensors: Any) -> bool:
     if not isinstance(meta, dict) or meta.get("ready") is not True:
         return False
     counts, extra = meta.get("broadcasts"), meta.get("extra")
     if not isinstance(counts, list) or not all(isinstance(c, int) and c >= 0 for c in counts) or not isinstance(extra, dict):
+        return False
+    if meta.get("tag") is not None and not _valid_tag(meta["tag"]):
         return False
     # A download cut short can arrive with fewer tensors than were served: never use part of a state.
     if not isinstance(tensors, list) or len(tensors) < sum(counts) or len(tensors) != meta.get("num_tensors"):
@@ -733,7 +866,8 @@ def _valid_state(meta: Any, tensors: Any) -> bool:
 
 
 def share_diloco_state(transport: HivemindTransport, diloco: Any) -> None:
-    """Serve ``diloco``'s outer momentum and round to joiners (the global params travel by broadcast).
+    """Serve ``diloco``'s outer momentum and round to joiners (the global params travel by broadcast),
+    and let the transport re-sync ``diloco`` when a round finds it behind its group (``track_state``).
 
     The snapshot joiners download is refreshed right after every outer step (a torch optimizer
     post-hook), so a joiner gets the round that just finished, not the one before it."""
@@ -755,6 +889,8 @@ def share_diloco_state(transport: HivemindTransport, diloco: Any) -> None:
 
     transport.share_state(get_state)
     diloco.outer_optimizer.register_step_post_hook(after_outer_step)
+    numel = sum(p.numel() for p in diloco.global_params)
+    transport.track_state(numel, diloco.config.wire_dtype, lambda meta, tensors: _load_outer_state(diloco, meta, tensors))
 
 
 def load_diloco_state(transport: HivemindTransport, diloco: Any, timeout: float) -> bool:
@@ -766,6 +902,14 @@ def load_diloco_state(transport: HivemindTransport, diloco: Any, timeout: float)
     if not meta:
         logger.warning("the peers shared no DiLoCo state (no share_diloco_state there): keeping round and momentum")
         return False
+    _load_outer_state(diloco, meta, tensors)
+    transport._take_snapshot()  # serve what was just loaded, not the state from before it
+    return True
+
+
+def _load_outer_state(diloco: Any, meta: dict, tensors: list[torch.Tensor]) -> None:
+    """Load shared outer momentum and round into ``diloco``; its model becomes its global params (which
+    the caller has already set from the peers' broadcast values)."""
     n = meta.get("num_momentum")
     rnd = meta.get("round")
     if not isinstance(n, int) or not isinstance(rnd, int) or rnd < 0 or len(tensors) != n:
@@ -784,6 +928,4 @@ def load_diloco_state(transport: HivemindTransport, diloco: Any, timeout: float)
     state["round"] = rnd
     state["inner_step"] = rnd * diloco.config.inner_steps
     diloco.load_state_dict(state)
-    transport._take_snapshot()  # serve what was just loaded, not the state from before it
-    return True
 
