@@ -404,3 +404,44 @@ def test_diloco_peers_agree_after_every_round_through_a_kill_and_a_restart(tmp_p
     finally:
         for p in peers:
             p.kill()
+
+
+def _session_alive(sid: int) -> list[int]:
+    """pids of live (not zombie) processes in session ``sid``."""
+    found = []
+    for pid in os.listdir("/proc"):
+        if pid.isdigit():
+            try:
+                with open(f"/proc/{pid}/stat") as f:
+                    fields = f.read().rsplit(") ", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[3]) == sid and fields[0] != "Z":
+                found.append(int(pid))
+    return found
+
+
+@pytest.mark.timeout(90)
+def test_ctrl_c_during_a_round_shuts_the_peer_down_with_nothing_left_behind(tmp_path):
+    """SIGINT (what Ctrl+C sends to the foreground process) while the peer waits for groupmates."""
+    transport = dict(run_id="ctrl-c", secret="c", host_maddrs=LOCAL, matchmaking_time=5.0, averaging_timeout=8.0)
+    peer = _Peer(0, transport, str(tmp_path / "peer.log"))
+    try:
+        assert "addr" in peer.next() and peer.next().get("ready") is True
+        assert len(_session_alive(peer.proc.pid)) >= 3  # the peer, its DHT, its averagers, p2pd
+        peer.send("round")  # nobody else is there: it looks for a group for 2 x 5 s
+        time.sleep(3)
+        start = time.monotonic()
+        peer.proc.send_signal(signal.SIGINT)
+        peer.proc.wait(30)
+        took = time.monotonic() - start
+        deadline = time.monotonic() + 10
+        while _session_alive(peer.proc.pid) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert _session_alive(peer.proc.pid) == [], "processes of the interrupted peer are still running"
+        assert "KeyboardInterrupt" in (tmp_path / "peer.log").read_text()
+        # A hang bound, not a speed target: waiting out the step's own timeout took 27-30 s (2 x 5 + 8 + 10).
+        assert took < 20, f"the interrupted peer took {took:.1f}s to exit"
+        print(f"Ctrl+C to exit: {took:.1f}s")
+    finally:
+        peer.kill()

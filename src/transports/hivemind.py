@@ -644,6 +644,8 @@ class HivemindTransport(Transport):
         failed: Exception | None = None  # set once a group attempt failed
         while True:
             attempt += 1
+            if self._res.closed or not averager.is_alive():  # step() would wait for a dead process forever
+                raise TransportError("hivemind all_reduce: the transport was closed (or its averager died)")
             try:
                 # Matchmaking starts first and the contribution is copied in while it runs (a group that forms
                 # sooner waits for the trigger). Bounded even if the averager's process dies mid-step.
@@ -654,12 +656,14 @@ class HivemindTransport(Transport):
                         for v, t in zip(buf.split(numels), tensors):  # plain copies: foreach_copy_ is 5x slower on CPU
                             v.copy_(t.detach().reshape(-1))
                     control.allow_allreduce()
-                    out = control.result(timeout=2 * cfg.matchmaking_time + cfg.averaging_timeout + 10)
+                    out = self._wait_step(control, 2 * cfg.matchmaking_time + cfg.averaging_timeout + 10)
                 except BaseException:
                     if not control.done():
                         control.cancel()
                     raise
             except Exception as e:
+                if self._res.closed:
+                    raise TransportError("hivemind transport was closed during an all_reduce") from e
                 out = None
                 behind = re.search(r"\[stale:behind:(\d+)\]", str(e))
                 if behind:  # nothing moved; my state is older than my group's: take theirs
@@ -694,6 +698,19 @@ class HivemindTransport(Transport):
                     me = self._res.dht.peer_id.to_bytes()
                     self._tag = _next_tag(self._tag, out["digest"] if out is not None else b"alone:" + me)
             return ReduceResult(n, sent, sent, time.perf_counter() - start)
+
+    def _wait_step(self, control: Any, timeout: float) -> Any:
+        """``control.result(timeout)``, but given up within a second of ``close()``: the thread waiting here
+        is joined by the interpreter at exit, and a Ctrl+C should not wait for the step's timeout."""
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                return control.result(timeout=max(0.0, min(1.0, deadline - time.monotonic())))
+            except concurrent.futures.TimeoutError:
+                if self._res.closed:
+                    raise TransportError("hivemind transport was closed during an all_reduce") from None
+                if time.monotonic() >= deadline:
+                    raise
 
     # -- state for joiners ---------------------------------------------------------------------------
 
