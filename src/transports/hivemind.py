@@ -391,7 +391,7 @@ def _averager_class() -> type:
         def run(self) -> None:
             signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl+C is the parent's: it closes us cleanly
             # The process's torch work is per-part (512 KB): one thread runs it faster than a pool whose
-            # threads wait for each other (the checks of one 25M-value round took 3x longer with 2 threads).
+            # threads wait for each other (the checks' wall time in a 25M-value round was about twice as long).
             torch.set_num_threads(1)
             super().run()
 
