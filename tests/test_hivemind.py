@@ -15,6 +15,7 @@ import sys
 import threading
 import time
 
+import procs
 import pytest
 import torch
 
@@ -54,35 +55,8 @@ def _together(calls):
 
 
 def _p2pd_children() -> set[int]:
-    """pids of p2pd processes descended from this process (via /proc; psutil is not required)."""
-    parents, names = {}, {}
-    for pid in os.listdir("/proc"):
-        if pid.isdigit():
-            try:
-                with open(f"/proc/{pid}/stat") as f:
-                    stat = f.read()
-            except OSError:
-                continue
-            names[int(pid)] = stat[stat.index("(") + 1 : stat.rindex(")")]
-            parents[int(pid)] = int(stat[stat.rindex(")") + 2 :].split()[1])
-    found = set()
-    for pid, name in names.items():
-        if name.startswith("p2pd"):
-            p = pid
-            while p > 1:
-                p = parents.get(p, 0)
-                if p == os.getpid():
-                    found.add(pid)
-                    break
-    return found
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split(") ")[1][0] != "Z"
-    except OSError:
-        return False
+    """pids of p2pd daemons started (directly or not) by this process."""
+    return {p.pid for p in procs.descendants(os.getpid()) if p.name.startswith("p2pd")}
 
 
 @pytest.fixture(scope="module")
@@ -220,6 +194,46 @@ def test_broadcast_gives_a_joiner_the_first_peers_values_exactly():
             joiner.close()
 
 
+# -- the state check and the commit point, without a network ----------------------------------------------
+
+
+def test_stale_verdict_is_the_same_on_every_peer_and_names_who_is_behind():
+    from transports.hivemind import _next_tag, _stale_verdict
+
+    start = (0, bytes(16))
+    group = _next_tag(_next_tag(start, b"r1"), b"r2")
+    alone = _next_tag(_next_tag(start, b"r1"), b"alone:c")  # same round count, another history
+    behind = _next_tag(start, b"r1")
+    assert _stale_verdict([group, group, group], 0) is None
+    tags = [group, behind, group, alone, None]
+    verdicts = [_stale_verdict(tags, i) for i in range(len(tags))]
+    assert verdicts[0].startswith("[stale:groupmate]") and verdicts[2].startswith("[stale:groupmate]")
+    for i in (1, 3, 4):  # behind, diverged (fewer holders of its round-2 state), no state at all
+        assert verdicts[i].startswith(f"[stale:behind:2:{group[1].hex()}]"), verdicts[i]
+    # two peers, one history each: both pick the same winner (the larger hash)
+    pair = [_stale_verdict([group, alone], i) for i in range(2)]
+    assert sorted(v.split("]")[0] for v in pair) == ["[stale:behind:2:" + max(group, alone)[1].hex(), "[stale:groupmate"]
+
+
+def test_a_reduce_that_committed_as_the_wait_ran_out_is_reported_as_done():
+    import concurrent.futures
+
+    from diloco_core import ReduceResult, StateReplaced
+    from transports.hivemind import _Handle, _Outcome
+
+    lock = threading.Lock()
+    pending = concurrent.futures.Future()  # the background thread has committed but not returned yet
+    done = _Outcome(result=ReduceResult(2, 8, 8, 0.1))
+    assert _Handle(pending, done, lock).wait(0.01).num_contributors == 2 and not done.abandoned
+    replaced = _Outcome(replaced=StateReplaced("took the group's state"))
+    with pytest.raises(StateReplaced):
+        _Handle(pending, replaced, lock).wait(0.01)
+    nothing = _Outcome()
+    with pytest.raises(TransportError, match="did not finish"):
+        _Handle(pending, nothing, lock).wait(0.01)
+    assert nothing.abandoned  # so a late commit is refused
+
+
 # -- a peer that fell behind ---------------------------------------------------------------------------
 
 
@@ -309,9 +323,9 @@ def test_close_leaves_no_p2pd_daemon_behind():
     t.close()
     t.close()  # idempotent
     deadline = time.monotonic() + 10
-    while any(_alive(p) for p in mine) and time.monotonic() < deadline:
+    while any(procs.alive(p) for p in mine) and time.monotonic() < deadline:
         time.sleep(0.2)
-    assert not any(_alive(p) for p in mine)
+    assert not any(procs.alive(p) for p in mine)
     with pytest.raises(TransportError, match="closed"):
         t.all_reduce([torch.ones(3)])
 
@@ -406,21 +420,6 @@ def test_diloco_peers_agree_after_every_round_through_a_kill_and_a_restart(tmp_p
             p.kill()
 
 
-def _session_alive(sid: int) -> list[int]:
-    """pids of live (not zombie) processes in session ``sid``."""
-    found = []
-    for pid in os.listdir("/proc"):
-        if pid.isdigit():
-            try:
-                with open(f"/proc/{pid}/stat") as f:
-                    fields = f.read().rsplit(") ", 1)[1].split()
-            except OSError:
-                continue
-            if int(fields[3]) == sid and fields[0] != "Z":
-                found.append(int(pid))
-    return found
-
-
 @pytest.mark.timeout(90)
 def test_ctrl_c_during_a_round_shuts_the_peer_down_with_nothing_left_behind(tmp_path):
     """SIGINT (what Ctrl+C sends to the foreground process) while the peer waits for groupmates."""
@@ -428,7 +427,7 @@ def test_ctrl_c_during_a_round_shuts_the_peer_down_with_nothing_left_behind(tmp_
     peer = _Peer(0, transport, str(tmp_path / "peer.log"))
     try:
         assert "addr" in peer.next() and peer.next().get("ready") is True
-        assert len(_session_alive(peer.proc.pid)) >= 3  # the peer, its DHT, its averagers, p2pd
+        assert len(procs.live_in_session(peer.proc.pid)) >= 3  # the peer, its DHT, its averagers, p2pd
         peer.send("round")  # nobody else is there: it looks for a group for 2 x 5 s
         time.sleep(3)
         start = time.monotonic()
@@ -436,9 +435,9 @@ def test_ctrl_c_during_a_round_shuts_the_peer_down_with_nothing_left_behind(tmp_
         peer.proc.wait(30)
         took = time.monotonic() - start
         deadline = time.monotonic() + 10
-        while _session_alive(peer.proc.pid) and time.monotonic() < deadline:
+        while procs.live_in_session(peer.proc.pid) and time.monotonic() < deadline:
             time.sleep(0.2)
-        assert _session_alive(peer.proc.pid) == [], "processes of the interrupted peer are still running"
+        assert procs.live_in_session(peer.proc.pid) == [], "processes of the interrupted peer are still running"
         assert "KeyboardInterrupt" in (tmp_path / "peer.log").read_text()
         # A hang bound, not a speed target: waiting out the step's own timeout took 27-30 s (2 x 5 + 8 + 10).
         assert took < 20, f"the interrupted peer took {took:.1f}s to exit"

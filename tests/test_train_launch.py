@@ -9,6 +9,7 @@ import subprocess
 import sys
 import time
 
+import procs
 import pytest
 import torch
 
@@ -67,19 +68,6 @@ def test_two_hivemind_peers_on_loopback_end_with_identical_global_params(tmp_pat
     assert [r["num_contributors"] for r in rounds if r["type"] == "round"] == [2, 2]
 
 
-def _children(pid: int) -> list[int]:
-    kids = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    if int(f.read().rsplit(")", 1)[1].split()[1]) == pid:
-                        kids.append(int(entry))
-            except (OSError, ValueError, IndexError):
-                pass
-    return kids
-
-
 @pytest.mark.timeout(300)
 def test_torchrun_restarts_a_killed_worker_and_the_run_resumes_to_the_end(tmp_path):
     env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo"}
@@ -95,7 +83,7 @@ def test_torchrun_restarts_a_killed_worker_and_the_run_resumes_to_the_end(tmp_pa
         while not (ckpt / "step00000020-rank1.pt").exists() and time.monotonic() < deadline:
             time.sleep(0.2)
         assert (ckpt / "step00000020-rank1.pt").exists(), "no checkpoint appeared"
-        workers = [p for p in _children(agent.pid) if b"diloco_train" in open(f"/proc/{p}/cmdline", "rb").read()]
+        workers = [p for p in procs.children(agent.pid) if b"diloco_train" in open(f"/proc/{p}/cmdline", "rb").read()]
         assert len(workers) == 2, workers
         os.kill(workers[1], signal.SIGKILL)  # a node dies mid-run
         out, err = agent.communicate(timeout=200)

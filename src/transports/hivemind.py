@@ -186,7 +186,7 @@ def _stale_verdict(tags: Sequence[tuple[int, bytes] | None], me: int) -> str | N
     if tags[me] == group:
         return f"[stale:groupmate] {sum(t != group for t in tags)} groupmate(s) hold an older or diverged state"
     mine = "no state" if tags[me] is None else f"round {tags[me][0]}"
-    return f"[stale:behind:{group[0]}] this peer's state ({mine}) differs from its group's (round {group[0]})"
+    return f"[stale:behind:{group[0]}:{group[1].hex()}] this peer's state ({mine}) differs from its group's (round {group[0]})"
 
 
 @dataclass
@@ -197,6 +197,8 @@ class _Outcome:
     """The caller's wait ran out: nothing may be copied into its tensors or state any more."""
     replaced: StateReplaced | None = None
     """The caller's state was replaced by the group's (set before the reduce's future completes)."""
+    result: ReduceResult | None = None
+    """The reduce committed (set with the commit, before the future completes)."""
 
 
 class _Handle(FutureHandle):
@@ -210,13 +212,17 @@ class _Handle(FutureHandle):
     def wait(self, timeout: float) -> ReduceResult:
         try:
             return super().wait(timeout)
-        except TransportError:
+        except BaseException as e:  # a timeout, or Ctrl+C: nothing may be committed once the caller has left
             with self._lock:
-                self._outcome.abandoned = True
-                if self._outcome.replaced is not None:
-                    raise self._outcome.replaced from None  # the state was replaced just as the wait ran out
-            if self._future.done() and self._future.exception() is None:
-                return self._future.result()  # it landed just as the wait ran out
+                committed, replaced = self._outcome.result, self._outcome.replaced
+                if committed is None and replaced is None:
+                    self._outcome.abandoned = True
+            if not isinstance(e, Exception):
+                raise  # Ctrl+C still stops the caller
+            if committed is not None:
+                return committed  # it committed just as the wait ran out
+            if replaced is not None:
+                raise replaced from None  # the state was replaced just as the wait ran out
             raise
 
 
@@ -386,6 +392,7 @@ def _averager_class() -> type:
         def __init__(self, *args: Any, wire_dtype: str, **kwargs: Any) -> None:
             self.wire_dtype = wire_dtype
             self._confirms: OrderedDict[bytes, dict] = OrderedDict()
+            self._groups: dict[bytes, dict] = {}  # per group id: its deadline, then its result's digest
             super().__init__(*args, **kwargs)
 
         def run(self) -> None:
@@ -414,14 +421,17 @@ def _averager_class() -> type:
             return self._confirms[group_id]
 
         async def _aggregate_with_group(self, group_info: Any, min_vector_size: int, **kwargs: Any) -> Any:
-            self._group_deadline = time.monotonic() + (self._allreduce_timeout or 60.0) - 0.5
             tags = [_tag_or_none(self.serializer, g) for g in group_info.gathered]
             verdict = _stale_verdict(tags, group_info.peer_ids.index(self.peer_id))
             if verdict is not None:  # every groupmate reaches the same verdict: nobody sends anything
                 raise AllreduceException(verdict)
-            self._last_digest = b""
-            await super()._aggregate_with_group(group_info, min_vector_size, **kwargs)
-            return {"peers": [p.to_bytes() for p in group_info.peer_ids], "digest": self._last_digest}
+            # Per group (a cancelled step may still be confirming while the next one starts).
+            self._groups[group_info.group_id] = {"deadline": time.monotonic() + (self._allreduce_timeout or 60.0) - 0.5}
+            try:
+                await super()._aggregate_with_group(group_info, min_vector_size, **kwargs)
+                return {"peers": [p.to_bytes() for p in group_info.peer_ids], "digest": self._groups[group_info.group_id]["digest"]}
+            finally:
+                self._groups.pop(group_info.group_id, None)
 
         async def _run_allreduce_inplace_(self, tensors: Sequence[torch.Tensor], group_info: Any,
                                           group_id: bytes | None = None, **kwargs: Any) -> None:  # fmt: skip
@@ -441,13 +451,14 @@ def _averager_class() -> type:
                 error = f"{type(e).__name__}: {e}"
             digest = b"" if error else runner.digest()
             await self._confirm(group_info, group_id, error, digest)
-            self._last_digest = digest
+            self._groups[group_id]["digest"] = digest
 
         async def _confirm(self, group_info: Any, group_id: bytes, error: str | None, digest: bytes) -> None:
             others = [p for p in group_info.peer_ids if p != self.peer_id]
             code = averaging_pb2.AVERAGED_PART if error is None else averaging_pb2.INTERNAL_ERROR
             msg = averaging_pb2.AveragingData(code=code, group_id=group_id, tensor_part=runtime_pb2.Tensor(buffer=digest))
-            left = max(0.1, self._group_deadline - time.monotonic())
+            group_deadline = self._groups[group_id]["deadline"]
+            left = max(0.1, group_deadline - time.monotonic())
 
             async def send(peer: Any) -> bool:
                 try:
@@ -469,7 +480,7 @@ def _averager_class() -> type:
                         break
                     else:
                         box["event"].clear()
-                        left = self._group_deadline - time.monotonic()
+                        left = group_deadline - time.monotonic()
                         if left <= 0:
                             error = f"{sum(p not in got for p in others)} groupmate(s) never confirmed the result"
                             break
@@ -489,6 +500,15 @@ def _averager_class() -> type:
     _classes["averager"] = Averager
     _classes["AllreduceException"] = AllreduceException
     return Averager
+
+
+def _retryable() -> tuple[type, ...]:
+    """What a group attempt raises when peers or the network fail: worth another attempt."""
+    from hivemind.averaging.allreduce import AllreduceException
+    from hivemind.averaging.matchmaking import MatchmakingException
+    from hivemind.p2p import P2PDaemonError, P2PHandlerError
+
+    return AllreduceException, MatchmakingException, P2PDaemonError, P2PHandlerError, TimeoutError, concurrent.futures.CancelledError
 
 
 _test_hooks: dict[str, Callable[[], None]] = {}
@@ -552,7 +572,8 @@ class HivemindTransport(Transport):
         self._last_group: list[bytes] = []
         self._tracked_key: tuple[int, str] | None = None  # the all-reduce whose results make up the state
         self._tag: tuple[int, bytes] = (0, bytes(_TAG_BYTES))
-        self._on_resync: Callable[[dict, list[torch.Tensor]], None] | None = None
+        self._prev_tag: tuple[int, bytes] | None = None  # the tag before the last commit
+        self._on_resync: Callable[[dict, list[torch.Tensor]], Callable[[], None]] | None = None
         self._closed = False
         try:
             self._res.dht = hivemind.DHT(
@@ -656,7 +677,7 @@ class HivemindTransport(Transport):
                         for v, t in zip(buf.split(numels), tensors):  # plain copies: foreach_copy_ is 5x slower on CPU
                             v.copy_(t.detach().reshape(-1))
                     control.allow_allreduce()
-                    out = self._wait_step(control, 2 * cfg.matchmaking_time + cfg.averaging_timeout + 10)
+                    out = self._wait(control, 2 * cfg.matchmaking_time + cfg.averaging_timeout + 10)
                 except BaseException:
                     if not control.done():
                         control.cancel()
@@ -664,10 +685,12 @@ class HivemindTransport(Transport):
             except Exception as e:
                 if self._res.closed:
                     raise TransportError("hivemind transport was closed during an all_reduce") from e
+                if not isinstance(e, _retryable()):  # a bug or a setup error: retrying would only delay it
+                    raise TransportError(f"hivemind all_reduce failed: {type(e).__name__}: {e}") from e
                 out = None
-                behind = re.search(r"\[stale:behind:(\d+)\]", str(e))
+                behind = re.search(r"\[stale:behind:(\d+):([0-9a-f]+)\]", str(e))
                 if behind:  # nothing moved; my state is older than my group's: take theirs
-                    self._resync(int(behind.group(1)), outcome)
+                    self._resync((int(behind.group(1)), bytes.fromhex(behind.group(2))), outcome)
                 if "[stale:groupmate]" in str(e):  # nothing moved: retry without the stale peer(s), alone if need be
                     if deadline - time.monotonic() < cfg.matchmaking_time:
                         raise TransportError(f"hivemind all_reduce: {e}") from e
@@ -696,19 +719,22 @@ class HivemindTransport(Transport):
                     t.copy_(r.view_as(t))
                 if tracked:  # alone, my state leaves the group's: my own mark, never equal to theirs
                     me = self._res.dht.peer_id.to_bytes()
+                    self._prev_tag = self._tag
                     self._tag = _next_tag(self._tag, out["digest"] if out is not None else b"alone:" + me)
-            return ReduceResult(n, sent, sent, time.perf_counter() - start)
+                outcome.result = ReduceResult(n, sent, sent, time.perf_counter() - start)
+            return outcome.result
 
-    def _wait_step(self, control: Any, timeout: float) -> Any:
-        """``control.result(timeout)``, but given up within a second of ``close()``: the thread waiting here
-        is joined by the interpreter at exit, and a Ctrl+C should not wait for the step's timeout."""
+    def _wait(self, future: Any, timeout: float) -> Any:
+        """``future.result(timeout)``, but given up within a second of ``close()``: the thread waiting here
+        is joined by the interpreter at exit, and a Ctrl+C should not wait for a step's or download's
+        timeout (nor forever, for a process that close() has shut down)."""
         deadline = time.monotonic() + timeout
         while True:
             try:
-                return control.result(timeout=max(0.0, min(1.0, deadline - time.monotonic())))
+                return future.result(timeout=max(0.0, min(1.0, deadline - time.monotonic())))
             except concurrent.futures.TimeoutError:
                 if self._res.closed:
-                    raise TransportError("hivemind transport was closed during an all_reduce") from None
+                    raise TransportError("hivemind transport was closed") from None
                 if time.monotonic() >= deadline:
                     raise
 
@@ -740,6 +766,7 @@ class HivemindTransport(Transport):
         meta = {"ready": True, "broadcasts": counts, "extra": extra_meta, "num_tensors": len(tensors)}
         with self._lock:
             meta["tag"] = list(self._tag) if self._tracked_key is not None else None
+            meta["prev_tag"] = list(self._prev_tag) if self._tracked_key is not None and self._prev_tag else None
             self._snapshot = (meta, tensors)
 
     def _serve_state(self) -> tuple[dict, list[torch.Tensor]]:
@@ -755,12 +782,14 @@ class HivemindTransport(Transport):
                 # caught by hivemind's per-chunk timeout, and a try that outlives its time is cancelled.
                 future = self._state_averager.load_state_from_peers(wait=False, timeout=max(1.0, left))
                 try:
-                    got = future.result(timeout=max(1.0, left) + 5)
+                    got = self._wait(future, max(1.0, left) + 5)
                 except BaseException:
                     if not future.done():
                         future.cancel()
                     raise
             except Exception as e:  # a timeout or a peer that vanished: try again
+                if self._res.closed:
+                    raise TransportError("hivemind transport was closed during a state download") from e
                 logger.debug("state download failed: %r", e)
                 got = None
             if got is not None:
@@ -795,50 +824,64 @@ class HivemindTransport(Transport):
 
     # -- stale or diverged state ------------------------------------------------------------------------
 
-    def track_state(self, numel: int, wire_dtype: str, on_resync: Callable[[dict, list[torch.Tensor]], None]) -> None:
+    def track_state(self, numel: int, wire_dtype: str, on_resync: Callable[[dict, list[torch.Tensor]], Callable[[], None]]) -> None:
         """Declare the all-reduce of ``numel`` values on ``wire_dtype`` as the one whose results make up the
         run's state (DiLoCo's rounds; ``share_diloco_state`` calls this). From then on groupmates compare
         state tags before averaging: a peer that is behind or has diverged takes its group's state
-        instead (broadcast values, then ``on_resync(extra meta, extra tensors)`` for what ``share_state``
-        serves) and its ``all_reduce`` raises ``StateReplaced``. A joiner starts from the tag it downloaded."""
+        instead and its ``all_reduce`` raises ``StateReplaced``. ``on_resync(extra meta, extra tensors)``
+        checks what ``share_state`` served and returns the function that loads it (called after the
+        broadcast values are in place), so that a state that does not fit changes nothing."""
         with self._lock:
             self._tracked_key, self._on_resync = (numel, wire_dtype), on_resync
-            tag = self._downloaded[0].get("tag") if self._downloaded is not None else None
-            if tag is not None:
-                self._tag = (tag[0], tag[1])
         self._take_snapshot()
 
-    def _resync(self, group_round: int, outcome: _Outcome) -> None:
+    def adopt_downloaded_tag(self) -> None:
+        """On a joiner, once it has loaded the state it downloaded: take that state's tag too. Until then it
+        serves the initial tag, which no group holds, so nobody re-syncs from its half-loaded state."""
+        meta = self._downloaded[0] if self._downloaded is not None else {}
+        with self._lock:
+            if meta.get("tag") is not None:
+                self._tag = (meta["tag"][0], meta["tag"][1])
+                self._prev_tag = tuple(meta["prev_tag"]) if meta.get("prev_tag") is not None else None
+        self._take_snapshot()
+
+    def _resync(self, group_tag: tuple[int, bytes], outcome: _Outcome) -> None:
         """Replace this peer's state with its group's, then raise ``StateReplaced``. The group is retrying
-        this round without us, so wait (within one round's time) for the state it commits: taking the
-        older one would leave us a round behind again."""
+        this round without us, so wait (within one round's time) for the state it commits, whose previous
+        tag is ``group_tag``: taking the group's current one would leave us a round behind again. A state
+        with any other history (a peer that is stale or diverged itself) is never taken."""
         if self._on_resync is None:
             raise TransportError("hivemind: this peer's state is older than its group's and nothing can reload it")
         cfg = self.config
         deadline = time.monotonic() + cfg.averaging_timeout + 4 * cfg.matchmaking_time
-        best = None  # the newest state at or past the group's round
-        while True:
+        want, best = list(group_tag), None
+        while not (self._res.closed or outcome.abandoned):
             try:
                 got = self._download(max(1.0, deadline - time.monotonic()))
             except TransportError:
                 got = None
-            tag = got[0].get("tag") if got is not None else None
-            if tag is not None and tag[0] >= group_round and (best is None or tag[0] > best[0]["tag"][0]):
-                best = got
-            if (best is not None and best[0]["tag"][0] > group_round) or time.monotonic() + 1.0 > deadline:
+            if got is not None and got[0].get("prev_tag") == want:
+                best = got  # the round the group is finishing
+                break
+            if got is not None and got[0].get("tag") == want:
+                best = got  # the group's state now: taken if the newer one does not come in time
+            if time.monotonic() + 1.0 > deadline:
                 break
             time.sleep(1.0)
         if best is None:
-            raise TransportError(f"hivemind: this peer is behind its group (round {group_round}) and no peer served that state")
+            raise TransportError(f"hivemind: this peer is behind its group (round {group_tag[0]}) and no peer served that state")
         meta, got = best
-        skip = sum(meta["broadcasts"])
+        # Everything is checked before anything changes.
+        values = [_broadcast_values(best, index, tensors) for index, tensors in enumerate(self._shared)]
+        load_extra = self._on_resync(meta["extra"], got[sum(meta["broadcasts"]) :])
         with self._lock:
-            if outcome.abandoned:
+            if outcome.abandoned or self._res.closed:
                 raise TransportError("hivemind: re-sync finished after the caller had given up")
-            for index, tensors in enumerate(self._shared):
-                torch._foreach_copy_(tensors, _broadcast_values(best, index, tensors))
-            self._on_resync(meta["extra"], got[skip:])
+            for tensors, v in zip(self._shared, values):
+                torch._foreach_copy_(tensors, v)
+            load_extra()
             self._tag, self._downloaded = (meta["tag"][0], meta["tag"][1]), best
+            self._prev_tag = tuple(meta["prev_tag"]) if meta.get("prev_tag") is not None else None
             outcome.replaced = StateReplaced(f"this peer was behind its group; it took the group's state of round {meta['tag'][0]}")
         self._take_snapshot()
         logger.warning("hivemind: %s", outcome.replaced)
@@ -871,7 +914,7 @@ def _valid_state(meta: Any, tensors: Any) -> bool:
     counts, extra = meta.get("broadcasts"), meta.get("extra")
     if not isinstance(counts, list) or not all(isinstance(c, int) and c >= 0 for c in counts) or not isinstance(extra, dict):
         return False
-    if meta.get("tag") is not None and not _valid_tag(meta["tag"]):
+    if any(meta.get(k) is not None and not _valid_tag(meta[k]) for k in ("tag", "prev_tag")):
         return False
     # A download cut short can arrive with fewer tensors than were served: never use part of a state.
     if not isinstance(tensors, list) or len(tensors) < sum(counts) or len(tensors) != meta.get("num_tensors"):
@@ -907,7 +950,7 @@ def share_diloco_state(transport: HivemindTransport, diloco: Any) -> None:
     transport.share_state(get_state)
     diloco.outer_optimizer.register_step_post_hook(after_outer_step)
     numel = sum(p.numel() for p in diloco.global_params)
-    transport.track_state(numel, diloco.config.wire_dtype, lambda meta, tensors: _load_outer_state(diloco, meta, tensors))
+    transport.track_state(numel, diloco.config.wire_dtype, lambda meta, tensors: _outer_state_loader(diloco, meta, tensors))
 
 
 def load_diloco_state(transport: HivemindTransport, diloco: Any, timeout: float) -> bool:
@@ -919,30 +962,35 @@ def load_diloco_state(transport: HivemindTransport, diloco: Any, timeout: float)
     if not meta:
         logger.warning("the peers shared no DiLoCo state (no share_diloco_state there): keeping round and momentum")
         return False
-    _load_outer_state(diloco, meta, tensors)
-    transport._take_snapshot()  # serve what was just loaded, not the state from before it
+    _outer_state_loader(diloco, meta, tensors)()
+    transport.adopt_downloaded_tag()  # and serve what was just loaded, not the state from before it
     return True
 
 
-def _load_outer_state(diloco: Any, meta: dict, tensors: list[torch.Tensor]) -> None:
-    """Load shared outer momentum and round into ``diloco``; its model becomes its global params (which
-    the caller has already set from the peers' broadcast values)."""
+def _outer_state_loader(diloco: Any, meta: dict, tensors: list[torch.Tensor]) -> Callable[[], None]:
+    """Check shared outer momentum and round against ``diloco``; return the function that loads them.
+    Loading makes the model its global params (set by then from the peers' broadcast values)."""
     n = meta.get("num_momentum")
     rnd = meta.get("round")
     if not isinstance(n, int) or not isinstance(rnd, int) or rnd < 0 or len(tensors) != n:
         raise TransportError(f"hivemind: peers shared a DiLoCo state that does not fit ({meta})")
-    state = diloco.state_dict()
-    state["model"] = [p.detach() for p in diloco.global_params]  # after a round the model is the global copy
-    outer = state["outer_optimizer"]
-    keys = list(outer["param_groups"][0]["params"])
+    keys = list(diloco.outer_optimizer.state_dict()["param_groups"][0]["params"])
     if n not in (0, len(keys)):
         raise TransportError(f"hivemind: peers shared {n} momentum buffers for {len(keys)} outer parameter(s)")
-    if n:
-        for k, t in zip(keys, tensors):
-            like = state["global"]
+    like = diloco.state_dict()["global"]
+    try:
+        for t in tensors:
             _check_tensor(t, like.shape, torch.float32, "outer momentum")
-            outer["state"][k] = {"momentum_buffer": t.clone()}
-    state["round"] = rnd
-    state["inner_step"] = rnd * diloco.config.inner_steps
-    diloco.load_state_dict(state)
+    except ValueError as e:
+        raise TransportError(f"hivemind: peers' outer momentum does not fit: {e}") from None
 
+    def load() -> None:
+        state = diloco.state_dict()
+        state["model"] = [p.detach() for p in diloco.global_params]  # after a round the model is the global copy
+        outer = state["outer_optimizer"]
+        outer["state"] = {k: {"momentum_buffer": t.clone()} for k, t in zip(keys, tensors)}  # none before round 1
+        state["round"] = rnd
+        state["inner_step"] = rnd * diloco.config.inner_steps
+        diloco.load_state_dict(state)
+
+    return load

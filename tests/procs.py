@@ -1,0 +1,54 @@
+"""Processes as /proc shows them (Linux; psutil is not required), for tests that check what a peer or
+a launcher leaves behind."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Proc:
+    pid: int
+    name: str
+    state: str
+    """One letter; "Z" is a zombie (exited, not yet reaped)."""
+    ppid: int
+    session: int
+
+
+def processes() -> list[Proc]:
+    out = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                stat = f.read()
+        except OSError:  # exited meanwhile
+            continue
+        fields = stat[stat.rindex(")") + 2 :].split()  # the name may hold spaces and parentheses
+        out.append(Proc(int(entry), stat[stat.index("(") + 1 : stat.rindex(")")], fields[0], int(fields[1]), int(fields[3])))
+    return out
+
+
+def alive(pid: int) -> bool:
+    return any(p.pid == pid and p.state != "Z" for p in processes())
+
+
+def children(pid: int) -> list[int]:
+    return [p.pid for p in processes() if p.ppid == pid]
+
+
+def descendants(pid: int) -> list[Proc]:
+    procs = processes()
+    found, frontier = [], {pid}
+    while frontier:
+        kids = [p for p in procs if p.ppid in frontier]
+        found += kids
+        frontier = {p.pid for p in kids}
+    return found
+
+
+def live_in_session(session: int) -> list[int]:
+    return [p.pid for p in processes() if p.session == session and p.state != "Z"]
