@@ -348,7 +348,11 @@ class _Peer:
         for line in self.proc.stdout:
             if line.startswith("{"):
                 self.lines.put(json.loads(line))
-        self.lines.put({"exited": self.proc.poll()})
+        try:  # stdout closes as the process dies, a moment before its exit status exists: wait for it
+            code = self.proc.wait(10)
+        except subprocess.TimeoutExpired:
+            code = None
+        self.lines.put({"exited": code})
 
     def next(self, timeout: float = 60) -> dict:
         return self.lines.get(timeout=timeout)
