@@ -3,19 +3,22 @@
 Peers have no fixed ranks: whoever matchmakes within ``matchmaking_time`` forms the round's group.
 One all-reduce (``HivemindTransport.all_reduce``) runs in phases:
 
-1. the fp32 values are rounded to the wire dtype into a flat buffer owned by a hivemind averager
-   (one averager per (size, wire dtype), created on first use: hivemind fixes tensors at construction);
-2. matchmaking: a group forms; if none forms, the peer is alone: its own values, 1 contributor, logged;
+1. matchmaking: a group forms; if none forms, the peer is alone: its own values, 1 contributor, logged.
+   Meanwhile the fp32 values are rounded to the wire dtype into a flat buffer owned by a hivemind
+   averager (one per (size, wire dtype), created on first use: hivemind fixes tensors at construction);
+2. state check (for the all-reduce ``track_state`` names: DiLoCo's rounds): groupmates' state tags
+   came with matchmaking; if they differ nothing is sent, peers holding the group's state retry
+   without the others, and a peer that is behind takes the group's state (``StateReplaced``);
 3. butterfly all-reduce: every peer reduces one slice, summing the wire values in fp32 *in group
-   order* and sending back the mean rounded to the wire dtype (not hivemind's compressed delta
-   ``local + fp16(avg - local)``), so every participant holds the very same bits;
+   order* (``reference_mean``) and sending back the mean rounded to the wire dtype (not hivemind's
+   compressed delta ``local + fp16(avg - local)``), so every participant holds the very same bits;
 4. confirm: every peer sends (ok, digest of its result) to every groupmate. It commits only if all
    groupmates reported ok with its own digest; a lost peer or a partial all-reduce (hivemind fills a
    dead reducer's slice with local values) fails the attempt on every survivor, and the round is
    retried among the survivors until ``averaging_timeout + 4 * matchmaking_time`` has passed; after
    a failed attempt a peer never falls back to averaging alone (the others may regroup or give up);
-5. on commit the mean is copied into the caller's tensors; otherwise they are untouched and
-   ``TransportError`` is raised, so DiLoCo keeps its state and the caller may retry.
+5. on commit the mean is copied into the caller's tensors and the state tag advances; otherwise they
+   are untouched and ``TransportError`` is raised, so DiLoCo keeps its state and the caller may retry.
 
 Exact guarantee: the result is ``to_wire(sum_in_group_order(to_wire(x_i)) / n)`` widened to fp32 (for
 fp32 the rounding is the identity), bit-identical on every contributor. Against
