@@ -219,8 +219,8 @@ def test_resume_from_a_saved_round_is_bit_identical(wire_dtype):
 class FailingTransport(Transport):
     """Fault injection: delegates to ``inner`` but fails the reduce whose (1-based) number is in ``fail_at``."""
 
-    def __init__(self, inner: Transport, fail_at: set[int]) -> None:
-        self.inner, self.fail_at, self.calls = inner, fail_at, 0
+    def __init__(self, inner: Transport, fail_at: set[int], error: type[TransportError] = TransportError) -> None:
+        self.inner, self.fail_at, self.calls, self.error = inner, fail_at, 0, error
 
     rank = property(lambda self: self.inner.rank)
     world_size = property(lambda self: self.inner.world_size)
@@ -229,9 +229,11 @@ class FailingTransport(Transport):
         self.calls += 1
         if self.calls in self.fail_at:
 
+            error = self.error
+
             class Failed(ReduceHandle):
                 def wait(self, timeout):
-                    raise TransportError("injected failure")
+                    raise error("injected failure")
 
             return Failed()
         return self.inner.all_reduce(tensors, wire_dtype=wire_dtype)
@@ -329,3 +331,17 @@ def test_step_retries_a_failed_round_before_giving_up():
     with pytest.raises(TransportError, match="injected"):
         dl.step()
     assert dl.round == 1 and t.calls == 7
+
+
+def test_a_replaced_state_drops_the_round_without_retrying_it():
+    from diloco_core import StateReplaced
+
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    t = FailingTransport(InProcessGroup(1).transport(0), fail_at={2}, error=StateReplaced)  # 1: shape check
+    dl = DiLoCo(model, opt, t, DiLoCoConfig(inner_steps=1, round_retries=2))
+    _loss(model, 0, 0).backward()
+    assert dl.step() is None and t.calls == 2  # no retry: the transport has already loaded the group's state
+    opt.zero_grad()
+    _loss(model, 0, 1).backward()
+    assert dl.step().round == 1

@@ -100,7 +100,7 @@ class DiLoCo:
             try:
                 return self.sync()
             except StateReplaced as e:  # the transport loaded the group's state: nothing to retry
-                logger.warning("round %d dropped: %s", self.round + 1, e)
+                logger.warning("this round was dropped (%s); continuing from round %d", e, self.round)
                 return None
             except TransportError as e:
                 if attempt == self.config.round_retries:
