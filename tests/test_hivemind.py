@@ -27,7 +27,10 @@ from transports.hivemind import HivemindConfig, HivemindTransport  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 LOCAL = ["/ip4/127.0.0.1/tcp/0"]
-FAST = dict(host_maddrs=LOCAL, matchmaking_time=1.0, averaging_timeout=8.0)
+# matchmaking_time is the slack a late peer has to find its group (a follower gives up 2 x matchmaking_time
+# after it starts looking, its leader starts the group after 1 x): 1 s was too tight for a loaded 2-core CI
+# machine. Where every peer of a round is known, target_group_size starts the group as soon as all are in.
+FAST = dict(host_maddrs=LOCAL, matchmaking_time=2.0, averaging_timeout=8.0)
 SHAPES = [(7, 3), (5,), (2, 2, 3)]
 
 
@@ -63,10 +66,11 @@ def _p2pd_children() -> set[int]:
 def swarm():
     """Three peers of one run (secret "s"): the first starts the swarm, the others join it."""
     peers: list[HivemindTransport] = []
+    cfg = dict(run_id="contract", secret="s", target_group_size=3, **FAST)
     try:
-        peers.append(HivemindTransport(HivemindConfig(run_id="contract", secret="s", **FAST)))
+        peers.append(HivemindTransport(HivemindConfig(**cfg)))
         for _ in range(2):
-            peers.append(HivemindTransport(HivemindConfig(run_id="contract", secret="s", initial_peers=peers[0].join_addresses, **FAST)))
+            peers.append(HivemindTransport(HivemindConfig(**cfg, initial_peers=peers[0].join_addresses)))
         yield peers
     finally:
         for p in peers:
@@ -85,6 +89,8 @@ def test_config_errors_name_the_field():
         HivemindConfig(initial_peers="1.2.3.4")
     with pytest.raises(ValueError, match="min_group_size=0"):
         HivemindConfig(min_group_size=0)
+    with pytest.raises(ValueError, match=r"target_group_size=2 is invalid: expected none or an integer >= max\(2, min_group_size\) = 3"):
+        HivemindConfig(min_group_size=3, target_group_size=2)
     assert HivemindConfig(initial_peers=["/ip4/1.2.3.4/tcp/5"]).initial_peers == ("/ip4/1.2.3.4/tcp/5",)
 
 
@@ -139,6 +145,23 @@ def test_alone_a_peer_keeps_its_own_values_with_one_contributor(swarm):
     assert result.num_contributors == 1 and torch.equal(x[0], torch.tensor([1.0, 2.5]))
 
 
+@pytest.mark.timeout(60)
+def test_a_full_group_starts_without_waiting_out_matchmaking_time():
+    """With target_group_size peers in, the group forms at once: were it ignored, the group would form only
+    after matchmaking_time (60 s) and the 30 s waits below would run out."""
+    cfg = dict(run_id="full", secret="f", host_maddrs=LOCAL, matchmaking_time=60.0, averaging_timeout=8.0, target_group_size=2)
+    peers = [HivemindTransport(HivemindConfig(**cfg))]
+    try:
+        peers.append(HivemindTransport(HivemindConfig(**cfg, initial_peers=peers[0].join_addresses)))
+        tensors = [[torch.full((8,), 1.0)], [torch.full((8,), 3.0)]]
+        results = _together([lambda t=t, x=x: t.all_reduce(x).wait(30) for t, x in zip(peers, tensors)])
+        assert [r.num_contributors for r in results] == [2, 2], results
+        assert all(torch.equal(x[0], torch.full((8,), 2.0)) for x in tensors)
+    finally:
+        for p in peers:
+            p.close()
+
+
 @pytest.mark.timeout(90)
 def test_a_reducer_that_sends_its_groupmates_a_different_mean_commits_nowhere(monkeypatch):
     """Each reducer keeps its slice's true mean but sends groupmates a changed one (hook inherited by the
@@ -151,7 +174,7 @@ def test_a_reducer_that_sends_its_groupmates_a_different_mean_commits_nowhere(mo
         return out
 
     monkeypatch.setitem(hm._test_hooks, "reducer_sends_mean", corrupt)
-    cfg = dict(run_id="corrupt", secret="c", host_maddrs=LOCAL, matchmaking_time=1.0, averaging_timeout=3.0)
+    cfg = dict(run_id="corrupt", secret="c", host_maddrs=LOCAL, matchmaking_time=2.0, target_group_size=2, averaging_timeout=3.0)
     peers = [HivemindTransport(HivemindConfig(**cfg))]
     try:
         peers.append(HivemindTransport(HivemindConfig(**cfg, initial_peers=peers[0].join_addresses)))
@@ -261,7 +284,7 @@ def _diloco_peer(transport: HivemindTransport, seed: int):
 
 @pytest.mark.timeout(150)
 def test_a_peer_that_fell_behind_takes_its_groups_state_then_averages_with_it():
-    cfg = dict(run_id="behind", secret="b", **FAST)
+    cfg = dict(run_id="behind", secret="b", target_group_size=2, **FAST)
     a = HivemindTransport(HivemindConfig(**cfg))
     b = None
     try:
@@ -293,7 +316,8 @@ def test_a_peer_that_fell_behind_takes_its_groups_state_then_averages_with_it():
 
 @pytest.mark.timeout(90)
 def test_a_peer_without_the_secret_can_neither_contribute_nor_read(swarm):
-    outsiders = [HivemindTransport(HivemindConfig(run_id="contract", secret=s, initial_peers=swarm[0].join_addresses, **FAST)) for s in (None, "wrong")]
+    outsiders = [HivemindTransport(HivemindConfig(run_id="contract", secret=s, target_group_size=3, initial_peers=swarm[0].join_addresses, **FAST))
+                 for s in (None, "wrong")]
     try:
         inside = [[torch.full((4,), 1.0)], [torch.full((4,), 3.0)]]
         outside = [[torch.full((4,), 1000.0)], [torch.full((4,), 5000.0)]]
@@ -372,7 +396,7 @@ class _Peer:
 @pytest.mark.timeout(150)
 def test_diloco_peers_agree_after_every_round_through_a_kill_and_a_restart(tmp_path):
     flag = str(tmp_path / "die")
-    base = dict(run_id="diloco", secret="t", **FAST)
+    base = dict(run_id="diloco", secret="t", target_group_size=3, **FAST)
     peers: list[_Peer] = []
     try:
         peers.append(_Peer(0, base, str(tmp_path / "peer0.log")))

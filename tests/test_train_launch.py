@@ -36,7 +36,8 @@ def test_torchrun_two_workers_end_with_identical_global_params(tmp_path):
 def test_two_hivemind_peers_on_loopback_end_with_identical_global_params(tmp_path):
     pytest.importorskip("hivemind")
     common = ["--set", "transport.kind=hivemind", "--set", 'transport.host_maddrs=["/ip4/127.0.0.1/tcp/0"]',
-              "--set", "transport.matchmaking_time=10.0", "--set", "transport.averaging_timeout=30.0",
+              "--set", "transport.matchmaking_time=10.0", "--set", "transport.target_group_size=2",
+              "--set", "transport.averaging_timeout=30.0",
               "--set", 'transport.secret="test-secret"', "--set", "train.num_shards=2", "--set", "train.steps=20",
               "--set", "diloco.inner_steps=10", "--set", "train.eval_batches=2", "--set", "diloco.wire_dtype=fp16",
               "--set", f"train.runs_dir={str(tmp_path)!r}", "-q"]  # fmt: skip

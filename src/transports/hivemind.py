@@ -85,6 +85,10 @@ class HivemindConfig:
     """Seconds one all-reduce attempt may take once its group has formed."""
     min_group_size: int = 2
     """Smallest group worth averaging with; a peer that finds fewer averages alone (1 contributor)."""
+    target_group_size: int | None = None
+    """Peers expected in a round: a group starts as soon as this many have joined, without waiting out
+    ``matchmaking_time``; more peers than this form further groups. None: every round waits
+    ``matchmaking_time`` for whoever comes."""
     secret: str | None = field(default=None, repr=False)
     """Shared secret of the run: only peers that hold it can matchmake, average or download state.
     None makes an open swarm (logged as a warning)."""
@@ -102,6 +106,9 @@ class HivemindConfig:
         check_field("averaging_timeout", t, is_finite_number(t) and t > 0, "a number of seconds > 0")
         m = self.min_group_size
         check_field("min_group_size", m, isinstance(m, int) and not isinstance(m, bool) and m >= 1, "an integer >= 1")
+        g = self.target_group_size
+        ok = g is None or (isinstance(g, int) and not isinstance(g, bool) and g >= max(2, m))
+        check_field("target_group_size", g, ok, f"none or an integer >= max(2, min_group_size) = {max(2, m)}")
         s = self.secret
         check_field("secret", "<hidden>" if s else s, s is None or (isinstance(s, str) and s != ""), "a non-empty string or none")
 
@@ -615,7 +622,8 @@ class HivemindTransport(Transport):
         request_timeout = min(3.0, cfg.matchmaking_time / 3)
         averager = _averager_class()(
             [torch.zeros(size, dtype=dtype)], self._res.dht, start=False, prefix=prefix, wire_dtype=wire_dtype,
-            min_group_size=cfg.min_group_size, min_matchmaking_time=cfg.matchmaking_time,
+            min_group_size=cfg.min_group_size, target_group_size=cfg.target_group_size,
+            min_matchmaking_time=cfg.matchmaking_time,
             request_timeout=request_timeout, allreduce_timeout=cfg.averaging_timeout,
             next_chunk_timeout=cfg.averaging_timeout / 4, part_size_bytes=_PART_SIZE_BYTES,
             allow_state_sharing=share, declare_state_period=max(5.0, cfg.matchmaking_time),
