@@ -52,3 +52,31 @@ def descendants(pid: int) -> list[Proc]:
 
 def live_in_session(session: int) -> list[int]:
     return [p.pid for p in processes() if p.session == session and p.state != "Z"]
+
+
+def pipe_of(fd: int) -> str | None:
+    """``pipe:[inode]`` if this process's ``fd`` is a pipe end, else None."""
+    target = os.readlink(f"/proc/self/fd/{fd}")
+    return target if target.startswith("pipe:") else None
+
+
+def writers(pipe: str) -> set[int]:
+    """pids of processes with the write end of ``pipe`` (as ``pipe_of`` names it) open."""
+    out = set()
+    for p in processes():
+        try:
+            fds = os.listdir(f"/proc/{p.pid}/fd")
+        except OSError:  # exited meanwhile, or not ours to read
+            continue
+        for fd in fds:
+            try:
+                if os.readlink(f"/proc/{p.pid}/fd/{fd}") != pipe:
+                    continue
+                with open(f"/proc/{p.pid}/fdinfo/{fd}") as f:
+                    flags = int(next(line for line in f if line.startswith("flags:")).split()[1], 8)
+            except (OSError, StopIteration):
+                continue
+            if flags & os.O_ACCMODE == os.O_WRONLY:
+                out.add(p.pid)
+                break
+    return out

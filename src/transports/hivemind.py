@@ -61,6 +61,11 @@ __all__ = ["HivemindConfig", "HivemindTransport", "share_diloco_state", "load_di
 logger = logging.getLogger(__name__)
 
 _INSTALL_HINT = "the hivemind transport needs hivemind: pip install diloco[hivemind]"
+# Held while this module forks a DHT or averager process. multiprocessing makes the pipe that tells a
+# parent its child exited (the sentinel) just before forking; a fork from another thread in between
+# copies that pipe into a second child, and the first child's join() then waits out hivemind's 5 s
+# shutdown grace period for a child that has long exited (several transports in one process: tests).
+_FORK_LOCK = threading.Lock()
 _PART_SIZE_BYTES = 2**19  # hivemind's default part size; tests set it small to get many parts
 
 
@@ -585,10 +590,13 @@ class HivemindTransport(Transport):
         self._on_resync: Callable[[dict, list[torch.Tensor]], Callable[[], None]] | None = None
         self._closed = False
         try:
-            self._res.dht = hivemind.DHT(
-                initial_peers=list(config.initial_peers), start=True, host_maddrs=list(config.host_maddrs),
-                announce_maddrs=list(config.announce_maddrs) or None,
-            )  # fmt: skip
+            with _FORK_LOCK:
+                self._res.dht = hivemind.DHT(
+                    initial_peers=list(config.initial_peers), start=False, host_maddrs=list(config.host_maddrs),
+                    announce_maddrs=list(config.announce_maddrs) or None,
+                )  # fmt: skip
+                self._res.dht.start()
+            self._res.dht.wait_until_ready(60)
             # A 1-value averager that never averages: it serves this peer's state to joiners (a joiner
             # only once it holds the run's state).
             self._state_averager = self._make_averager(1, "fp32", prefix=f"{self._ns}_state", share=not self._joining)
@@ -630,7 +638,8 @@ class HivemindTransport(Transport):
         )  # fmt: skip
         # Started by hand: hivemind's run_in_background would make *this* process ignore Ctrl+C
         # (and fails outside the main thread); the child ignores SIGINT itself (Averager.run).
-        averager.start()
+        with _FORK_LOCK:
+            averager.start()
         self._res.averagers.append(averager)
         averager.wait_until_ready(60)
         return averager
