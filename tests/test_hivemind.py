@@ -311,6 +311,37 @@ def test_a_peer_that_fell_behind_takes_its_groups_state_then_averages_with_it():
                 t.close()
 
 
+@pytest.mark.timeout(150)
+def test_in_a_group_of_three_the_stale_member_resyncs_while_the_others_average():
+    cfg = dict(run_id="behind3", secret="b", target_group_size=3, **FAST)
+    transports: list[HivemindTransport] = []
+    try:
+        transports.append(HivemindTransport(HivemindConfig(**cfg)))
+        a, round_a = _diloco_peer(transports[0], seed=0)
+        others = []
+        for seed in (1, 2):
+            transports.append(HivemindTransport(HivemindConfig(**cfg, initial_peers=transports[0].join_addresses)))
+            others.append(_diloco_peer(transports[-1], seed=seed))
+        (b, round_b), (c, round_c) = others
+        assert [r.num_contributors for r in _together([round_a, round_b, round_c])] == [3, 3, 3]
+        assert [r.num_contributors for r in _together([round_a, round_b])] == [2, 2]  # c sits this one out
+        ra, rb, rc = _together([round_a, round_b, round_c])
+        # c is behind: it takes the state a and b hold; they retry the round without it
+        assert rc is None and ra.num_contributors == rb.num_contributors == 2, (ra, rb, rc)
+        assert a.round == b.round == c.round == 3
+        for rnd in (4, 5):  # in step again: all three average together
+            assert [r.num_contributors for r in _together([round_a, round_b, round_c])] == [3, 3, 3]
+            assert a.round == b.round == c.round == rnd
+            for other in (b, c):
+                assert all(torch.equal(x, y) for x, y in zip(a.global_params, other.global_params))
+                assert a.outer_optimizer.state_dict()["state"][0]["momentum_buffer"].equal(
+                    other.outer_optimizer.state_dict()["state"][0]["momentum_buffer"]
+                )
+    finally:
+        for t in transports:
+            t.close()
+
+
 # -- the secret --------------------------------------------------------------------------------------------
 
 
