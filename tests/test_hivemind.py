@@ -155,6 +155,7 @@ def test_a_full_group_starts_without_waiting_out_matchmaking_time():
         peers.append(HivemindTransport(HivemindConfig(**cfg, initial_peers=peers[0].join_addresses)))
         tensors = [[torch.full((8,), 1.0)], [torch.full((8,), 3.0)]]
         results = _together([lambda t=t, x=x: t.all_reduce(x).wait(30) for t, x in zip(peers, tensors)])
+        assert not any(isinstance(r, Exception) for r in results), results
         assert [r.num_contributors for r in results] == [2, 2], results
         assert all(torch.equal(x[0], torch.full((8,), 2.0)) for x in tensors)
     finally:
