@@ -58,10 +58,8 @@ def main() -> None:
         model = torch.nn.Linear(32, 32)
         inner = torch.optim.SGD(model.parameters(), lr=0.1)
         config = DiLoCoConfig(inner_steps=INNER_STEPS, wire_dtype="fp16", reduce_timeout=60)
-        diloco = DiLoCo(model, inner, transport, config)
-        loaded = hm.load_diloco_state(transport, diloco, timeout=30)
-        hm.share_diloco_state(transport, diloco)
-        say(ready=True, loaded=loaded, round=diloco.round, digest=digest(diloco))
+        diloco = DiLoCo(model, inner, transport, config)  # a joiner loads the run's state here (attach)
+        say(ready=True, loaded=diloco.joined, round=diloco.round, digest=digest(diloco))
         data = torch.Generator().manual_seed(100 + name)
         for line in sys.stdin:
             cmd = line.strip()

@@ -345,3 +345,22 @@ def test_a_replaced_state_drops_the_round_without_retrying_it():
     opt.zero_grad()
     _loss(model, 0, 1).backward()
     assert dl.step().round == 1
+
+
+def test_the_transport_is_attached_once_the_global_params_are_in_place():
+    """``attach`` is where a transport whose peers come and go loads the run's outer state (hivemind);
+    it must see the broadcast global params, and its answer becomes ``DiLoCo.joined``."""
+
+    def build(transport: Transport) -> tuple[DiLoCo, list]:
+        seen: list = []
+        if transport.rank == 1:  # this worker pretends to join a running run
+            transport.attach = lambda diloco, timeout: seen.append(([p.clone() for p in diloco.global_params], timeout)) or True
+        model = Scalar([float(transport.rank + 1), 5.0])  # different weights per rank: the broadcast fixes that
+        dl = DiLoCo(model, torch.optim.SGD(model.parameters(), lr=1.0), transport, DiLoCoConfig(inner_steps=1, reduce_timeout=7))
+        return dl, seen
+
+    (first, none), (joiner, seen) = run_threads(2, build)
+    assert not first.joined and not none  # the default attach does nothing
+    assert joiner.joined
+    [(params, timeout)] = seen
+    assert timeout == 7 and torch.equal(params[0], torch.tensor([1.0, 5.0]))  # rank 0's weights, broadcast first

@@ -263,14 +263,11 @@ def test_a_reduce_that_committed_as_the_wait_ran_out_is_reported_as_done():
 
 def _diloco_peer(transport: HivemindTransport, seed: int):
     from diloco_core import DiLoCo, DiLoCoConfig
-    from transports.hivemind import load_diloco_state, share_diloco_state
 
     torch.manual_seed(seed)
     model = torch.nn.Linear(8, 8)
     inner = torch.optim.SGD(model.parameters(), lr=0.1)
     diloco = DiLoCo(model, inner, transport, DiLoCoConfig(inner_steps=2, wire_dtype="fp16", reduce_timeout=60))
-    load_diloco_state(transport, diloco, timeout=30)
-    share_diloco_state(transport, diloco)
     data = torch.randn(16, 8, generator=torch.Generator().manual_seed(seed))
 
     def one_round():

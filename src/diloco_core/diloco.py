@@ -84,6 +84,9 @@ class DiLoCo:
             self._global.copy_from(self.params)
             transport.broadcast([self._global.flat], src=0, timeout=config.reduce_timeout)
             self._global.copy_to(self.params)
+        self.joined = transport.attach(self, timeout=config.reduce_timeout)
+        """True if this worker joined a run already going: global params, outer momentum and round came
+        from its peers (only transports whose peers come and go do that)."""
 
     @property
     def global_params(self) -> list[torch.Tensor]:

@@ -6,8 +6,12 @@ import concurrent.futures
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from .diloco import DiLoCo
 
 __all__ = ["Transport", "ReduceHandle", "FutureHandle", "ReduceResult", "TransportError", "StateReplaced"]
 
@@ -63,6 +67,16 @@ class Transport(ABC):
     tensors. On success they hold the fp32 mean over the contributors that actually took part (see
     ``diloco_core.wire.reference_mean``): the core never divides by a world size it remembered.
     """
+
+    fixed_ranks: bool = True
+    """True where ``rank`` and ``world_size`` hold for the whole run (in-process, torch.distributed), so
+    ranks can agree on a resume step and split the data by rank. False where peers come and go (hivemind)."""
+
+    def attach(self, diloco: DiLoCo, timeout: float) -> bool:
+        """Called by ``DiLoCo`` once its global params are in place. A transport whose peers come and go
+        loads the run's outer state (momentum, round) from its peers here and serves this worker's to
+        later joiners; it returns True if it loaded one. The default does nothing."""
+        return False
 
     @property
     @abstractmethod

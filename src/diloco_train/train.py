@@ -233,16 +233,10 @@ class _Worker:
         )  # fmt: skip
         params = [p for p in model.parameters() if p.requires_grad]
         diloco: DiLoCo | None = None
-        joined = False  # a hivemind peer that took the swarm's global params, momentum and round
         grads: FlatBuffer | None = None
         if t.mode == "diloco":
             assert self.transport is not None
-            diloco = DiLoCo(model, optimizer, self.transport, c.diloco)
-            if c.transport.get("kind") == "hivemind":  # a joiner takes the swarm's round and outer momentum
-                from transports.hivemind import load_diloco_state, share_diloco_state
-
-                joined = load_diloco_state(self.transport, diloco, timeout=timeout)
-                share_diloco_state(self.transport, diloco)
+            diloco = DiLoCo(model, optimizer, self.transport, c.diloco)  # a joiner takes the run's outer state here
         elif t.mode == "ddp":
             assert self.transport is not None
             with torch.no_grad():
@@ -254,13 +248,13 @@ class _Worker:
         if self.resume:
             steps = list_checkpoints(ckpt_dir, self.rank)
             step = steps[-1] if steps else -1
-            if self.config.transport.get("kind") != "hivemind":  # hivemind peers have no fixed ranks to agree among
+            if self.transport is None or self.transport.fixed_ranks:  # peers that come and go have no ranks to agree
                 step = _common_step(self.transport, steps, timeout)
             if step >= 0:
                 if self.rank == 0:  # drop what was logged after the checkpoint all ranks resume from
                     _truncate_metrics(self.run_dir, step)
                 state = load_checkpoint(checkpoint_path(ckpt_dir, step, self.rank))
-                self._load(state, model, optimizer, diloco, sampler, keep_swarm_state=joined)
+                self._load(state, model, optimizer, diloco, sampler)
                 logger.info("rank %d: resumed from step %d", self.rank, step)
             else:  # crashed (or restarted by torchrun) before its first checkpoint: start over
                 step = 0
@@ -358,17 +352,17 @@ class _Worker:
         save_checkpoint(self.run_dir / "checkpoints", step, self.rank, state, self.t.keep_checkpoints)
 
     def _load(self, state: dict[str, Any], model: Llama, optimizer: torch.optim.Optimizer, diloco: DiLoCo | None,
-              sampler: BatchSampler, keep_swarm_state: bool = False) -> None:  # fmt: skip
+              sampler: BatchSampler) -> None:  # fmt: skip
         if state.get("format") != _CHECKPOINT_FORMAT:
             raise ValueError(f"checkpoint format {state.get('format')!r} is not {_CHECKPOINT_FORMAT}")
-        hivemind = self.config.transport.get("kind") == "hivemind"  # group sizes change from round to round
-        if state["mode"] != self.t.mode or (not hivemind and state["world_size"] != self.world_size):
+        fixed = self.transport is None or self.transport.fixed_ranks  # else group sizes change from round to round
+        if state["mode"] != self.t.mode or (fixed and state["world_size"] != self.world_size):
             raise ValueError(
                 f"the checkpoint is of a {state['mode']} run with {state['world_size']} worker(s); "
                 f"this run is {self.t.mode} with {self.world_size}"
             )
         core = state["core"]
-        if diloco is not None and keep_swarm_state:
+        if diloco is not None and diloco.joined:
             # The swarm's global params, outer momentum and round are newer than this checkpoint:
             # take only what is this peer's own, its inner optimizer (and its data position, below).
             optimizer.load_state_dict(core["inner_optimizer"])

@@ -29,7 +29,7 @@ an ulp of the wire dtype) and, for 3 or more peers, by fp32 summation order.
 values, a joining peer downloads them from any peer that already holds them (``src`` must be 0,
 meaning "whoever holds the run's state"). Peers serve a snapshot taken at each broadcast and at the
 start of each all-reduce (a point between rounds), plus whatever ``share_state`` adds (DiLoCo's
-outer momentum and round: see ``share_diloco_state`` / ``load_diloco_state``).
+outer momentum and round: ``HivemindTransport.attach``, which ``DiLoCo`` calls).
 
 Only peers that know the run's ``secret`` can take part: every DHT key and RPC namespace is derived
 from HMAC-SHA256(secret, run_id). Nothing received is unpickled (protobuf and msgpack only) and every
@@ -56,7 +56,7 @@ from diloco_core.config import check_field, is_finite_number
 from diloco_core.transport import FutureHandle, ReduceHandle, ReduceResult, StateReplaced, Transport, TransportError
 from diloco_core.wire import reference_mean, wire_torch_dtype
 
-__all__ = ["HivemindConfig", "HivemindTransport", "share_diloco_state", "load_diloco_state"]
+__all__ = ["HivemindConfig", "HivemindTransport"]
 
 logger = logging.getLogger(__name__)
 
@@ -611,6 +611,15 @@ class HivemindTransport(Transport):
 
     # -- membership --------------------------------------------------------------------------------
 
+    fixed_ranks = False  # whoever matchmakes in time forms a round's group
+
+    def attach(self, diloco: Any, timeout: float) -> bool:
+        """Take the run's outer momentum and round from the peers (a joiner; False on the swarm's first
+        peer), then serve this peer's to later joiners and re-sync it when a round finds it behind."""
+        joined = _load_diloco_state(self, diloco, timeout)
+        _share_diloco_state(self, diloco)
+        return joined
+
     @property
     def rank(self) -> int:
         """This peer's index in its last group (peers have no fixed rank; 0 before the first round)."""
@@ -845,7 +854,7 @@ class HivemindTransport(Transport):
 
     def track_state(self, numel: int, wire_dtype: str, on_resync: Callable[[dict, list[torch.Tensor]], Callable[[], None]]) -> None:
         """Declare the all-reduce of ``numel`` values on ``wire_dtype`` as the one whose results make up the
-        run's state (DiLoCo's rounds; ``share_diloco_state`` calls this). From then on groupmates compare
+        run's state (DiLoCo's rounds; ``_share_diloco_state`` calls this). From then on groupmates compare
         state tags before averaging: a peer that is behind or has diverged takes its group's state
         instead and its ``all_reduce`` raises ``StateReplaced``. ``on_resync(extra meta, extra tensors)``
         checks what ``share_state`` served and returns the function that loads it (called after the
@@ -944,7 +953,7 @@ def _valid_state(meta: Any, tensors: Any) -> bool:
 # -- DiLoCo's outer state for joiners (public DiLoCo API only) -----------------------------------------
 
 
-def share_diloco_state(transport: HivemindTransport, diloco: Any) -> None:
+def _share_diloco_state(transport: HivemindTransport, diloco: Any) -> None:
     """Serve ``diloco``'s outer momentum and round to joiners (the global params travel by broadcast),
     and let the transport re-sync ``diloco`` when a round finds it behind its group (``track_state``).
 
@@ -972,14 +981,14 @@ def share_diloco_state(transport: HivemindTransport, diloco: Any) -> None:
     transport.track_state(numel, diloco.config.wire_dtype, lambda meta, tensors: _outer_state_loader(diloco, meta, tensors))
 
 
-def load_diloco_state(transport: HivemindTransport, diloco: Any, timeout: float) -> bool:
+def _load_diloco_state(transport: HivemindTransport, diloco: Any, timeout: float) -> bool:
     """On a joiner, take the outer momentum and round the peers shared; False on the swarm's first peer."""
     got = transport.load_state(timeout)
     if got is None:
         return False
     meta, tensors = got
     if not meta:
-        logger.warning("the peers shared no DiLoCo state (no share_diloco_state there): keeping round and momentum")
+        logger.warning("the peers shared no DiLoCo state (they broadcast without a DiLoCo): keeping round and momentum")
         return False
     _outer_state_loader(diloco, meta, tensors)()
     transport.adopt_downloaded_tag()  # and serve what was just loaded, not the state from before it
