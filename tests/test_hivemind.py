@@ -6,6 +6,7 @@ and averager processes); the DiLoCo tests run every peer as its own process (tes
 
 from __future__ import annotations
 
+import glob
 import json
 import os
 import queue
@@ -368,17 +369,19 @@ def test_a_peer_without_the_secret_can_neither_contribute_nor_read(swarm):
 
 @pytest.mark.timeout(60)
 def test_close_leaves_no_p2pd_daemon_behind():
-    before = _p2pd_children()
+    before, sockets_before = _p2pd_children(), set(glob.glob("/tmp/hivemind-*.sock"))
     t = HivemindTransport(HivemindConfig(run_id="close", **FAST))
     t.all_reduce([torch.ones(3)]).wait(30)  # starts an averager process too
     mine = _p2pd_children() - before
     assert mine, "expected this transport to run a p2pd daemon"
+    assert len(set(glob.glob("/tmp/hivemind-*.sock")) - sockets_before) >= 3  # the daemon's, the DHT's and averagers'
     t.close()
     t.close()  # idempotent
     deadline = time.monotonic() + 10
     while any(procs.alive(p) for p in mine) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert not any(procs.alive(p) for p in mine)
+    assert set(glob.glob("/tmp/hivemind-*.sock")) - sockets_before == set()  # no socket file left in /tmp either
     with pytest.raises(TransportError, match="closed"):
         t.all_reduce([torch.ones(3)])
 

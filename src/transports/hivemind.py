@@ -421,6 +421,13 @@ def _averager_class() -> type:
             meta, tensors = fn() if fn is not None else ({"ready": False}, [])
             return meta, tensors, None
 
+        async def _shutdown(self, timeout: float | None) -> None:
+            try:
+                await super()._shutdown(timeout)
+            finally:  # hivemind leaves the replica's client socket in /tmp (one file per averager, never reused)
+                if getattr(self, "_p2p", None) is not None:
+                    await self._p2p.shutdown()
+
         async def rpc_confirm(self, request: averaging_pb2.AveragingData, context: P2PContext) -> averaging_pb2.AveragingData:
             box = self._confirm_box(request.group_id)
             box["got"][context.remote_id] = (request.code == averaging_pb2.AVERAGED_PART, request.tensor_part.buffer)
