@@ -400,6 +400,35 @@ def test_averagers_started_at_once_can_each_be_joined_alone(swarm):
             assert writers == {averager.pid}, f"the exit sentinel of averager {averager.pid} is also held by {writers - {averager.pid}}"
 
 
+_CRASH = """
+import torch
+from transports.hivemind import HivemindConfig, HivemindTransport
+t = HivemindTransport(HivemindConfig(run_id="crash", secret="c", host_maddrs=["/ip4/127.0.0.1/tcp/0"], matchmaking_time=0.5))
+t.all_reduce([torch.ones(3)]).wait(30)  # an averager process too
+raise RuntimeError("boom: the training loop failed and nobody called close()")
+"""
+
+
+@pytest.mark.timeout(60)
+def test_an_exception_without_close_leaves_nothing_behind():
+    sockets_before = set(glob.glob("/tmp/hivemind-*.sock"))
+    env = {**os.environ, "PYTHONPATH": os.path.join(os.path.dirname(HERE), "src")}
+    proc = subprocess.Popen([sys.executable, "-c", _CRASH], stderr=subprocess.PIPE, text=True, env=env, start_new_session=True)
+    try:
+        err = proc.communicate(timeout=45)[1]
+        assert proc.returncode == 1 and "RuntimeError: boom" in err, err[-2000:]
+        deadline = time.monotonic() + 10
+        while procs.live_in_session(proc.pid) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert procs.live_in_session(proc.pid) == [], "the DHT, averager or p2pd of the crashed process are still running"
+        assert set(glob.glob("/tmp/hivemind-*.sock")) - sockets_before == set()
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
 # -- DiLoCo peers as processes: rounds, a SIGKILL mid-all-reduce, a restart ----------------------------------
 
 
