@@ -99,3 +99,23 @@ def test_resume_without_a_checkpoint_starts_the_run(tmp_path: Path, capsys: pyte
     assert main(["train", "--name", "fresh", "--resume", *common]) == 0
     run = tmp_path / "fresh"
     assert (run / "metrics.jsonl").is_file() and (run / "checkpoints").is_dir()
+
+
+@pytest.mark.timeout(180)
+def test_a_hivemind_peer_resumes_exactly(tmp_path: Path) -> None:
+    """A transport without fixed ranks: no common resume step to agree on, DiLoCo's state (with the
+    transport's state tag) comes back from the checkpoint. One peer, so every round averages alone."""
+    pytest.importorskip("hivemind")
+    hivemind = [
+        "--set", "transport.kind=hivemind", "--set", 'transport.host_maddrs=["/ip4/127.0.0.1/tcp/0"]',
+        "--set", "transport.matchmaking_time=0.5", "--set", 'transport.secret="s"',
+        "--set", "train.shard=0", "--set", "train.num_shards=1",
+    ]  # fmt: skip
+    common = ["--set", f"train.runs_dir={tmp_path!s}", *FAST, *hivemind]
+    assert main(["train", "--name", "whole", *common]) == 0
+    assert main(["train", "--name", "split", *common, "--set", "train.stop_after=6"]) == 0
+    # The secret is never written into the run's config: give it again.
+    assert main(["train", "--name", "split", "--resume", "--set", f"train.runs_dir={tmp_path!s}", "-q",
+                 "--set", 'transport.secret="s"']) == 0  # fmt: skip
+    whole, split = _losses(tmp_path / "whole"), _losses(tmp_path / "split")
+    assert len(whole) == 12 and split == whole

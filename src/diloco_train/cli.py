@@ -39,18 +39,20 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _train(args: argparse.Namespace, argv: list[str]) -> int:
-    from .config import build_config, load_toml
+    from .config import build_config, load_toml, parse_override
     from .train import train
 
     base = None
-    config = build_config(args.config, args.overrides)
     if args.resume:
         if not args.name:
             raise ValueError("--resume needs --name RUN: the run to continue")
-        saved = Path(config.train.runs_dir) / args.name / "config.toml"
+        # The overrides apply to the saved config (e.g. a hivemind run's secret, never saved), so they are
+        # not checked against the defaults first: only train.runs_dir is needed to find the run.
+        runs_dir = build_config((), [o for o in args.overrides if parse_override(o)[:2] == ("train", "runs_dir")]).train.runs_dir
+        saved = Path(runs_dir) / args.name / "config.toml"
         if not args.config and saved.is_file():  # else nothing to resume yet: start the run as configured
             base = load_toml(saved)
-            config = build_config((), args.overrides, base=base)
+    config = build_config(args.config, args.overrides, base=base)
     name = args.name or f"{config.train.mode}-{time.strftime('%Y%m%d-%H%M%S')}"
     run_dir = Path(config.train.runs_dir) / name
     t = config.train
