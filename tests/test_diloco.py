@@ -224,6 +224,16 @@ class FailingTransport(Transport):
 
     rank = property(lambda self: self.inner.rank)
     world_size = property(lambda self: self.inner.world_size)
+    fixed_ranks = property(lambda self: self.inner.fixed_ranks)
+
+    def attach(self, diloco, timeout):
+        return self.inner.attach(diloco, timeout)
+
+    def state_dict(self):
+        return self.inner.state_dict()
+
+    def load_state_dict(self, state):
+        self.inner.load_state_dict(state)
 
     def all_reduce(self, tensors, *, wire_dtype="fp32") -> ReduceHandle:
         self.calls += 1
@@ -353,8 +363,13 @@ def test_the_transport_is_attached_once_the_global_params_are_in_place():
 
     def build(transport: Transport) -> tuple[DiLoCo, list]:
         seen: list = []
-        if transport.rank == 1:  # this worker pretends to join a running run
-            transport.attach = lambda diloco, timeout: seen.append(([p.clone() for p in diloco.global_params], timeout)) or True
+
+        def attach(diloco: DiLoCo, timeout: float) -> bool:  # this worker pretends to join a running run
+            seen.append(([p.clone() for p in diloco.global_params], timeout))
+            return True
+
+        if transport.rank == 1:
+            transport.attach = attach
         model = Scalar([float(transport.rank + 1), 5.0])  # different weights per rank: the broadcast fixes that
         dl = DiLoCo(model, torch.optim.SGD(model.parameters(), lr=1.0), transport, DiLoCoConfig(inner_steps=1, reduce_timeout=7))
         return dl, seen
@@ -364,3 +379,19 @@ def test_the_transport_is_attached_once_the_global_params_are_in_place():
     assert joiner.joined
     [(params, timeout)] = seen
     assert timeout == 7 and torch.equal(params[0], torch.tensor([1.0, 5.0]))  # rank 0's weights, broadcast first
+
+
+def test_the_transports_state_travels_inside_diloco_state():
+    t = InProcessGroup(1).transport(0)
+    loaded: list = []
+    t.state_dict = lambda: {"tag": (3, b"x")}
+    t.load_state_dict = loaded.append
+    model = _model()
+    dl = DiLoCo(model, torch.optim.SGD(model.parameters(), lr=0.1), t, DiLoCoConfig(inner_steps=1))
+    state = dl.state_dict()
+    assert state["transport"] == {"tag": (3, b"x")}
+    dl.load_state_dict(state)
+    assert loaded == [{"tag": (3, b"x")}]  # after DiLoCo's own state: hivemind serves what was loaded
+    del state["transport"]  # a checkpoint written before transports had state
+    dl.load_state_dict(state)
+    assert loaded == [{"tag": (3, b"x")}]

@@ -139,7 +139,8 @@ class DiLoCo:
         return report
 
     def state_dict(self) -> dict[str, Any]:
-        """Everything needed to continue bit-identically: model, global copy, both optimizers, counters."""
+        """Everything needed to continue bit-identically: model, global copy, both optimizers, counters,
+        and what the transport keeps about the run's state."""
         return {
             "model": [p.detach() for p in self.params],
             "global": self._global.flat,
@@ -147,6 +148,7 @@ class DiLoCo:
             "inner_optimizer": self.inner_optimizer.state_dict(),
             "inner_step": self.inner_step,
             "round": self.round,
+            "transport": self.transport.state_dict(),
         }
 
     @torch.no_grad()
@@ -167,6 +169,8 @@ class DiLoCo:
         self.inner_optimizer.load_state_dict(state["inner_optimizer"])
         self.inner_step = int(state["inner_step"])
         self.round = int(state["round"])
+        if "transport" in state:  # absent from checkpoints written before it existed
+            self.transport.load_state_dict(state["transport"])
 
     def _check_same_shapes(self) -> None:
         """Refuse, on every rank, a group whose models differ in parameter shapes or dtypes."""

@@ -68,15 +68,26 @@ class Transport(ABC):
     ``diloco_core.wire.reference_mean``): the core never divides by a world size it remembered.
     """
 
+    # The three members below have defaults for fixed-rank transports; a transport that wraps another
+    # (fault injection, tracing) must forward them.
+
     fixed_ranks: bool = True
     """True where ``rank`` and ``world_size`` hold for the whole run (in-process, torch.distributed), so
-    ranks can agree on a resume step and split the data by rank. False where peers come and go (hivemind)."""
+    ranks can agree on a resume step and check the world size. False where peers come and go (hivemind)."""
 
     def attach(self, diloco: DiLoCo, timeout: float) -> bool:
-        """Called by ``DiLoCo`` once its global params are in place. A transport whose peers come and go
-        loads the run's outer state (momentum, round) from its peers here and serves this worker's to
+        """Called once by ``DiLoCo`` once its global params are in place. A transport whose peers come and
+        go loads the run's outer state (momentum, round) from its peers here and serves this worker's to
         later joiners; it returns True if it loaded one. The default does nothing."""
         return False
+
+    def state_dict(self) -> dict:
+        """What the transport keeps about the run's state (hivemind: its state tag), saved within
+        ``DiLoCo.state_dict()`` and handed back to ``load_state_dict`` on resume. Default: nothing."""
+        return {}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Called by ``DiLoCo.load_state_dict`` after DiLoCo's own state is in place."""
 
     @property
     @abstractmethod

@@ -92,7 +92,8 @@ class HivemindConfig:
     """Smallest group worth averaging with; a peer that finds fewer averages alone (1 contributor)."""
     target_group_size: int | None = None
     """Peers expected in a round: a group starts as soon as this many have joined, without waiting out
-    ``matchmaking_time``; more peers than this form further groups. None: every round waits
+    ``matchmaking_time``. Never below the number of peers: more peers than this form a second group,
+    and one group's round is dropped when their members next meet. None: every round waits
     ``matchmaking_time`` for whoever comes."""
     secret: str | None = field(default=None, repr=False)
     """Shared secret of the run: only peers that hold it can matchmake, average or download state.
@@ -535,6 +536,13 @@ def _retryable() -> tuple[type, ...]:
 _test_hooks: dict[str, Callable[[Any], Any]] = {}
 
 
+def _wait_until_ready(process: Any, what: str, timeout: float = 60.0) -> None:
+    try:
+        process.wait_until_ready(timeout)
+    except concurrent.futures.TimeoutError:
+        raise TransportError(f"hivemind: the {what} process did not start within {timeout:g}s") from None
+
+
 def _test_hook(name: str, value: Any = None) -> Any:
     """Fault injection for tests: returns ``value`` unless a test installed a hook (which may replace it).
     Hooks must be set before the averager processes they should act in are forked."""
@@ -584,7 +592,7 @@ class HivemindTransport(Transport):
         self._joining = bool(config.initial_peers)
         self._res = _Resources()
         self._finalizer = weakref.finalize(self, self._res.close)
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()  # re-entered: a re-sync loads DiLoCo, whose state_dict() reads the tags
         self._averagers: dict[tuple[int, str], Any] = {}
         self._shared: list[list[torch.Tensor]] = []  # the tensors of every broadcast, in call order
         self._extra_fn: Callable[[], tuple[dict, list[torch.Tensor]]] | None = None
@@ -603,7 +611,7 @@ class HivemindTransport(Transport):
                     announce_maddrs=list(config.announce_maddrs) or None,
                 )  # fmt: skip
                 self._res.dht.start()
-            self._res.dht.wait_until_ready(60)
+            _wait_until_ready(self._res.dht, "DHT")
             # A 1-value averager that never averages: it serves this peer's state to joiners (a joiner
             # only once it holds the run's state).
             self._state_averager = self._make_averager(1, "fp32", prefix=f"{self._ns}_state", share=not self._joining)
@@ -623,9 +631,26 @@ class HivemindTransport(Transport):
     def attach(self, diloco: Any, timeout: float) -> bool:
         """Take the run's outer momentum and round from the peers (a joiner; False on the swarm's first
         peer), then serve this peer's to later joiners and re-sync it when a round finds it behind."""
+        if self._on_resync is not None:
+            raise ValueError("this HivemindTransport already serves a DiLoCo: use one transport per DiLoCo")
         joined = _load_diloco_state(self, diloco, timeout)
         _share_diloco_state(self, diloco)
         return joined
+
+    def state_dict(self) -> dict:
+        """The state tag (and the one before it), so that a peer resumed from a checkpoint is compared
+        with its group by the rounds it really holds, not as a fresh start."""
+        with self._lock:
+            return {"tag": self._tag, "prev_tag": self._prev_tag}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Take back the tags of a checkpoint (DiLoCo's state is in place by now) and serve that state."""
+        tag, prev = state.get("tag"), state.get("prev_tag")
+        if not _valid_tag(tag) or not (prev is None or _valid_tag(prev)):
+            raise ValueError(f"hivemind transport state holds no valid state tag: {state!r}")
+        with self._lock:
+            self._tag, self._prev_tag = (int(tag[0]), bytes(tag[1])), (None if prev is None else (int(prev[0]), bytes(prev[1])))
+        self._take_snapshot()  # joiners now get the loaded state, not the one from before it
 
     @property
     def rank(self) -> int:
@@ -657,7 +682,7 @@ class HivemindTransport(Transport):
         with _FORK_LOCK:
             averager.start()
         self._res.averagers.append(averager)
-        averager.wait_until_ready(60)
+        _wait_until_ready(averager, "averager")
         return averager
 
     def _averager(self, size: int, wire_dtype: str) -> Any:
@@ -1021,6 +1046,7 @@ def _outer_state_loader(diloco: Any, meta: dict, tensors: list[torch.Tensor]) ->
 
     def load() -> None:
         state = diloco.state_dict()
+        del state["transport"]  # the caller sets the tag of what it loads
         state["model"] = [p.detach() for p in diloco.global_params]  # after a round the model is the global copy
         outer = state["outer_optimizer"]
         outer["state"] = {k: {"momentum_buffer": t.clone()} for k, t in zip(keys, tensors)}  # none before round 1
