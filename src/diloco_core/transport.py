@@ -68,7 +68,7 @@ class Transport(ABC):
     ``diloco_core.wire.reference_mean``): the core never divides by a world size it remembered.
     """
 
-    # The three members below have defaults for fixed-rank transports; a transport that wraps another
+    # The four members below have defaults for fixed-rank transports; a transport that wraps another
     # (fault injection, tracing) must forward them.
 
     fixed_ranks: bool = True
@@ -76,7 +76,7 @@ class Transport(ABC):
     ranks can agree on a resume step and check the world size. False where peers come and go (hivemind)."""
 
     def attach(self, diloco: DiLoCo, timeout: float) -> bool:
-        """Called once by ``DiLoCo`` once its global params are in place. A transport whose peers come and
+        """Called once by ``DiLoCo``, when its global params are in place. A transport whose peers come and
         go loads the run's outer state (momentum, round) from its peers here and serves this worker's to
         later joiners; it returns True if it loaded one. The default does nothing."""
         return False

@@ -48,8 +48,8 @@ def _train(args: argparse.Namespace, argv: list[str]) -> int:
             raise ValueError("--resume needs --name RUN: the run to continue")
         # The overrides apply to the saved config (e.g. a hivemind run's secret, never saved), so they are
         # not checked against the defaults first: only train.runs_dir is needed to find the run.
-        runs_dir = build_config((), [o for o in args.overrides if parse_override(o)[:2] == ("train", "runs_dir")]).train.runs_dir
-        saved = Path(runs_dir) / args.name / "config.toml"
+        where = [o for o in args.overrides if parse_override(o)[:2] == ("train", "runs_dir")]
+        saved = Path(build_config((), where).train.runs_dir) / args.name / "config.toml"
         if not args.config and saved.is_file():  # else nothing to resume yet: start the run as configured
             base = load_toml(saved)
     config = build_config(args.config, args.overrides, base=base)

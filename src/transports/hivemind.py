@@ -649,7 +649,8 @@ class HivemindTransport(Transport):
         if not _valid_tag(tag) or not (prev is None or _valid_tag(prev)):
             raise ValueError(f"hivemind transport state holds no valid state tag: {state!r}")
         with self._lock:
-            self._tag, self._prev_tag = (int(tag[0]), bytes(tag[1])), (None if prev is None else (int(prev[0]), bytes(prev[1])))
+            self._tag = (int(tag[0]), bytes(tag[1]))
+            self._prev_tag = None if prev is None else (int(prev[0]), bytes(prev[1]))
         self._take_snapshot()  # joiners now get the loaded state, not the one from before it
 
     @property
