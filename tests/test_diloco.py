@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from diloco_core import DiLoCo, DiLoCoConfig, ReduceHandle, Transport, TransportError
+from diloco_core.config import outer_lr_for
 from transports import InProcessGroup
 
 pytestmark = pytest.mark.timeout(60)
@@ -324,7 +325,7 @@ def test_config_is_keyword_only_and_frozen():
     with pytest.raises(TypeError):
         DiLoCoConfig(500)  # type: ignore[misc]
     cfg = DiLoCoConfig()
-    assert (cfg.inner_steps, cfg.outer_lr, cfg.outer_momentum, cfg.nesterov, cfg.wire_dtype) == (500, 0.7, 0.9, True, "fp32")
+    assert (cfg.inner_steps, cfg.outer_lr, cfg.outer_momentum, cfg.nesterov, cfg.wire_dtype) == (500, None, 0.5, True, "fp32")
     with pytest.raises(AttributeError):
         cfg.inner_steps = 3  # type: ignore[misc]
 
@@ -395,3 +396,78 @@ def test_the_transports_state_travels_inside_diloco_state():
     del state["transport"]  # a checkpoint written before transports had state
     dl.load_state_dict(state)
     assert loaded == [{"tag": (3, b"x")}]
+
+
+# -- round diagnostics: norms and agreement, against numbers computed by hand ----------------------------
+
+
+def _one_round(moves: list[list[float]], wire_dtype: str = "fp32"):
+    """Every worker starts at [1, 2, 2] and takes one inner SGD(lr=1) step to its ``moves`` target."""
+
+    def worker(t: Transport):
+        model = Scalar([1.0, 2.0, 2.0])
+        opt = torch.optim.SGD(model.parameters(), lr=1.0)
+        dl = DiLoCo(model, opt, t, DiLoCoConfig(inner_steps=1, outer_lr=1.0, outer_momentum=0.0, wire_dtype=wire_dtype))
+        move_to(model, opt, moves[t.rank])
+        return dl.step()
+
+    return run_threads(len(moves), worker)
+
+
+def test_one_worker_agrees_with_itself_and_reports_its_norm():
+    # pseudo-gradient [1, 2, 2] - [0, 0, 0] = [1, 2, 2]: norm 3.
+    (report,) = _one_round([[0.0, 0.0, 0.0]])
+    assert report.pseudo_grad_norm == pytest.approx(3.0, rel=1e-6)
+    assert report.mean_pseudo_grad_norm == pytest.approx(3.0, rel=1e-6)
+    assert report.agreement == pytest.approx(1.0, rel=1e-6)
+
+
+def test_identical_workers_agree():
+    reports = _one_round([[0.0, 1.0, 0.0]] * 3)  # each: [1, 1, 2], norm sqrt(6)
+    for r in reports:
+        assert r.pseudo_grad_norm == pytest.approx(6**0.5, rel=1e-6)
+        assert r.mean_pseudo_grad_norm == pytest.approx(6**0.5, rel=1e-6)
+        assert r.agreement == pytest.approx(1.0, rel=1e-6)
+
+
+def test_opposite_workers_cancel_out():
+    reports = _one_round([[0.0, 0.0, 0.0], [2.0, 4.0, 4.0]])  # [1, 2, 2] and [-1, -2, -2]
+    assert [r.pseudo_grad_norm for r in reports] == pytest.approx([3.0, 3.0], rel=1e-6)
+    for r in reports:
+        assert r.mean_pseudo_grad_norm == 0.0 and r.agreement == 0.0
+
+
+@pytest.mark.parametrize("wire_dtype", ["fp32", "fp16", "bf16"])
+def test_orthogonal_workers_of_different_norms(wire_dtype):
+    # [1, 2, 2] (norm 3) and [-3, 2, 0] (norm sqrt(13)), orthogonal: the mean [-1, 2, 1] has norm sqrt(6);
+    # the contributors' mean norm is (3 + sqrt(13)) / 2. The 16-bit wires round the values (all exact
+    # here) and the RMS that carries each norm (to ~3 significant digits).
+    reports = _one_round([[0.0, 0.0, 0.0], [4.0, 0.0, 2.0]], wire_dtype)
+    rel = 1e-6 if wire_dtype == "fp32" else 1e-2
+    assert [r.pseudo_grad_norm for r in reports] == pytest.approx([3.0, 13**0.5], rel=1e-6)
+    for r in reports:
+        assert r.mean_pseudo_grad_norm == pytest.approx(6**0.5, rel=1e-6)
+        assert r.agreement == pytest.approx(6**0.5 / ((3 + 13**0.5) / 2), rel=rel)
+    assert reports[0].agreement == reports[1].agreement  # the same reduced value on every worker
+
+
+# -- the outer lr when unset: chosen by the number of workers ------------------------------------------
+
+
+def test_outer_lr_rule_keeps_the_effective_step_growing_slowly_with_workers():
+    assert [outer_lr_for(m, 0.5) for m in (1, 2, 4, 8)] == pytest.approx([0.5, 0.6, 0.7, 0.8])
+    assert outer_lr_for(1, 0.0) == 1.0  # one worker, no momentum: plain training's step
+    for bad in (0, -1, 2.0, True):
+        with pytest.raises(ValueError, match="num_workers"):
+            outer_lr_for(bad, 0.5)
+
+
+@pytest.mark.parametrize("world_size", [1, 4])
+def test_unset_outer_lr_follows_the_rule_for_the_world_size_and_a_set_one_wins(world_size):
+    def worker(t: Transport):
+        unset = DiLoCo(_model(), torch.optim.SGD(_model().parameters(), lr=0.1), t, DiLoCoConfig(outer_momentum=0.5))
+        given = DiLoCo(_model(), torch.optim.SGD(_model().parameters(), lr=0.1), t, DiLoCoConfig(outer_lr=0.3))
+        return unset.outer_optimizer.param_groups[0]["lr"], given.outer_optimizer.param_groups[0]["lr"]
+
+    for unset, given in run_threads(world_size, worker):
+        assert unset == pytest.approx(outer_lr_for(world_size, 0.5)) and given == 0.3

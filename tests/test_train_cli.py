@@ -119,3 +119,31 @@ def test_a_hivemind_peer_resumes_exactly(tmp_path: Path) -> None:
                  "--set", 'transport.secret="s"']) == 0  # fmt: skip
     whole, split = _losses(tmp_path / "whole"), _losses(tmp_path / "split")
     assert len(whole) == 12 and split == whole
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("stop_after", [3, 6])
+def test_a_ddp_warm_start_hands_over_to_diloco_and_resumes_exactly(tmp_path: Path, stop_after: int) -> None:
+    """4 DDP steps (a gradient all-reduce each), then DiLoCo from those weights: rounds at steps 7 and 10.
+    Stopped inside the warm start (3) or after it (6), the resumed run repeats the whole run's losses."""
+    common = ["--set", f"train.runs_dir={tmp_path!s}", *FAST, "--set", "train.ddp_warm_start=4"]
+    assert main(["train", "--name", "whole", *common]) == 0
+    records = [json.loads(line) for line in (tmp_path / "whole" / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in records if r["type"] == "step"]
+    assert [r["bytes_sent"] > 0 for r in steps] == [True] * 4 + [False, False, True, False, False, True, False, False]
+    assert [r["step"] for r in records if r["type"] == "round"] == [7, 10]
+    assert main(["train", "--name", "split", *common, "--set", f"train.stop_after={stop_after}"]) == 0
+    assert main(["train", "--name", "split", "--resume", "--set", f"train.runs_dir={tmp_path!s}", "-q"]) == 0
+    assert _losses(tmp_path / "split") == _losses(tmp_path / "whole")
+
+
+@pytest.mark.timeout(60)
+def test_the_summary_puts_diloco_traffic_against_ddp(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["train", "--name", "r", "--set", f"train.runs_dir={tmp_path!s}", *FAST]) == 0
+    out = capsys.readouterr().out
+    # 12 steps, a round every 3: DDP would all-reduce the same number of values 12 times, DiLoCo 4 times.
+    assert "DDP would have sent" in out and "3.0x what DiLoCo sent (4 rounds)" in out
+    records = [json.loads(line) for line in (tmp_path / "r" / "metrics.jsonl").read_text().splitlines()]
+    rounds = [r for r in records if r["type"] == "round"]
+    assert all({"pseudo_grad_norm", "mean_pseudo_grad_norm", "agreement"} <= set(r) for r in rounds)
+    assert all(0 <= r["agreement"] <= 1 + 1e-6 and r["pseudo_grad_norm"] > 0 for r in rounds)

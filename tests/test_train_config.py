@@ -13,17 +13,34 @@ from diloco_train.config import build_config, dump_toml, load_toml, parse_overri
 def test_defaults_and_trainer_defaults() -> None:
     c = build_config()
     assert c.train.mode == "diloco" and c.train.workers == 4 and c.model.preset == "tiny"
-    assert c.diloco.inner_steps == 100 and c.diloco.outer_lr == 0.7 and c.diloco.nesterov
+    assert c.diloco.inner_steps == 10 and c.diloco.outer_lr is None and c.diloco.outer_momentum == 0.5
+    assert c.diloco.nesterov and c.train.ddp_warm_start == 0
+    assert "outer_lr" not in c.to_dict()["diloco"]  # unset stays unset in a run's config.toml: the rule decides
     assert c.transport == {"kind": "inprocess"}
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["train.ddp_warm_start=-1"], "ddp_warm_start=-1 is invalid: expected an integer >= 0"),
+        (["train.ddp_warm_start=600"], "a step count below steps=600"),
+        (["train.mode=ddp", "train.ddp_warm_start=5"], "in diloco mode"),
+    ],
+)
+def test_bad_warm_start_names_the_field_and_the_range(overrides: list[str], message: str) -> None:
+    with pytest.raises(ValueError, match="ddp_warm_start") as e:
+        build_config(overrides=overrides)
+    assert message in str(e.value)
 
 
 @pytest.mark.timeout(30)
 def test_toml_file_then_overrides(tmp_path: Path) -> None:
     f = tmp_path / "run.toml"
     f.write_text('[train]\nsteps = 10\nmode = "ddp"\n[diloco]\nouter_lr = 0.5\n[model]\nnum_layers = 2\n')
-    c = build_config([f], ["train.steps=20", "data.seq_len=64", "diloco.wire_dtype=fp16", "train.bf16=false"])
+    c = build_config([f], ["train.steps=20", "data.seq_len=96", "diloco.wire_dtype=fp16", "train.bf16=false"])
     assert (c.train.steps, c.train.mode, c.diloco.outer_lr, c.model.num_layers) == (20, "ddp", 0.5, 2)
-    assert c.data.seq_len == 64 and c.diloco.wire_dtype == "fp16" and c.train.bf16 is False
+    assert c.data.seq_len == 96 and c.diloco.wire_dtype == "fp16" and c.train.bf16 is False
 
 
 @pytest.mark.timeout(30)

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import math
 import time
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from .config import DiLoCoConfig
+from .config import DiLoCoConfig, outer_lr_for
 from .flat import FlatBuffer
 from .transport import StateReplaced, Transport, TransportError
 
@@ -30,6 +31,15 @@ class RoundReport:
     """Seconds from starting the all-reduce until its mean was in place."""
     round_seconds: float
     """Seconds for the whole round: pseudo-gradient, all-reduce, outer step, copy back."""
+    pseudo_grad_norm: float = 0.0
+    """L2 norm of this worker's pseudo-gradient (global - local) in this round."""
+    mean_pseudo_grad_norm: float = 0.0
+    """L2 norm of the mean pseudo-gradient, the "gradient" the outer optimizer stepped with."""
+    agreement: float = 1.0
+    """``mean_pseudo_grad_norm`` over the contributors' mean pseudo-gradient norm: 1 when every worker
+    moved the same way, about 1/sqrt(M) when M workers' moves are unrelated, 0 when they cancel out
+    (1 also when every worker's pseudo-gradient is zero). The contributors' norms ride in the round's
+    own all-reduce (one extra value), so reading it costs no extra round trip."""
 
 
 class DiLoCo:
@@ -71,12 +81,19 @@ class DiLoCo:
         self.round = 0
 
         self._global = FlatBuffer(self.params, config.global_device)
-        self._pseudo_grad = FlatBuffer(self.params, config.global_device)
+        # One extra value after the pseudo-gradient: this worker's pseudo-gradient RMS, averaged in the same
+        # reduce (the RMS is on the scale of the values themselves, so it survives a 16-bit wire).
+        self._pseudo_grad = FlatBuffer(self.params, config.global_device, extra=1)
         self._global_param = torch.nn.Parameter(self._global.flat, requires_grad=False)
-        self._global_param.grad = self._pseudo_grad.flat
+        self._global_param.grad = self._pseudo_grad.body
         momentum = config.outer_momentum
+        self.outer_lr = config.outer_lr if config.outer_lr is not None else outer_lr_for(transport.world_size, momentum)
+        if config.outer_lr is None and not transport.fixed_ranks:
+            logger.warning("outer_lr is unset and the transport's peers come and go: using %.3g, the rule's value "
+                           "for %d worker(s); set outer_lr for the number you expect", self.outer_lr, transport.world_size)  # fmt: skip
+        """The outer SGD's learning rate: ``config.outer_lr``, or the rule's for the transport's world size."""
         self.outer_optimizer = torch.optim.SGD(
-            [self._global_param], lr=config.outer_lr, momentum=momentum, nesterov=config.nesterov and momentum > 0,
+            [self._global_param], lr=self.outer_lr, momentum=momentum, nesterov=config.nesterov and momentum > 0,
             fused=True,  # one pass over the flat buffer instead of three (and no temporary the size of the model)
         )  # fmt: skip
         with torch.no_grad():
@@ -87,6 +104,11 @@ class DiLoCo:
         self.joined = transport.attach(self, timeout=config.reduce_timeout)
         """True if this worker joined a run already going: global params, outer momentum and round came
         from its peers (only transports whose peers come and go do that)."""
+
+    @property
+    def reduce_numel(self) -> int:
+        """Values in one round's all-reduce: the pseudo-gradient, then one diagnostic value."""
+        return self._pseudo_grad.flat.numel()
 
     @property
     def global_params(self) -> list[torch.Tensor]:
@@ -116,10 +138,17 @@ class DiLoCo:
     def sync(self) -> RoundReport:
         """Run one outer round now (phases 1-4 of the class docstring)."""
         start = time.perf_counter()
-        pg = self._pseudo_grad.flat
+        pg, rms = self._pseudo_grad.body, self._pseudo_grad.tail
         self._pseudo_grad.copy_from(self.params)
         torch.sub(self._global.flat, pg, out=pg)
-        result = self.transport.all_reduce([pg], wire_dtype=self.config.wire_dtype).wait(self.config.reduce_timeout)
+        scale = math.sqrt(pg.numel())
+        local_norm = torch.linalg.vector_norm(pg).item()
+        rms.fill_(local_norm / scale)
+        result = self.transport.all_reduce([self._pseudo_grad.flat], wire_dtype=self.config.wire_dtype).wait(
+            self.config.reduce_timeout
+        )
+        mean_norm = torch.linalg.vector_norm(pg).item()
+        contributors_norm = rms.item() * scale  # mean over the contributors of their pseudo-gradient norms
         self.outer_optimizer.step()
         self._global.copy_to(self.params)
         self.round += 1
@@ -130,11 +159,16 @@ class DiLoCo:
             bytes_received=result.bytes_received,
             comm_seconds=result.seconds,
             round_seconds=time.perf_counter() - start,
+            pseudo_grad_norm=local_norm,
+            mean_pseudo_grad_norm=mean_norm,
+            agreement=mean_norm / contributors_norm if contributors_norm > 0 else 1.0,
         )
         logger.info(
-            "round %d: %d contributors, %.1f MB sent, %.1f MB received, %.3fs comm, %.3fs round",
+            "round %d: %d contributors, %.1f MB sent, %.1f MB received, %.3fs comm, %.3fs round, "
+            "|delta| %.4g, |mean delta| %.4g, agreement %.3f",
             report.round, report.num_contributors, report.bytes_sent / 1e6, report.bytes_received / 1e6,
-            report.comm_seconds, report.round_seconds,
+            report.comm_seconds, report.round_seconds, report.pseudo_grad_norm, report.mean_pseudo_grad_norm,
+            report.agreement,
         )  # fmt: skip
         return report
 

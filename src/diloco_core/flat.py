@@ -10,10 +10,18 @@ __all__ = ["FlatBuffer"]
 
 
 class FlatBuffer:
-    def __init__(self, like: Sequence[torch.Tensor], device: torch.device | str, dtype: torch.dtype = torch.float32) -> None:
+    """``body`` holds the tensors' values back to back (``views`` are its per-tensor views); ``extra``
+    more values follow it in ``flat``, as ``tail``, so that a few scalars can travel in the same
+    collective as the body without a concatenating copy."""
+
+    def __init__(
+        self, like: Sequence[torch.Tensor], device: torch.device | str, dtype: torch.dtype = torch.float32, extra: int = 0
+    ) -> None:
         self.shapes = [tuple(t.shape) for t in like]
         numels = [t.numel() for t in like]
-        self.flat = torch.zeros(sum(numels), dtype=dtype, device=device)
+        self.flat = torch.zeros(sum(numels) + extra, dtype=dtype, device=device)
+        self.body = self.flat[: sum(numels)]
+        self.tail = self.flat[sum(numels) :]
         self.views: list[torch.Tensor] = []
         offset = 0
         for shape, n in zip(self.shapes, numels):
@@ -23,7 +31,7 @@ class FlatBuffer:
     def copy_from(self, tensors: Sequence[torch.Tensor]) -> None:
         tensors = list(tensors)
         if all(t.dtype == self.flat.dtype and t.device == self.flat.device for t in tensors):
-            torch.cat([t.detach().reshape(-1) for t in tensors], out=self.flat)  # one pass, one kernel
+            torch.cat([t.detach().reshape(-1) for t in tensors], out=self.body)  # one pass, one kernel
         else:
             torch._foreach_copy_(self.views, tensors)
 

@@ -78,6 +78,14 @@ def _train(args: argparse.Namespace, argv: list[str]) -> int:
         f"{result.bytes_sent / 1e6:.1f} MB sent by rank 0\n"
         f"files: {run_dir}/metrics.jsonl, config.toml, plot.png, checkpoints/",
     )
+    if result.rounds:
+        # DDP all-reduces the gradient, as many values as a round's pseudo-gradient, at every step.
+        ddp = result.round_bytes / result.rounds * result.steps_run
+        print(
+            f"traffic: DDP would have sent ~{ddp / 1e6:,.0f} MB for these {result.steps_run} steps, "
+            f"{ddp / max(result.bytes_sent, 1):.1f}x what DiLoCo sent ({result.rounds} rounds); compare the loss with "
+            "--set train.mode=ddp and --set train.mode=single (docs/results.md)"
+        )
     return 0
 
 

@@ -39,7 +39,7 @@ class DataConfig:
     """Field holding the text in JSONL records."""
     val_fraction: float = 0.05
     """Share of documents held out for validation, chosen by a hash of each document's name."""
-    seq_len: int = 128
+    seq_len: int = 64
     """Tokens per training window (each window reads seq_len + 1 tokens)."""
     hf_dataset: str = ""
     """Hugging Face dataset name or local path (needs ``pip install diloco[hf]``); replaces ``path``."""

@@ -44,25 +44,40 @@ def plot_runs(run_dirs: Sequence[str | Path], out: str | Path) -> Path:
     import matplotlib.pyplot as plt
 
     runs = [(Path(d), read_metrics(d)) for d in run_dirs]
-    fig, ax = plt.subplots(figsize=(9, 5))
+    with_rounds = any(r.get("type") == "round" and "agreement" in r for _, records in runs for r in records)
+    if with_rounds:  # DiLoCo runs: a second panel with each round's agreement of the workers' pseudo-gradients
+        fig, (ax, ax_agree) = plt.subplots(2, 1, figsize=(9, 7), sharex=True, height_ratios=(3, 1))
+    else:
+        fig, ax = plt.subplots(figsize=(9, 5))
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     for i, (run_dir, records) in enumerate(runs):
         color = colors[i % len(colors)]
         steps = [r for r in records if r.get("type") == "step"]
         evals = [r for r in records if r.get("type") == "eval"]
+        rounds = [r for r in records if r.get("type") == "round"]
         if steps:
             ax.plot([r["step"] for r in steps], _smooth([r["loss"] for r in steps]), color=color, alpha=0.6,
                     label=f"{run_dir.name} train (EMA)")  # fmt: skip
         if evals:
             ax.plot([r["step"] for r in evals], [r["loss"] for r in evals], "o-", color=color, label=f"{run_dir.name} eval")
-        if len(runs) == 1:
-            for j, r in enumerate(x for x in records if x.get("type") == "round"):
+        if len(runs) == 1 and len(rounds) <= 30:  # more would hide the curves
+            for j, r in enumerate(rounds):
                 ax.axvline(r["step"], color="gray", lw=0.6, ls="--", label="outer round" if j == 0 else None)
-    ax.set_xlabel("step (per worker)")
+        if with_rounds and rounds and "agreement" in rounds[0]:
+            ax_agree.plot([r["step"] for r in rounds], [r["agreement"] for r in rounds], ".-", color=color, ms=3,
+                          label=run_dir.name)  # fmt: skip
     ax.set_ylabel("loss (nats/token)")
     ax.set_title(", ".join(d.name for d, _ in runs))
     ax.grid(alpha=0.3)
     ax.legend(fontsize="small")
+    if with_rounds:
+        ax_agree.set_ylabel("agreement")
+        ax_agree.set_ylim(0, 1.05)
+        ax_agree.set_title("|mean pseudo-gradient| / mean |pseudo-gradient| per round (1: workers agree)", fontsize="small")
+        ax_agree.grid(alpha=0.3)
+        ax_agree.set_xlabel("step (per worker)")
+    else:
+        ax.set_xlabel("step (per worker)")
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.tight_layout()

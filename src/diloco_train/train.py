@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from diloco_core import DiLoCo, RoundReport, Transport, TransportError
+from diloco_core.config import outer_lr_for
 from diloco_core.flat import FlatBuffer
 from transports import InProcessGroup, create_transport
 
@@ -56,6 +57,12 @@ class TrainResult:
     """Of which rank 0 computed (forward, backward, optimizer steps) rather than communicated."""
     bytes_sent: int
     """Bytes rank 0 put on the wire in this invocation."""
+    steps_run: int = 0
+    """Steps trained in this invocation (fewer than ``steps`` after a resume)."""
+    rounds: int = 0
+    """DiLoCo outer rounds in this invocation."""
+    round_bytes: int = 0
+    """Of ``bytes_sent``, what rank 0 sent in outer rounds (the rest: DDP steps of a warm start)."""
 
 
 def lr_at(step: int, c: TrainConfig) -> float:
@@ -115,6 +122,9 @@ class _Reporter:
         self.compute = 0.0
         self.comm = 0.0
         self.bytes_sent = 0
+        self.steps = 0
+        self.rounds = 0
+        self.round_bytes = 0
         self.evals: list[float] = []
         self.contributors = world_size
         self.bar = None
@@ -135,6 +145,7 @@ class _Reporter:
         self.compute += record["compute_s"]
         self.comm += record["comm_s"]
         self.bytes_sent += record["bytes_sent"]
+        self.steps += 1
         rate = record["tokens_per_s"]
         self._rate = rate if self._rate is None else 0.9 * self._rate + 0.1 * rate
         self.write(record)
@@ -147,6 +158,8 @@ class _Reporter:
 
     def round(self, record: dict[str, Any]) -> None:
         self.contributors = record["num_contributors"]
+        self.rounds += 1
+        self.round_bytes += record["bytes_sent"]
         self.write(record)
 
     def eval(self, step: int, loss: float) -> None:
@@ -234,10 +247,10 @@ class _Worker:
         params = [p for p in model.parameters() if p.requires_grad]
         diloco: DiLoCo | None = None
         grads: FlatBuffer | None = None
-        if t.mode == "diloco":
-            assert self.transport is not None
-            diloco = DiLoCo(model, optimizer, self.transport, c.diloco)  # a joiner takes the run's outer state here
-        elif t.mode == "ddp":
+        warm = t.ddp_warm_start if t.mode == "diloco" else 0  # DDP steps before DiLoCo takes over
+        if t.mode == "diloco" and not warm:
+            diloco = self._diloco(model, optimizer)  # a joiner takes the run's outer state here
+        elif t.mode != "single":
             assert self.transport is not None
             with torch.no_grad():
                 self.transport.broadcast(params, src=0, timeout=timeout)
@@ -250,6 +263,8 @@ class _Worker:
             step = steps[-1] if steps else -1
             if self.transport is None or self.transport.fixed_ranks:  # peers that come and go have no ranks to agree
                 step = _common_step(self.transport, steps, timeout)
+            if warm and step >= warm:  # the checkpoint is past the warm start: it holds DiLoCo's state
+                diloco, grads = self._diloco(model, optimizer), None
             if step >= 0:
                 if self.rank == 0:  # drop what was logged after the checkpoint all ranks resume from
                     _truncate_metrics(self.run_dir, step)
@@ -274,6 +289,8 @@ class _Worker:
         last_eval = math.nan
         model.train()
         while step < end and not self.shared.stop.is_set():
+            if warm and step == warm and diloco is None:  # the warm start is over: DiLoCo from these weights
+                diloco, grads = self._diloco(model, optimizer), None
             t0 = time.perf_counter()
             lr = lr_at(step, t)
             for group in optimizer.param_groups:
@@ -310,9 +327,11 @@ class _Worker:
                         "type": "round", "step": step, "round": report.round, "num_contributors": report.num_contributors,
                         "bytes_sent": report.bytes_sent, "bytes_received": report.bytes_received,
                         "comm_s": report.comm_seconds, "round_s": report.round_seconds,
+                        "pseudo_grad_norm": report.pseudo_grad_norm,
+                        "mean_pseudo_grad_norm": report.mean_pseudo_grad_norm, "agreement": report.agreement,
                     })  # fmt: skip
                 reporter.step({
-                    "type": "step", "step": step, "round": step // h, "loss": loss_value, "lr": lr,
+                    "type": "step", "step": step, "round": diloco.round if diloco else 0, "loss": loss_value, "lr": lr,
                     "tokens_per_s": tokens * self.world_size / elapsed, "compute_s": elapsed - comm, "comm_s": comm,
                     "bytes_sent": sent, "bytes_received": received, "time_s": time.perf_counter() - wall_start,
                 })  # fmt: skip
@@ -331,13 +350,23 @@ class _Worker:
             before = history[0]["loss"] if history else math.nan
             self.shared.result = TrainResult(
                 run_dir=self.run_dir, steps=step, eval_before=before, eval_after=last_eval, wall_seconds=wall,
-                compute_seconds=reporter.compute, bytes_sent=reporter.bytes_sent,
+                compute_seconds=reporter.compute, bytes_sent=reporter.bytes_sent, steps_run=reporter.steps,
+                rounds=reporter.rounds, round_bytes=reporter.round_bytes,
             )  # fmt: skip
             reporter.write({
                 "type": "summary", "step": step, "wall_s": wall, "compute_s": reporter.compute, "comm_s": reporter.comm,
                 "utilization": reporter.compute / wall if wall else 0.0, "bytes_sent": reporter.bytes_sent,
                 "eval_before": before, "eval_after": last_eval,
             })  # fmt: skip
+
+    def _diloco(self, model: Llama, optimizer: torch.optim.Optimizer) -> DiLoCo:
+        """DiLoCo over this worker's model; the outer lr, if unset, by the rule for the run's worker count."""
+        assert self.transport is not None
+        c = self.config.diloco
+        if c.outer_lr is None:  # peers that come and go: as many as there are data shards
+            workers = self.world_size if self.transport.fixed_ranks else max(self.t.num_shards, 1)
+            c = replace(c, outer_lr=outer_lr_for(workers, c.outer_momentum))
+        return DiLoCo(model, optimizer, self.transport, c)
 
     def _save(self, step: int, model: Llama, optimizer: torch.optim.Optimizer, diloco: DiLoCo | None,
               sampler: BatchSampler) -> None:  # fmt: skip
@@ -490,7 +519,8 @@ def train(
             if shared.reporter is not None:
                 shared.reporter.close()
         if rank != 0:
-            return TrainResult(run_dir, t.steps, math.nan, math.nan, 0.0, 0.0, 0)
+            return TrainResult(run_dir=run_dir, steps=t.steps, eval_before=math.nan, eval_after=math.nan,
+                               wall_seconds=0.0, compute_seconds=0.0, bytes_sent=0)  # fmt: skip
     if shared.reporter is not None:
         shared.reporter.close()
     assert shared.result is not None

@@ -1010,8 +1010,7 @@ def _share_diloco_state(transport: HivemindTransport, diloco: Any) -> None:
 
     transport.share_state(get_state)
     diloco.outer_optimizer.register_step_post_hook(after_outer_step)
-    numel = sum(p.numel() for p in diloco.global_params)
-    transport.track_state(numel, diloco.config.wire_dtype, lambda meta, tensors: _outer_state_loader(diloco, meta, tensors))
+    transport.track_state(diloco.reduce_numel, diloco.config.wire_dtype, lambda meta, tensors: _outer_state_loader(diloco, meta, tensors))
 
 
 def _load_diloco_state(transport: HivemindTransport, diloco: Any, timeout: float) -> bool:
