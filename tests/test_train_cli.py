@@ -122,16 +122,16 @@ def test_a_hivemind_peer_resumes_exactly(tmp_path: Path) -> None:
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("stop_after", [3, 6])
-def test_a_ddp_warm_start_hands_over_to_diloco_and_resumes_exactly(tmp_path: Path, stop_after: int) -> None:
-    """4 DDP steps (a gradient all-reduce each), then DiLoCo from those weights: rounds at steps 7 and 10.
-    Stopped inside the warm start (3) or after it (6), the resumed run repeats the whole run's losses."""
-    common = ["--set", f"train.runs_dir={tmp_path!s}", *FAST, "--set", "train.ddp_warm_start=4"]
+@pytest.mark.parametrize(("warm", "stop_after"), [(4, 3), (4, 6), (6, 6)])
+def test_a_ddp_warm_start_hands_over_to_diloco_and_resumes_exactly(tmp_path: Path, warm: int, stop_after: int) -> None:
+    """``warm`` DDP steps (a gradient all-reduce each), then DiLoCo from those weights, a round every 3 steps.
+    Stopped inside the warm start, at its last step or after it, the resumed run repeats the losses."""
+    common = ["--set", f"train.runs_dir={tmp_path!s}", *FAST, "--set", f"train.ddp_warm_start={warm}"]
     assert main(["train", "--name", "whole", *common]) == 0
     records = [json.loads(line) for line in (tmp_path / "whole" / "metrics.jsonl").read_text().splitlines()]
-    steps = [r for r in records if r["type"] == "step"]
-    assert [r["bytes_sent"] > 0 for r in steps] == [True] * 4 + [False, False, True, False, False, True, False, False]
-    assert [r["step"] for r in records if r["type"] == "round"] == [7, 10]
+    rounds = list(range(warm + 3, 13, 3))
+    assert [r["bytes_sent"] > 0 for r in records if r["type"] == "step"] == [s <= warm or s in rounds for s in range(1, 13)]
+    assert [r["step"] for r in records if r["type"] == "round"] == rounds
     assert main(["train", "--name", "split", *common, "--set", f"train.stop_after={stop_after}"]) == 0
     assert main(["train", "--name", "split", "--resume", "--set", f"train.runs_dir={tmp_path!s}", "-q"]) == 0
     assert _losses(tmp_path / "split") == _losses(tmp_path / "whole")

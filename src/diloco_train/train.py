@@ -263,7 +263,7 @@ class _Worker:
             step = steps[-1] if steps else -1
             if self.transport is None or self.transport.fixed_ranks:  # peers that come and go have no ranks to agree
                 step = _common_step(self.transport, steps, timeout)
-            if warm and step >= warm:  # the checkpoint is past the warm start: it holds DiLoCo's state
+            if warm and step > warm:  # the checkpoint is past the warm start: it holds DiLoCo's state
                 diloco, grads = self._diloco(model, optimizer), None
             if step >= 0:
                 if self.rank == 0:  # drop what was logged after the checkpoint all ranks resume from
@@ -331,7 +331,8 @@ class _Worker:
                         "mean_pseudo_grad_norm": report.mean_pseudo_grad_norm, "agreement": report.agreement,
                     })  # fmt: skip
                 reporter.step({
-                    "type": "step", "step": step, "round": diloco.round if diloco else 0, "loss": loss_value, "lr": lr,
+                    "type": "step", "step": step, "round": diloco.round if diloco is not None else 0,
+                    "loss": loss_value, "lr": lr,
                     "tokens_per_s": tokens * self.world_size / elapsed, "compute_s": elapsed - comm, "comm_s": comm,
                     "bytes_sent": sent, "bytes_received": received, "time_s": time.perf_counter() - wall_start,
                 })  # fmt: skip
