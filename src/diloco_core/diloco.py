@@ -88,10 +88,10 @@ class DiLoCo:
         self._global_param.grad = self._pseudo_grad.body
         momentum = config.outer_momentum
         self.outer_lr = config.outer_lr if config.outer_lr is not None else outer_lr_for(transport.world_size, momentum)
+        """The outer SGD's learning rate: ``config.outer_lr``, or the rule's for the transport's world size."""
         if config.outer_lr is None and not transport.fixed_ranks:
             logger.warning("outer_lr is unset and the transport's peers come and go: using %.3g, the rule's value "
                            "for %d worker(s); set outer_lr for the number you expect", self.outer_lr, transport.world_size)  # fmt: skip
-        """The outer SGD's learning rate: ``config.outer_lr``, or the rule's for the transport's world size."""
         self.outer_optimizer = torch.optim.SGD(
             [self._global_param], lr=self.outer_lr, momentum=momentum, nesterov=config.nesterov and momentum > 0,
             fused=True,  # one pass over the flat buffer instead of three (and no temporary the size of the model)
