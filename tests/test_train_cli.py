@@ -147,3 +147,14 @@ def test_the_summary_puts_diloco_traffic_against_ddp(tmp_path: Path, capsys: pyt
     rounds = [r for r in records if r["type"] == "round"]
     assert all({"pseudo_grad_norm", "mean_pseudo_grad_norm", "agreement"} <= set(r) for r in rounds)
     assert all(0 <= r["agreement"] <= 1 + 1e-6 and r["pseudo_grad_norm"] > 0 for r in rounds)
+
+
+@pytest.mark.timeout(60)
+def test_an_unset_outer_lr_is_the_rule_for_the_worker_count(tmp_path: Path) -> None:
+    import torch
+
+    from diloco_core.config import outer_lr_for
+
+    assert main(["train", "--name", "r", "--set", f"train.runs_dir={tmp_path!s}", *FAST]) == 0
+    state = torch.load(tmp_path / "r" / "checkpoints" / "step00000012-rank1.pt", weights_only=True)
+    assert state["core"]["outer_optimizer"]["param_groups"][0]["lr"] == pytest.approx(outer_lr_for(2, 0.5))

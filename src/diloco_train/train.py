@@ -361,12 +361,12 @@ class _Worker:
             })  # fmt: skip
 
     def _diloco(self, model: Llama, optimizer: torch.optim.Optimizer) -> DiLoCo:
-        """DiLoCo over this worker's model; the outer lr, if unset, by the rule for the run's worker count."""
+        """DiLoCo over this worker's model. An unset outer lr is the core's rule for the transport's world size;
+        peers that come and go have none up front, so the rule takes the number of data shards there."""
         assert self.transport is not None
         c = self.config.diloco
-        if c.outer_lr is None:  # peers that come and go: as many as there are data shards
-            workers = self.world_size if self.transport.fixed_ranks else max(self.t.num_shards, 1)
-            c = replace(c, outer_lr=outer_lr_for(workers, c.outer_momentum))
+        if c.outer_lr is None and not self.transport.fixed_ranks:
+            c = replace(c, outer_lr=outer_lr_for(max(self.t.num_shards, 1), c.outer_momentum))
         return DiLoCo(model, optimizer, self.transport, c)
 
     def _save(self, step: int, model: Llama, optimizer: torch.optim.Optimizer, diloco: DiLoCo | None,
