@@ -13,7 +13,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from diloco_core import DiLoCo, DiLoCoConfig, reference_mean
+from diloco_core import DiLoCo, DiLoCoConfig, codec_for, reference_mean
 from transports import create_transport
 
 
@@ -29,7 +29,7 @@ def main() -> None:
 
     for wire in ("fp32", "fp16", "bf16"):
         x = contribution(rank)
-        result = transport.all_reduce(x, wire_dtype=wire).wait(60)
+        result = transport.all_reduce(x, codec=codec_for(wire)).wait(60)
         assert result.num_contributors == world
         for i, got in enumerate(x):
             want = reference_mean([contribution(r)[i] for r in range(world)], wire)
@@ -59,7 +59,7 @@ def main() -> None:
             if wire == "raw":
                 dist.all_reduce(big)
             else:
-                transport.all_reduce([big], wire_dtype=wire).wait(60)
+                transport.all_reduce([big], codec=codec_for(wire)).wait(60)
             torch.cuda.synchronize()
             times.append(time.perf_counter() - start)
         if rank == 0:

@@ -17,6 +17,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from diloco_core import codec_for
+from diloco_core import codec_for
 from transports import TorchDistTransport
 
 N = 25_000_000
@@ -27,7 +29,7 @@ def _op(name: str, transport: TorchDistTransport, x: torch.Tensor) -> None:
     if name == "raw":
         dist.all_reduce(x)
     else:
-        transport.all_reduce([x], wire_dtype=name).wait(120)
+        transport.all_reduce([x], codec=codec_for(name)).wait(120)
 
 
 def _peer(store: str, commands: mp.Queue, done: mp.Queue) -> None:

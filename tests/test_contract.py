@@ -7,8 +7,8 @@ import time
 import pytest
 import torch
 
-from diloco_core import TransportError, reference_mean
-from world import RankError
+from diloco_core import TransportError, codec_for, reference_mean
+from world import RankError, ThreadWorld
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -22,7 +22,7 @@ def _contribution(rank: int) -> list[torch.Tensor]:
 
 def _reduce(transport, wire_dtype: str):
     tensors = _contribution(transport.rank)
-    result = transport.all_reduce(tensors, wire_dtype=wire_dtype).wait(30)
+    result = transport.all_reduce(tensors, codec=codec_for(wire_dtype)).wait(30)
     return tensors, result
 
 
@@ -52,7 +52,7 @@ def test_mean_over_contributors_in_every_wire_dtype(world, wire_dtype):
 
 def _bytes(transport):
     x = [torch.ones(10_000)]
-    return {w: transport.all_reduce(x, wire_dtype=w).wait(30).bytes_sent for w in ("fp32", "fp16")}
+    return {w: transport.all_reduce(x, codec=codec_for(w)).wait(30).bytes_sent for w in ("fp32", "fp16")}
 
 
 def test_sixteen_bit_wire_sends_fewer_bytes(world):
@@ -80,7 +80,7 @@ def _bad_input(transport):
     errors = {}
     for name, call in {
         "fp64": lambda: transport.all_reduce([torch.ones(3, dtype=torch.float64)]),
-        "wire": lambda: transport.all_reduce([torch.ones(3)], wire_dtype="int8"),
+        "wire": lambda: transport.all_reduce([torch.ones(3)], codec="int8"),
         "src": lambda: transport.broadcast([torch.ones(3)], src=transport.world_size, timeout=5),
     }.items():
         try:
@@ -97,7 +97,7 @@ def _bad_input(transport):
 def test_bad_input_is_a_clear_value_error(world):
     for errors, x in _ok(world.run(_bad_input)):
         assert "float64" in errors["fp64"]
-        assert "wire_dtype='int8'" in errors["wire"] and "fp16" in errors["wire"]
+        assert "codec='int8'" in errors["wire"] and "fp16" in errors["wire"]
         assert "src=" in errors["src"]
         assert torch.equal(x, torch.full((3,), (world.world_size - 1) / 2))
 
@@ -122,3 +122,37 @@ def test_absent_rank_is_a_transport_error_within_the_timeout(world):
         elapsed, message = outcome
         assert timeout <= elapsed < timeout + 2.0, elapsed
         assert "within" in message
+
+
+def _two_keys_in_flight(transport):
+    a = [torch.full((5,), float(transport.rank))]
+    b = [torch.arange(7, dtype=torch.float32) * (transport.rank + 1)]
+    handle_a = transport.all_reduce(a, key="fragment/0")
+    handle_b = transport.all_reduce(b, codec=codec_for("fp16"), key="fragment/1")
+    n_b = handle_b.wait(30).num_contributors
+    n_a = handle_a.wait(30).num_contributors
+    return a[0], b[0], n_a, n_b
+
+
+def test_reduces_with_different_keys_are_in_flight_at_once(world):
+    n = world.world_size
+    for a, b, n_a, n_b in _ok(world.run(_two_keys_in_flight)):
+        assert n_a == n_b == n
+        assert torch.equal(a, torch.full((5,), (n - 1) / 2))
+        want = reference_mean([torch.arange(7, dtype=torch.float32) * (r + 1) for r in range(n)], "fp16")
+        assert torch.equal(b, want)
+
+
+def _keys_in_either_order(transport):
+    a, b = [torch.full((4,), float(transport.rank))], [torch.full((2,), 100.0 + transport.rank)]
+    order = [("a", a), ("b", b)] if transport.rank % 2 == 0 else [("b", b), ("a", a)]
+    handles = [transport.all_reduce(x, key=key) for key, x in order]
+    for h in handles:
+        h.wait(30)
+    return a[0], b[0]
+
+
+def test_in_process_reduces_meet_by_key_not_by_call_order():
+    world = ThreadWorld(3)
+    for a, b in _ok(world.run(_keys_in_either_order)):
+        assert torch.equal(a, torch.full((4,), 1.0)) and torch.equal(b, torch.full((2,), 101.0))

@@ -9,7 +9,7 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from diloco_core import DiLoCo, DiLoCoConfig, ReduceHandle, Transport, TransportError
+from diloco_core import FP32, DiLoCo, DiLoCoConfig, ReduceHandle, Transport, TransportError
 from diloco_core.config import outer_lr_for
 from transports import InProcessGroup
 
@@ -236,7 +236,7 @@ class FailingTransport(Transport):
     def load_state_dict(self, state):
         self.inner.load_state_dict(state)
 
-    def all_reduce(self, tensors, *, wire_dtype="fp32") -> ReduceHandle:
+    def all_reduce(self, tensors, *, codec=FP32, key="default") -> ReduceHandle:
         self.calls += 1
         if self.calls in self.fail_at:
 
@@ -247,7 +247,7 @@ class FailingTransport(Transport):
                     raise error("injected failure")
 
             return Failed()
-        return self.inner.all_reduce(tensors, wire_dtype=wire_dtype)
+        return self.inner.all_reduce(tensors, codec=codec, key=key)
 
     def broadcast(self, tensors, *, src=0, timeout):
         self.inner.broadcast(tensors, src=src, timeout=timeout)
@@ -471,3 +471,32 @@ def test_unset_outer_lr_follows_the_rule_for_the_world_size_and_a_set_one_wins(w
 
     for unset, given in run_threads(world_size, worker):
         assert unset == pytest.approx(outer_lr_for(world_size, 0.5)) and given == 0.3
+
+
+# -- a round split into begin and finish ----------------------------------------------------------------
+
+
+def test_a_split_round_reduces_what_it_began_with_and_training_between_is_replaced():
+    """begin_round takes the pseudo-gradient then; inner steps before finish_round change neither the
+    reduce nor the outer step, and finish_round sets the model to the new global params."""
+
+    def worker(t: Transport):
+        model = Scalar([1.0, 2.0, 2.0])
+        opt = torch.optim.SGD(model.parameters(), lr=1.0)
+        dl = DiLoCo(model, opt, t, DiLoCoConfig(inner_steps=1, outer_lr=1.0, outer_momentum=0.0))
+        move_to(model, opt, [0.0, 0.0, 0.0] if t.rank == 0 else [1.0, 1.0, 1.0])
+        opt.step()
+        pending = dl.begin_round()
+        assert pending.round == 1 and dl.round == 0
+        move_to(model, opt, [9.0, 9.0, 9.0])  # trains on while the reduce is in flight
+        opt.step()
+        report = dl.finish_round(pending)
+        with pytest.raises(ValueError, match="pending round 1 cannot finish: this worker is at round 1"):
+            dl.finish_round(pending)
+        return report, [p.detach().clone() for p in model.parameters()], dl.round
+
+    for report, params, rnd in run_threads(2, worker):
+        # mean of [1, 2, 2] and [0, 1, 1] is [0.5, 1.5, 1.5]: global [1, 2, 2] - mean = [0.5, 0.5, 0.5]
+        assert rnd == 1 and report.round == 1 and report.num_contributors == 2
+        assert torch.equal(torch.cat([p.reshape(-1) for p in params]), torch.tensor([0.5, 0.5, 0.5]))
+        assert report.mean_pseudo_grad_norm == pytest.approx((0.25 + 2.25 * 2) ** 0.5, rel=1e-6)

@@ -10,7 +10,7 @@ import time
 import pytest
 import torch
 
-from diloco_core import TransportError, reference_mean
+from diloco_core import TransportError, codec_for, reference_mean
 from lan_job import job
 from transports import create_transport
 from world import GlooWorld, RankError, ThreadWorld
@@ -22,7 +22,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 def _reduce_big(transport, wire_dtype):
     g = torch.Generator().manual_seed(transport.rank)
     x = [torch.randn(1001, generator=g), torch.randn(3, 5, generator=g)]
-    transport.all_reduce(x, wire_dtype=wire_dtype).wait(30)
+    transport.all_reduce(x, codec=codec_for(wire_dtype)).wait(30)
     return x
 
 

@@ -1,11 +1,20 @@
 """diloco_core: the DiLoCo algorithm, its config and the Transport contract (torch + stdlib only)."""
 
+from .codec import BF16, CODECS, FP16, FP32, CastCodec, Codec, codec_for
 from .config import DiLoCoConfig
 from .diloco import DiLoCo, RoundReport
 from .transport import FutureHandle, ReduceHandle, ReduceResult, StateReplaced, Transport, TransportError
-from .wire import WIRE_DTYPES, reference_mean
+from .wire import mean_of_payloads, reference_mean
 
 __all__ = [
+    "BF16",
+    "CODECS",
+    "CastCodec",
+    "Codec",
+    "FP16",
+    "FP32",
+    "codec_for",
+    "mean_of_payloads",
     "DiLoCo",
     "DiLoCoConfig",
     "FutureHandle",
@@ -15,6 +24,5 @@ __all__ = [
     "StateReplaced",
     "Transport",
     "TransportError",
-    "WIRE_DTYPES",
     "reference_mean",
 ]

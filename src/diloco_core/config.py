@@ -7,7 +7,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any
 
-from .wire import WIRE_DTYPES
+from .codec import CODECS
 
 __all__ = ["DiLoCoConfig", "check_field", "from_mapping", "is_finite_number", "outer_lr_for"]
 
@@ -52,7 +52,8 @@ class DiLoCoConfig:
     nesterov: bool = True
     """Nesterov momentum for the outer SGD. With momentum 0 both forms are the same plain SGD step."""
     wire_dtype: str = "fp32"
-    """dtype the pseudo-gradients travel in: fp32, fp16 or bf16. Sums are always accumulated in fp32."""
+    """The codec the pseudo-gradients travel in (``diloco_core.codec.CODECS``): fp32, fp16 or bf16. Sums
+    are always accumulated in fp32."""
     reduce_timeout: float = 600.0
     """Seconds an outer all-reduce (or the initial broadcast) may take before TransportError."""
     round_retries: int = 2
@@ -69,7 +70,7 @@ class DiLoCoConfig:
         mom = self.outer_momentum
         check_field("outer_momentum", mom, is_finite_number(mom) and 0 <= mom < 1, "a number in [0, 1)")
         check_field("nesterov", self.nesterov, isinstance(self.nesterov, bool), "true or false")
-        check_field("wire_dtype", self.wire_dtype, self.wire_dtype in WIRE_DTYPES, f"one of {sorted(WIRE_DTYPES)}")
+        check_field("wire_dtype", self.wire_dtype, self.wire_dtype in CODECS, f"one of {sorted(CODECS)}")
         t = self.reduce_timeout
         check_field("reduce_timeout", t, is_finite_number(t) and t > 0, "a finite number of seconds > 0")
         r = self.round_retries

@@ -11,13 +11,26 @@ from typing import Any
 
 import torch
 
+from .codec import FP32, codec_for
 from .config import DiLoCoConfig, outer_lr_for
 from .flat import FlatBuffer
-from .transport import StateReplaced, Transport, TransportError
+from .transport import ReduceHandle, StateReplaced, Transport, TransportError
 
-__all__ = ["DiLoCo", "RoundReport"]
+__all__ = ["DiLoCo", "PendingRound", "RoundReport"]
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class PendingRound:
+    """A round whose reduce is in flight (``DiLoCo.begin_round``); ``DiLoCo.finish_round`` completes it."""
+
+    round: int
+    """The round it completes (1 for the first)."""
+    handle: ReduceHandle
+    pseudo_grad_norm: float
+    started: float
+    """``time.perf_counter()`` when the round began."""
 
 
 @dataclass(frozen=True)
@@ -79,6 +92,10 @@ class DiLoCo:
             raise ValueError("model has no trainable parameters")
         self.inner_step = 0
         self.round = 0
+        self.codec = codec_for(config.wire_dtype)
+        """How pseudo-gradients travel (``config.wire_dtype`` names it)."""
+        self.reduce_key = "diloco/round"
+        """The key of every round's reduce (a transport keeps its buffers per key)."""
 
         self._global = FlatBuffer(self.params, config.global_device)
         # One extra value after the pseudo-gradient: this worker's pseudo-gradient RMS, averaged in the same
@@ -136,29 +153,44 @@ class DiLoCo:
 
     @torch.no_grad()
     def sync(self) -> RoundReport:
-        """Run one outer round now (phases 1-4 of the class docstring)."""
+        """Run one outer round now (phases 1-4 of the class docstring): ``begin_round`` + ``finish_round``."""
+        return self.finish_round(self.begin_round())
+
+    @torch.no_grad()
+    def begin_round(self) -> PendingRound:
+        """Phases 1-2 of a round: compute this worker's pseudo-gradient and start its reduce. The model may
+        train on meanwhile (the reduce reads a copy), though ``finish_round`` then sets it to the new global
+        params; nothing else changes until ``finish_round``."""
         start = time.perf_counter()
         pg, rms = self._pseudo_grad.body, self._pseudo_grad.tail
         self._pseudo_grad.copy_from(self.params)
         torch.sub(self._global.flat, pg, out=pg)
-        scale = math.sqrt(pg.numel())
         local_norm = torch.linalg.vector_norm(pg).item()
-        rms.fill_(local_norm / scale)
-        result = self.transport.all_reduce([self._pseudo_grad.flat], wire_dtype=self.config.wire_dtype).wait(
-            self.config.reduce_timeout
-        )
+        rms.fill_(local_norm / math.sqrt(pg.numel()))
+        handle = self.transport.all_reduce([self._pseudo_grad.flat], codec=self.codec, key=self.reduce_key)
+        return PendingRound(round=self.round + 1, handle=handle, pseudo_grad_norm=local_norm, started=start)
+
+    @torch.no_grad()
+    def finish_round(self, pending: PendingRound) -> RoundReport:
+        """Phases 2-4: wait for the mean, take the outer step, copy the new global params into the model.
+        If the reduce raises ``TransportError`` nothing has changed (call ``begin_round`` again)."""
+        if pending.round != self.round + 1:
+            raise ValueError(f"pending round {pending.round} cannot finish: this worker is at round {self.round}")
+        result = pending.handle.wait(self.config.reduce_timeout)
+        pg, rms = self._pseudo_grad.body, self._pseudo_grad.tail
         mean_norm = torch.linalg.vector_norm(pg).item()
-        contributors_norm = rms.item() * scale  # mean over the contributors of their pseudo-gradient norms
+        contributors_norm = rms.item() * math.sqrt(pg.numel())  # contributors' mean pseudo-gradient norm
         self.outer_optimizer.step()
         self._global.copy_to(self.params)
         self.round += 1
+        local_norm = pending.pseudo_grad_norm
         report = RoundReport(
             round=self.round,
             num_contributors=result.num_contributors,
             bytes_sent=result.bytes_sent,
             bytes_received=result.bytes_received,
             comm_seconds=result.seconds,
-            round_seconds=time.perf_counter() - start,
+            round_seconds=time.perf_counter() - pending.started,
             pseudo_grad_norm=local_norm,
             mean_pseudo_grad_norm=mean_norm,
             agreement=mean_norm / contributors_norm if contributors_norm > 0 else 1.0,
@@ -214,7 +246,7 @@ class DiLoCo:
         rank0 = mine.clone()
         self.transport.broadcast([rank0], src=0, timeout=self.config.reduce_timeout)
         differs = torch.tensor([float(not torch.equal(mine, rank0))])
-        checked = self.transport.all_reduce([differs], wire_dtype="fp32").wait(self.config.reduce_timeout)
+        checked = self.transport.all_reduce([differs], codec=FP32, key="diloco/check").wait(self.config.reduce_timeout)
         if torch.equal(mine, rank0) and differs.item() == 0:
             return
         if not torch.equal(mine, rank0):

@@ -15,7 +15,11 @@ class FlatBuffer:
     collective as the body without a concatenating copy."""
 
     def __init__(
-        self, like: Sequence[torch.Tensor], device: torch.device | str, dtype: torch.dtype = torch.float32, extra: int = 0
+        self,
+        like: Sequence[torch.Tensor],
+        device: torch.device | str,
+        dtype: torch.dtype = torch.float32,
+        extra: int = 0,
     ) -> None:
         self.shapes = [tuple(t.shape) for t in like]
         numels = [t.numel() for t in like]

@@ -10,6 +10,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from .codec import FP32, Codec
+
 if TYPE_CHECKING:
     from .diloco import DiLoCo
 
@@ -66,6 +68,11 @@ class Transport(ABC):
     ``all_reduce`` returns at once; until its handle's ``wait`` returns, the caller must not touch the
     tensors. On success they hold the fp32 mean over the contributors that actually took part (see
     ``diloco_core.wire.reference_mean``): the core never divides by a world size it remembered.
+
+    Every reduce carries a ``key``: the n-th reduce with a key on one member meets the n-th reduce with
+    that key on the others, and a transport keeps its buffers (hivemind: its averagers) per key, so
+    reduces with different keys (the fragments of a streamed round) may be in flight at once. Members
+    start and wait for keyed reduces in the same order (torch.distributed matches collectives by order).
     """
 
     # The four members below have defaults for fixed-rank transports; a transport that wraps another
@@ -99,8 +106,9 @@ class Transport(ABC):
         """Members the transport currently knows of (contributors to a given reduce may be fewer)."""
 
     @abstractmethod
-    def all_reduce(self, tensors: Sequence[torch.Tensor], *, wire_dtype: str = "fp32") -> ReduceHandle:
-        """Start averaging the fp32 ``tensors`` in place across the group."""
+    def all_reduce(self, tensors: Sequence[torch.Tensor], *, codec: Codec = FP32, key: str = "default") -> ReduceHandle:
+        """Start averaging the fp32 ``tensors`` in place across the group, each contribution travelling as
+        ``codec``'s payload (the transport moves payloads; the codec encodes and decodes them)."""
 
     @abstractmethod
     def broadcast(self, tensors: Sequence[torch.Tensor], *, src: int = 0, timeout: float) -> None:

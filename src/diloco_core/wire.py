@@ -1,8 +1,8 @@
-"""Wire dtypes and the reference mean every transport must reproduce bit for bit.
+"""The reference mean every transport must reproduce bit for bit.
 
-Contract: each contribution travels as ``wire_dtype``; the receiver widens to fp32, sums the
-contributions in rank order, and divides by the number of contributors. Every participant ends with
-the same fp32 result, so replicas never drift apart through rounding.
+Contract: each contribution travels as its codec's payload; the receiver decodes every payload into
+fp32, sums them in rank order, and divides by the number of contributors. Every participant ends
+with the same fp32 result, so replicas never drift apart through rounding.
 """
 
 from __future__ import annotations
@@ -11,43 +11,49 @@ from collections.abc import Sequence
 
 import torch
 
-__all__ = ["WIRE_DTYPES", "wire_torch_dtype", "reference_mean"]
+from .codec import Codec, codec_for
 
-WIRE_DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+__all__ = ["mean_of_payloads", "reference_mean"]
 
 
-def wire_torch_dtype(wire_dtype: str) -> torch.dtype:
-    try:
-        return WIRE_DTYPES[wire_dtype]
-    except KeyError:
-        raise ValueError(f"wire_dtype={wire_dtype!r} is invalid: expected one of {sorted(WIRE_DTYPES)}") from None
+def mean_of_payloads(
+    payloads: Sequence[torch.Tensor],
+    codec: Codec,
+    out: torch.Tensor,
+    scratch: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``out`` = the fp32 mean of the decoded ``payloads``, summed in the given order.
+
+    ``scratch`` (fp32, ``out``'s shape) is reused if given: allocating a large fresh buffer costs more
+    than the arithmetic (page faults).
+    """
+    assert payloads, "a mean needs at least one contribution"
+    if len(payloads) > 1 and codec.elementwise_dtype == torch.float32:
+        torch.add(payloads[0], payloads[1], out=out)  # one pass for the first two addends
+        rest = payloads[2:]
+    else:
+        codec.decode(payloads[0], out)
+        rest = payloads[1:]
+    if rest and scratch is None and codec.elementwise_dtype != torch.float32:
+        scratch = torch.empty_like(out)
+    for p in rest:
+        codec.add_decoded(p, out, scratch)
+    return out.div_(len(payloads))
 
 
 def reference_mean(
     contributions: Sequence[torch.Tensor],
-    wire_dtype: str,
+    codec: Codec | str,
     out: torch.Tensor | None = None,
     scratch: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """fp32 mean of the contributions after each was cast to ``wire_dtype``, summed in the given order.
-
-    ``out`` and ``scratch`` (fp32, the contributions' shape) are reused if given: allocating a large
-    fresh buffer costs more than the arithmetic (page faults).
-    """
+    """fp32 mean of the fp32 ``contributions`` after each went through ``codec``, summed in the given
+    order: what every transport's all-reduce must produce. ``codec``: a ``Codec`` or its name."""
     assert contributions, "a mean needs at least one contribution"
-    dtype = wire_torch_dtype(wire_dtype)
-    wire = [c if c.dtype == dtype else c.to(dtype) for c in contributions]
-    total = torch.empty_like(contributions[0], dtype=torch.float32) if out is None else out
-    if len(wire) > 1 and dtype == torch.float32:
-        torch.add(wire[0], wire[1], out=total)  # one pass for the first two addends
-        rest = wire[2:]
-    else:
-        total.copy_(wire[0])
-        rest = wire[1:]
-    if rest and dtype != torch.float32 and scratch is None:
-        scratch = torch.empty_like(total)
-    for w in rest:
-        if dtype != torch.float32:  # widening copy, then an fp32 add: far faster than a mixed-dtype add
-            w = scratch.copy_(w)
-        total.add_(w)
-    return total.div_(len(wire))
+    codec = codec_for(codec)
+    payloads = [codec.encode(c.reshape(-1)) for c in contributions]
+    total = torch.empty(contributions[0].numel(), dtype=torch.float32, device=contributions[0].device)
+    if out is not None:
+        total = out.view(-1)
+    mean_of_payloads(payloads, codec, out=total, scratch=None if scratch is None else scratch.view(-1))
+    return total.view(contributions[0].shape)

@@ -23,7 +23,7 @@ from typing import Any, TextIO
 import torch
 import torch.nn.functional as F
 
-from diloco_core import DiLoCo, RoundReport, Transport, TransportError
+from diloco_core import DiLoCo, RoundReport, Transport, TransportError, codec_for
 from diloco_core.config import outer_lr_for
 from diloco_core.flat import FlatBuffer
 from transports import InProcessGroup, create_transport
@@ -232,6 +232,7 @@ class _Worker:
     def run(self) -> None:
         c, t = self.config, self.t
         timeout = c.diloco.reduce_timeout
+        wire = codec_for(c.diloco.wire_dtype)  # DDP's gradients travel as DiLoCo's pseudo-gradients would
         model = Llama(c.model, generator=torch.Generator().manual_seed(t.seed)).to(self.device)
         decay = [p for p in model.parameters() if p.ndim >= 2]
         no_decay = [p for p in model.parameters() if p.ndim < 2]
@@ -306,7 +307,7 @@ class _Worker:
                 assert self.transport is not None
                 with torch.no_grad():
                     grads.copy_from([p.grad for p in params])
-                    result = self.transport.all_reduce([grads.flat], wire_dtype=c.diloco.wire_dtype).wait(timeout)
+                    result = self.transport.all_reduce([grads.flat], codec=wire, key="ddp/grads").wait(timeout)
                     grads.copy_to([p.grad for p in params])
                 comm, sent, received = result.seconds, result.bytes_sent, result.bytes_received
             if t.grad_clip:

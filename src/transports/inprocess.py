@@ -1,7 +1,8 @@
 """In-process transport: ranks are threads of one process sharing an ``InProcessGroup``.
 
-It is the oracle the network transports are tested against: the mean is ``reference_mean`` over the
-contributions in rank order, computed once and handed to every rank. A rank that ``close()``s leaves
+It is the oracle the network transports are tested against: the mean of the contributions' codec
+payloads in rank order (``diloco_core.wire.mean_of_payloads``), computed once and handed to every
+rank. Collectives meet by key: the n-th call with a key on every rank meets in the same slot. A rank that ``close()``s leaves
 the group; collectives then complete among the members that remain.
 """
 
@@ -16,7 +17,8 @@ import torch
 
 from diloco_core.config import check_field
 from diloco_core.transport import ReduceHandle, ReduceResult, Transport, TransportError
-from diloco_core.wire import reference_mean, wire_torch_dtype
+from diloco_core.codec import FP32, Codec, check_codec
+from diloco_core.wire import mean_of_payloads
 
 __all__ = ["InProcessConfig", "InProcessGroup", "InProcessTransport"]
 
@@ -33,20 +35,25 @@ class InProcessConfig:
     def __post_init__(self) -> None:
         ws = self.world_size
         check_field("world_size", ws, isinstance(ws, int) and not isinstance(ws, bool) and ws >= 1, "an integer >= 1")
-        check_field("rank", self.rank, isinstance(self.rank, int) and 0 <= self.rank < ws, f"an integer in [0, {ws - 1}]")
+        check_field(
+            "rank", self.rank, isinstance(self.rank, int) and 0 <= self.rank < ws, f"an integer in [0, {ws - 1}]"
+        )
         check_field("group", self.group, isinstance(self.group, str) and self.group != "", "a non-empty string")
 
 
 _named_groups: dict[str, "InProcessGroup"] = {}
 _named_lock = threading.Lock()
+_BROADCAST = "broadcast"  # the key broadcasts meet by (all_reduce keys are the callers')
 
 
 @dataclass
 class _Slot:
-    """One collective: the n-th call on every rank meets in the n-th slot."""
+    """One collective: the n-th call with a key on every rank meets in that key's n-th slot."""
 
     kind: str
-    wire_dtype: str
+    codec: Codec
+    numels: list[int] = field(default_factory=list)
+    """Values per tensor (a payload may hold another number of elements)."""
     contributions: dict[int, list[torch.Tensor]] = field(default_factory=dict)
     result: list[torch.Tensor] | None = None
     num_contributors: int = 0
@@ -62,8 +69,8 @@ class InProcessGroup:
         self._cond = threading.Condition()
         self._members = set(range(world_size))
         self._issued: set[int] = set()
-        self._next_op = [0] * world_size
-        self._slots: dict[int, _Slot] = {}
+        self._next_op: dict[tuple[int, str], int] = {}
+        self._slots: dict[tuple[str, int], _Slot] = {}
 
     def transport(self, rank: int) -> "InProcessTransport":
         if not isinstance(rank, int) or not 0 <= rank < self.world_size:
@@ -80,18 +87,26 @@ class InProcessGroup:
 
     # Everything below runs with self._cond held.
 
-    def _join(self, rank: int, kind: str, wire_dtype: str, tensors: list[torch.Tensor] | None) -> tuple[int, _Slot]:
+    def _join(
+        self, rank: int, *, kind: str, key: str, codec: Codec, tensors: list[torch.Tensor] | None, numels: list[int]
+    ) -> tuple[tuple[str, int], _Slot]:
         if rank not in self._members:
             raise TransportError(f"rank {rank} has left the in-process group")
-        op = self._next_op[rank]
-        self._next_op[rank] += 1
-        slot = self._slots.setdefault(op, _Slot(kind, wire_dtype))
-        if (slot.kind, slot.wire_dtype) != (kind, wire_dtype):
-            slot.error = f"collective #{op} mismatched: {slot.kind}/{slot.wire_dtype} vs {kind}/{wire_dtype} on rank {rank}"
+        n = self._next_op.get((rank, key), 0)
+        self._next_op[rank, key] = n + 1
+        op = (key, n)
+        slot = self._slots.setdefault(op, _Slot(kind, codec, numels))
+        if (slot.kind, slot.codec.name) != (kind, codec.name):
+            slot.error = (
+                f"collective #{n} of key {key!r} mismatched: {slot.kind}/{slot.codec.name} vs {kind}/{codec.name} "
+                f"on rank {rank}"
+            )
         elif tensors is not None:
             first = next(iter(slot.contributions.values()), None)
-            if first is not None and [t.shape for t in first] != [t.shape for t in tensors]:
-                slot.error = f"collective #{op}: rank {rank} sent shapes that differ from the other ranks'"
+            if first is not None and ([t.shape for t in first] != [t.shape for t in tensors] or slot.numels != numels):
+                slot.error = (
+                    f"collective #{n} of key {key!r}: rank {rank} sent shapes that differ from the other ranks'"
+                )
             slot.contributions[rank] = tensors
         self._complete(slot)
         self._cond.notify_all()
@@ -103,10 +118,11 @@ class InProcessGroup:
         if not self._members <= set(slot.contributions):
             return
         ranks = sorted(slot.contributions)
-        num_tensors = len(slot.contributions[ranks[0]])
-        slot.result = [
-            reference_mean([slot.contributions[r][i] for r in ranks], slot.wire_dtype) for i in range(num_tensors)
-        ]
+        first = slot.contributions[ranks[0]]
+        slot.result = []
+        for i, numel in enumerate(slot.numels):
+            out = torch.empty(numel, dtype=torch.float32)
+            slot.result.append(mean_of_payloads([slot.contributions[r][i] for r in ranks], slot.codec, out=out))
         slot.num_contributors = len(ranks)
         slot.contributions.clear()
 
@@ -128,8 +144,24 @@ class InProcessGroup:
 
 
 class _Handle(ReduceHandle):
-    def __init__(self, group: InProcessGroup, rank: int, op: int, slot: _Slot, tensors: list[torch.Tensor], start: float):
-        self._group, self._rank, self._op, self._slot, self._tensors, self._start = group, rank, op, slot, tensors, start
+    def __init__(
+        self,
+        group: InProcessGroup,
+        rank: int,
+        *,
+        op: tuple[str, int],
+        slot: _Slot,
+        tensors: list[torch.Tensor],
+        start: float,
+    ) -> None:
+        self._group, self._rank, self._op, self._slot, self._tensors, self._start = (
+            group,
+            rank,
+            op,
+            slot,
+            tensors,
+            start,
+        )
 
     def wait(self, timeout: float) -> ReduceResult:
         g, slot = self._group, self._slot
@@ -139,14 +171,16 @@ class _Handle(ReduceHandle):
                 raise TransportError(slot.error)
             if not ready:
                 missing = sorted(g._members - set(slot.contributions))
-                raise TransportError(f"in-process all_reduce #{self._op}: ranks {missing} did not join within {timeout:g}s")
+                key, n = self._op
+                raise TransportError(
+                    f"in-process all_reduce #{n} of key {key!r}: ranks {missing} did not join within {timeout:g}s"
+                )
             result, n = slot.result, slot.num_contributors
-        torch._foreach_copy_(self._tensors, result)
+        torch._foreach_copy_(self._tensors, [r.view_as(t) for r, t in zip(result, self._tensors)])
         with g._cond:
             g._consume(self._op, slot, self._rank)
-        numel = sum(t.numel() for t in self._tensors)
-        sent = numel * wire_torch_dtype(slot.wire_dtype).itemsize
-        return ReduceResult(n, sent, numel * 4, time.perf_counter() - self._start)
+        sent = sum(slot.codec.payload_bytes(n) for n in slot.numels)
+        return ReduceResult(n, sent, sum(slot.numels) * 4, time.perf_counter() - self._start)
 
 
 class InProcessTransport(Transport):
@@ -177,18 +211,21 @@ class InProcessTransport(Transport):
         with self._group._cond:
             return len(self._group._members)
 
-    def all_reduce(self, tensors: Sequence[torch.Tensor], *, wire_dtype: str = "fp32") -> ReduceHandle:
+    def all_reduce(self, tensors: Sequence[torch.Tensor], *, codec: Codec = FP32, key: str = "default") -> ReduceHandle:
         start = time.perf_counter()
-        dtype = wire_torch_dtype(wire_dtype)
         tensors = list(tensors)
+        check_codec(codec)
         for t in tensors:
             if t.dtype != torch.float32:
                 raise ValueError(f"all_reduce takes fp32 tensors, got {t.dtype}")
-        # Values travel in the wire dtype; fp32 ones are read in place (the caller waits before touching them).
-        payload = [t if dtype == torch.float32 else t.to(dtype) for t in tensors]
+        # Values travel as payloads; an fp32 payload is the values, read in place (the caller waits first).
+        payload = [codec.encode(t.reshape(-1)) for t in tensors]
+        numels = [t.numel() for t in tensors]
         with self._group._cond:
-            op, slot = self._group._join(self._rank, "all_reduce", wire_dtype, payload)
-        return _Handle(self._group, self._rank, op, slot, tensors, start)
+            op, slot = self._group._join(
+                self._rank, kind="all_reduce", key=key, codec=codec, tensors=payload, numels=numels
+            )
+        return _Handle(self._group, self._rank, op=op, slot=slot, tensors=tensors, start=start)
 
     def broadcast(self, tensors: Sequence[torch.Tensor], *, src: int = 0, timeout: float) -> None:
         g = self._group
@@ -197,7 +234,7 @@ class InProcessTransport(Transport):
         tensors = list(tensors)
         payload = [t.detach().clone() for t in tensors] if src == self._rank else None
         with g._cond:
-            op, slot = g._join(self._rank, "broadcast", "fp32", payload)
+            op, slot = g._join(self._rank, kind="broadcast", key=_BROADCAST, codec=FP32, tensors=payload, numels=[])
             if src == self._rank:
                 g._consume(op, slot, self._rank)
                 return
@@ -207,12 +244,14 @@ class InProcessTransport(Transport):
             if slot.error is not None:
                 raise TransportError(slot.error)
             if src not in slot.contributions and src not in g._members:
-                raise TransportError(f"in-process broadcast #{op}: rank {src} left the group before sending")
+                raise TransportError(f"in-process broadcast #{op[1]}: rank {src} left the group before sending")
             if not ready:
-                raise TransportError(f"in-process broadcast #{op}: rank {src} did not send within {timeout:g}s")
+                raise TransportError(f"in-process broadcast #{op[1]}: rank {src} did not send within {timeout:g}s")
             values = slot.contributions[src]
         if [t.shape for t in values] != [t.shape for t in tensors]:
-            raise TransportError(f"in-process broadcast #{op}: rank {src} sent shapes that differ from rank {self._rank}'s")
+            raise TransportError(
+                f"in-process broadcast #{op[1]}: rank {src} sent shapes that differ from rank {self._rank}'s"
+            )
         torch._foreach_copy_(tensors, values)
         with g._cond:
             g._consume(op, slot, self._rank)

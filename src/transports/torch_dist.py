@@ -1,25 +1,31 @@
 """LAN transport over torch.distributed: gloo for CPU tensors, NCCL for CUDA tensors.
 
-fp32 travels as bucketed ring all-reduces (torch's own), each bucket divided by the group size while
-the next is still on the wire. A 16-bit wire dtype must cut bytes *and* keep fp32 sums, which a
-16-bit all-reduce does not (gloo sums fp16 in fp16, and on CPU it is no faster). So the 16-bit path
-moves payloads with point-to-point sends and does the sums itself, in fp32 and in rank order, which
-makes the result bit-identical on every rank and equal to ``diloco_core.wire.reference_mean``:
+The fp32 codec travels as bucketed ring all-reduces (torch's own), each bucket divided by the group
+size while the next is still on the wire. Any other codec must cut bytes *and* keep fp32 sums, which
+a 16-bit all-reduce does not (gloo sums fp16 in fp16, and on CPU it is no faster). So that path moves
+the codec's payloads with point-to-point sends and has the codec decode them into fp32 sums, in rank
+order, which makes the result bit-identical on every rank and equal to
+``diloco_core.wire.reference_mean``:
 
-- up to 3 ranks: every rank sends its wire payload to every peer and sums all W in fp32
-  ((W-1)·N wire values out per rank; at W=2 half the bytes of an fp32 ring);
-- 4 or more: reduce-scatter of wire-dtype shards (all-to-all), fp32 sums per shard, then the fp32
-  shards are all-gathered ((W-1)/W·N·(2+4) bytes out per rank, 25% under an fp32 ring).
+- up to 3 ranks: every rank sends its payload to every peer and sums all W in fp32
+  ((W-1)·P payload bytes out per rank; fp16 at W=2: half the bytes of an fp32 ring);
+- 4 or more: reduce-scatter of shard payloads (all-to-all; each shard encoded on its own), fp32 sums
+  per shard, then the fp32 shards are all-gathered ((W-1)/W·(P + 4N) bytes out per rank; fp16: 25%
+  under an fp32 ring).
+
+Buffers are kept per reduce key; reduces with different keys may be in flight at once, started and
+waited for in the same order on every rank.
 """
 
 from __future__ import annotations
 
 import datetime
+import functools
 import itertools
 import logging
 import os
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -27,7 +33,8 @@ import torch.distributed as dist
 
 from diloco_core.config import check_field, is_finite_number
 from diloco_core.transport import ReduceHandle, ReduceResult, Transport, TransportError
-from diloco_core.wire import WIRE_DTYPES, reference_mean, wire_torch_dtype
+from diloco_core.codec import FP32, Codec, check_codec
+from diloco_core.wire import mean_of_payloads
 
 __all__ = ["TorchDistConfig", "TorchDistTransport"]
 
@@ -51,8 +58,12 @@ class TorchDistConfig:
     def __post_init__(self) -> None:
         check_field("backend", self.backend, self.backend in _BACKEND_DEVICE, f"one of {sorted(_BACKEND_DEVICE)}")
         check_field("init_method", self.init_method, isinstance(self.init_method, str), "a URL such as env://")
-        check_field("timeout", self.timeout, is_finite_number(self.timeout) and self.timeout > 0, "a number of seconds > 0")
-        check_field("bucket_mb", self.bucket_mb, is_finite_number(self.bucket_mb) and self.bucket_mb > 0, "a number of MB > 0")
+        check_field(
+            "timeout", self.timeout, is_finite_number(self.timeout) and self.timeout > 0, "a number of seconds > 0"
+        )
+        check_field(
+            "bucket_mb", self.bucket_mb, is_finite_number(self.bucket_mb) and self.bucket_mb > 0, "a number of MB > 0"
+        )
 
 
 def _init_from_env(config: TorchDistConfig) -> None:
@@ -87,17 +98,18 @@ class _Handle(ReduceHandle):
     """Drives the reduce bucket by bucket. Each bucket is a generator that yields the works it needs
     finished before its next piece of fp32 arithmetic, so later buckets stay on the wire meanwhile."""
 
-    def __init__(self, buckets: list[Iterator[list]], tensors: list[torch.Tensor], flat: torch.Tensor,
-                 n: int, sent: int, start: float, owner: "TorchDistTransport | None") -> None:  # fmt: skip
+    def __init__(
+        self, buckets: list[Iterator[list]], *, tensors: list[torch.Tensor], flat: torch.Tensor, n: int, sent: int,
+        start: float, release: Callable[[], None],
+    ) -> None:  # fmt: skip
         self._buckets, self._tensors, self._flat = buckets, tensors, flat
-        self._n, self._sent, self._start, self._owner = n, sent, start, owner
+        self._n, self._sent, self._start, self._release = n, sent, start, release
 
     def wait(self, timeout: float) -> ReduceResult:
         try:
             return self._finish(timeout)
         finally:
-            if self._owner is not None:  # this reduce held the transport's cached buffers
-                self._owner._busy = False
+            self._release()  # the key's cached buffers are free for its next reduce
 
     def _finish(self, timeout: float) -> ReduceResult:
         deadline = time.monotonic() + timeout
@@ -117,14 +129,27 @@ class _Handle(ReduceHandle):
         return ReduceResult(self._n, self._sent, self._sent, time.perf_counter() - self._start)
 
 
+class _Buffers:
+    """Scratch buffers of one reduce key, kept from round to round: a fresh 100 MB buffer costs more in
+    page faults than the arithmetic done in it. A second reduce of the same key while the first is in
+    flight gets fresh ones."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.busy = False
+        self._cache: dict[tuple, torch.Tensor] = {}
+
+    def get(self, name: tuple, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        buf = self._cache.get(name)
+        if buf is None or buf.numel() != numel or buf.dtype != dtype:
+            buf = self._cache[name] = torch.empty(numel, dtype=dtype, device=self.device)
+        return buf
+
+
 def _transport_error(what: str, e: RuntimeError, timeout: float, deadline: float) -> TransportError:
     if time.monotonic() >= deadline - 0.01 or "timed out" in str(e).lower():
         return TransportError(f"torch.distributed {what} did not finish within {timeout:g}s: {e}")
     return TransportError(f"torch.distributed {what} failed (a peer died or left?): {e}")
-
-
-def _wire_name(dtype: torch.dtype) -> str:
-    return next(name for name, d in WIRE_DTYPES.items() if d == dtype)
 
 
 def _started(bucket: Iterator[list]) -> Iterator[list]:
@@ -161,10 +186,7 @@ class TorchDistTransport(Transport):
         self._size = dist.get_world_size(group)
         self._bucket_numel = max(1, int(bucket_mb * 1e6 / 4))
         self._closed = False
-        # Scratch buffers kept from round to round: a fresh 100 MB buffer costs more in page faults
-        # than the arithmetic done in it. Only one reduce at a time uses them (_busy).
-        self._buffers: dict[tuple, torch.Tensor] = {}
-        self._busy = False
+        self._buffers: dict[str, _Buffers] = {}  # per reduce key
 
     @property
     def rank(self) -> int:
@@ -183,47 +205,58 @@ class TorchDistTransport(Transport):
             if t.device.type != want:
                 raise ValueError(
                     f"backend {self._backend!r} reduces {want} tensors, got one on {t.device}"
-                    + (" (set [diloco] global_device = \"cuda\")" if want == "cuda" else " (use backend='nccl')")
+                    + (' (set [diloco] global_device = "cuda")' if want == "cuda" else " (use backend='nccl')")
                 )
         return tensors
-
-    def _buffer(self, key: tuple, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        if self._busy:  # another reduce is still in flight and owns the cached buffers
-            return torch.empty(numel, dtype=dtype, device=device)
-        buf = self._buffers.get(key)
-        if buf is None or buf.numel() != numel or buf.dtype != dtype or buf.device != device:
-            buf = self._buffers[key] = torch.empty(numel, dtype=dtype, device=device)
-        return buf
 
     def _global_rank(self, group_rank: int) -> int:
         return group_rank if self._group is None else dist.get_global_rank(self._group, group_rank)
 
-    def all_reduce(self, tensors: Sequence[torch.Tensor], *, wire_dtype: str = "fp32") -> ReduceHandle:
+    def all_reduce(self, tensors: Sequence[torch.Tensor], *, codec: Codec = FP32, key: str = "default") -> ReduceHandle:
         start = time.perf_counter()
-        dtype = wire_torch_dtype(wire_dtype)
         tensors = self._check(tensors)
+        check_codec(codec)
         for t in tensors:
             if t.dtype != torch.float32:
                 raise ValueError(f"all_reduce takes fp32 tensors, got {t.dtype}")
         flat = _flatten(tensors)
-        w, n = self._size, flat.numel()
-        buckets = list(flat.split(self._bucket_numel))
-        if dtype == torch.float32:
-            bucket_fn, sent = self._ring, 2 * (w - 1) * n * 4 // w
-        elif w <= 3:
-            bucket_fn, sent = self._gather_all, (w - 1) * n * dtype.itemsize
+        cached = self._buffers.get(key)
+        if cached is None or cached.device != flat.device:
+            cached = self._buffers[key] = _Buffers(flat.device)
+        buffers = _Buffers(flat.device) if cached.busy else cached  # same key still in flight: fresh ones
+        w = self._size
+        if codec.elementwise_dtype == torch.float32:
+            bucket_fn = self._ring
         else:
-            bucket_fn, sent = self._scatter_gather, (w - 1) * n * (dtype.itemsize + 4) // w
-        cached = not self._busy
+            bucket_fn = functools.partial(self._gather_all if w <= 3 else self._scatter_gather, codec=codec)
+        parts = flat.split(self._bucket_numel)
         try:
             # Start every bucket's first collective now; wait() finishes them in order.
-            buckets = [_started(bucket_fn(b, dtype, i)) for i, b in enumerate(flat.split(self._bucket_numel))]
+            buckets = [_started(bucket_fn(b, buffers=buffers, index=i)) for i, b in enumerate(parts)]
         except RuntimeError as e:
             raise TransportError(f"torch.distributed all_reduce failed to start: {e}") from e
-        self._busy = True
-        return _Handle(buckets, tensors, flat, w, sent, start, self if cached else None)
+        buffers.busy = True
+        sent = sum(self._bytes_out(b.numel(), codec) for b in parts)
+        return _Handle(
+            buckets,
+            tensors=tensors,
+            flat=flat,
+            n=w,
+            sent=sent,
+            start=start,
+            release=lambda: setattr(buffers, "busy", False),
+        )
 
-    def _ring(self, bucket: torch.Tensor, dtype: torch.dtype, index: int) -> Iterator[list]:
+    def _bytes_out(self, numel: int, codec: Codec) -> int:
+        w = self._size
+        if codec.elementwise_dtype == torch.float32:
+            return 2 * (w - 1) * numel * 4 // w
+        if w <= 3:
+            return (w - 1) * codec.payload_bytes(numel)
+        shard = -(-numel // w)
+        return (w - 1) * (codec.payload_bytes(shard) + shard * 4)
+
+    def _ring(self, bucket: torch.Tensor, *, buffers: _Buffers, index: int) -> Iterator[list]:
         yield [dist.all_reduce(bucket, group=self._group, async_op=True)]
         bucket.div_(self._size)
 
@@ -233,28 +266,37 @@ class TorchDistTransport(Transport):
         ops += [dist.P2POp(dist.irecv, t, self._global_rank(r), self._group) for r, t in recvs.items()]
         return dist.batch_isend_irecv(ops)
 
-    def _gather_all(self, bucket: torch.Tensor, dtype: torch.dtype, index: int) -> Iterator[list]:
-        me, peers, n, dev = self._rank, [r for r in range(self._size) if r != self._rank], bucket.numel(), bucket.device
-        payloads = [self._buffer(("payload", index, r), n, dtype, dev) for r in range(self._size)]
-        payloads[me].copy_(bucket)
+    def _gather_all(self, bucket: torch.Tensor, *, codec: Codec, buffers: _Buffers, index: int) -> Iterator[list]:
+        me, peers, n = self._rank, [r for r in range(self._size) if r != self._rank], bucket.numel()
+        size, dtype = codec.payload_spec(n)
+        payloads = [buffers.get(("payload", index, r), size, dtype) for r in range(self._size)]
+        codec.encode(bucket, out=payloads[me])
         yield self._exchange({r: payloads[me] for r in peers}, {r: payloads[r] for r in peers})
-        reference_mean(payloads, _wire_name(dtype), out=bucket, scratch=self._buffer(("scratch", index), n, torch.float32, dev))
+        scratch = buffers.get(("scratch", index), n, torch.float32)
+        mean_of_payloads(payloads, codec, out=bucket, scratch=scratch)
 
-    def _scatter_gather(self, bucket: torch.Tensor, dtype: torch.dtype, index: int) -> Iterator[list]:
-        me, w, dev = self._rank, self._size, bucket.device
+    def _scatter_gather(self, bucket: torch.Tensor, *, codec: Codec, buffers: _Buffers, index: int) -> Iterator[list]:
+        me, w, n = self._rank, self._size, bucket.numel()
         peers = [r for r in range(w) if r != me]
-        shard = -(-bucket.numel() // w)
-        padded = self._buffer(("padded", index), shard * w, dtype, dev)
-        padded[: bucket.numel()].copy_(bucket)
-        padded[bucket.numel() :].zero_()
-        received = self._buffer(("received", index), shard * w, dtype, dev)
-        yield [dist.all_to_all_single(received, padded, group=self._group, async_op=True)]
-        gathered = self._buffer(("gathered", index), shard * w, torch.float32, dev)
+        shard = -(-n // w)
+        size, dtype = codec.payload_spec(shard)
+        send = buffers.get(("send", index), size * w, dtype)
+        for r in range(w):  # each shard encoded on its own; the last one(s) padded with zeros
+            part = bucket[r * shard : (r + 1) * shard]
+            if part.numel() < shard:
+                padded = buffers.get(("padded", index), shard, torch.float32)
+                padded[: part.numel()].copy_(part)
+                padded[part.numel() :].zero_()
+                part = padded
+            codec.encode(part, out=send[r * size : (r + 1) * size])
+        received = buffers.get(("received", index), size * w, dtype)
+        yield [dist.all_to_all_single(received, send, group=self._group, async_op=True)]
+        gathered = buffers.get(("gathered", index), shard * w, torch.float32)
         shards = list(gathered.split(shard))
-        scratch = self._buffer(("scratch", index), shard, torch.float32, dev)
-        reference_mean(list(received.split(shard)), _wire_name(dtype), out=shards[me], scratch=scratch)
+        scratch = buffers.get(("scratch", index), shard, torch.float32)
+        mean_of_payloads(list(received.split(size)), codec, out=shards[me], scratch=scratch)
         yield self._exchange({r: shards[me] for r in peers}, {r: shards[r] for r in peers})
-        bucket.copy_(gathered[: bucket.numel()])
+        bucket.copy_(gathered[:n])
 
     def broadcast(self, tensors: Sequence[torch.Tensor], *, src: int = 0, timeout: float) -> None:
         tensors = self._check(tensors)
