@@ -9,7 +9,7 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from diloco_core import FP32, DiLoCo, DiLoCoConfig, ReduceHandle, Transport, TransportError
+from diloco_core import FP32, DiLoCo, DiLoCoConfig, ReduceHandle, RunState, Transport, TransportError
 from diloco_core.config import outer_lr_for
 from transports import InProcessGroup
 
@@ -227,8 +227,8 @@ class FailingTransport(Transport):
     world_size = property(lambda self: self.inner.world_size)
     fixed_ranks = property(lambda self: self.inner.fixed_ranks)
 
-    def attach(self, diloco, timeout):
-        return self.inner.attach(diloco, timeout)
+    def attach(self, state, timeout):
+        return self.inner.attach(state, timeout)
 
     def state_dict(self):
         return self.inner.state_dict()
@@ -364,22 +364,63 @@ def test_the_transport_is_attached_once_the_global_params_are_in_place():
 
     def build(transport: Transport) -> tuple[DiLoCo, list]:
         seen: list = []
+        model = Scalar([float(transport.rank + 1), 5.0])  # different weights per rank: the broadcast fixes that
 
-        def attach(diloco: DiLoCo, timeout: float) -> bool:  # this worker pretends to join a running run
-            seen.append(([p.clone() for p in diloco.global_params], timeout))
+        def attach(state: RunState, timeout: float) -> bool:  # this worker pretends to join a running run
+            seen.append((model.w.detach().clone(), state.snapshot(), timeout))
             return True
 
         if transport.rank == 1:
             transport.attach = attach
-        model = Scalar([float(transport.rank + 1), 5.0])  # different weights per rank: the broadcast fixes that
         dl = DiLoCo(model, torch.optim.SGD(model.parameters(), lr=1.0), transport, DiLoCoConfig(inner_steps=1, reduce_timeout=7))
         return dl, seen
 
     (first, none), (joiner, seen) = run_threads(2, build)
     assert not first.joined and not none  # the default attach does nothing
     assert joiner.joined
-    [(params, timeout)] = seen
-    assert timeout == 7 and torch.equal(params[0], torch.tensor([1.0, 5.0]))  # rank 0's weights, broadcast first
+    [(params, (meta, momentum), timeout)] = seen
+    assert timeout == 7 and torch.equal(params, torch.tensor([1.0, 5.0]))  # rank 0's weights, broadcast first
+    assert meta == {"round": 0, "num_momentum": 0} and momentum == []
+
+
+def _trained(rounds: int, seed: int = 0) -> tuple[DiLoCo, torch.nn.Module]:
+    model = _model(seed)
+    dl = DiLoCo(
+        model, torch.optim.SGD(model.parameters(), lr=0.05), InProcessGroup(1).transport(0),
+        DiLoCoConfig(inner_steps=2, outer_lr=0.7, outer_momentum=0.9),
+    )  # fmt: skip
+    _train(dl, dl.inner_optimizer, 0, range(2 * rounds))
+    return dl, model
+
+
+def test_run_state_moves_round_and_momentum_to_another_worker_and_checks_them_first():
+    source, _ = _trained(rounds=3)
+    seen: list[int] = []
+    source.run_state.subscribe(lambda: seen.append(source.round))
+    _train(source, source.inner_optimizer, 0, range(6, 8))
+    assert seen == [4]  # after the round, with the round counted
+    joiner, model = _trained(rounds=0, seed=1)
+    torch._foreach_copy_(joiner.global_params, source.global_params)  # what the broadcast does on a joiner
+    meta, tensors = source.run_state.snapshot()
+    assert meta == {"round": 4, "num_momentum": 1}
+    before = joiner.state_dict()
+    for bad_meta, bad in [
+        ({"round": -1, "num_momentum": 1}, tensors),
+        (meta, []),
+        (meta, [tensors[0][:-1]]),
+        (meta, [torch.full_like(tensors[0], float("nan"))]),
+        ("not a dict", tensors),
+    ]:
+        with pytest.raises(ValueError, match="peer"):
+            joiner.run_state.loader(bad_meta, bad)
+    assert joiner.state_dict()["outer_optimizer"] == before["outer_optimizer"] and joiner.round == 0
+    joiner.run_state.loader(meta, tensors)()
+    assert (joiner.round, joiner.inner_step) == (4, 8)
+    assert all(torch.equal(p, g) for p, g in zip(model.parameters(), joiner.global_params))
+    # From the same state and data (and a stateless inner SGD: inner state is never shared), the same next round.
+    _train(source, source.inner_optimizer, 0, range(8, 10))
+    _train(joiner, joiner.inner_optimizer, 0, range(8, 10))
+    assert torch.equal(source.state_dict()["global"], joiner.state_dict()["global"])
 
 
 def test_the_transports_state_travels_inside_diloco_state():

@@ -2,7 +2,8 @@
 
 from .codec import BF16, CODECS, FP16, FP32, CastCodec, Codec, codec_for
 from .config import DiLoCoConfig
-from .diloco import DiLoCo, RoundReport
+from .diloco import DiLoCo, PendingRound, RoundReport
+from .run_state import RunState
 from .transport import FutureHandle, ReduceHandle, ReduceResult, StateReplaced, Transport, TransportError
 from .wire import mean_of_payloads, reference_mean
 
@@ -18,9 +19,11 @@ __all__ = [
     "DiLoCo",
     "DiLoCoConfig",
     "FutureHandle",
+    "PendingRound",
     "ReduceHandle",
     "ReduceResult",
     "RoundReport",
+    "RunState",
     "StateReplaced",
     "Transport",
     "TransportError",

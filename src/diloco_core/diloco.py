@@ -14,6 +14,7 @@ import torch
 from .codec import FP32, codec_for
 from .config import DiLoCoConfig, outer_lr_for
 from .flat import FlatBuffer
+from .run_state import RunState
 from .transport import ReduceHandle, StateReplaced, Transport, TransportError
 
 __all__ = ["DiLoCo", "PendingRound", "RoundReport"]
@@ -118,7 +119,9 @@ class DiLoCo:
             self._global.copy_from(self.params)
             transport.broadcast([self._global.flat], src=0, timeout=config.reduce_timeout)
             self._global.copy_to(self.params)
-        self.joined = transport.attach(self, timeout=config.reduce_timeout)
+        self.run_state = RunState(self)
+        """The outer state a transport whose peers come and go serves to joiners (``Transport.attach``)."""
+        self.joined = transport.attach(self.run_state, timeout=config.reduce_timeout)
         """True if this worker joined a run already going: global params, outer momentum and round came
         from its peers (only transports whose peers come and go do that)."""
 
@@ -183,6 +186,7 @@ class DiLoCo:
         self.outer_optimizer.step()
         self._global.copy_to(self.params)
         self.round += 1
+        self.run_state.advanced()
         local_norm = pending.pseudo_grad_norm
         report = RoundReport(
             round=self.round,

@@ -13,7 +13,7 @@ import torch
 from .codec import FP32, Codec
 
 if TYPE_CHECKING:
-    from .diloco import DiLoCo
+    from .run_state import RunState
 
 __all__ = ["Transport", "ReduceHandle", "FutureHandle", "ReduceResult", "TransportError", "StateReplaced"]
 
@@ -82,10 +82,11 @@ class Transport(ABC):
     """True where ``rank`` and ``world_size`` hold for the whole run (in-process, torch.distributed), so
     ranks can agree on a resume step and check the world size. False where peers come and go (hivemind)."""
 
-    def attach(self, diloco: DiLoCo, timeout: float) -> bool:
+    def attach(self, state: RunState, timeout: float) -> bool:
         """Called once by ``DiLoCo``, when its global params are in place. A transport whose peers come and
-        go loads the run's outer state (momentum, round) from its peers here and serves this worker's to
-        later joiners; it returns True if it loaded one. The default does nothing."""
+        go loads the run's outer state from its peers here (``state.loader``), serves this worker's to
+        later joiners (``state.snapshot``, refreshed through ``state.subscribe``), and returns True if it
+        loaded one. The default does nothing."""
         return False
 
     def state_dict(self) -> dict:
