@@ -541,3 +541,13 @@ def test_a_split_round_reduces_what_it_began_with_and_training_between_is_replac
         assert rnd == 1 and report.round == 1 and report.num_contributors == 2
         assert torch.equal(torch.cat([p.reshape(-1) for p in params]), torch.tensor([0.5, 0.5, 0.5]))
         assert report.mean_pseudo_grad_norm == pytest.approx((0.25 + 2.25 * 2) ** 0.5, rel=1e-6)
+
+
+def test_a_reduce_timeout_shorter_than_the_transports_own_is_refused():
+    t = InProcessGroup(1).transport(0)
+    t.own_timeout = 120.0
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(ValueError, match=r"reduce_timeout=60 is shorter than the transport's own timeout \(120s\)"):
+        DiLoCo(model, opt, t, DiLoCoConfig(reduce_timeout=60))
+    assert DiLoCo(model, opt, t, DiLoCoConfig(reduce_timeout=120)).config.reduce_timeout == 120

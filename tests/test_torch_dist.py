@@ -122,3 +122,28 @@ def test_nccl_contract_on_two_gpus():
         capture_output=True, text=True, timeout=150,
     )  # fmt: skip
     assert out.returncode == 0 and "nccl check passed" in out.stdout, out.stdout + out.stderr
+
+
+def _timeouts(transport):
+    from diloco_core import DiLoCo, DiLoCoConfig
+
+    derived = create_transport({"kind": "torch"}, reduce_timeout=42).own_timeout
+    explicit = create_transport({"kind": "torch", "timeout": 10}, reduce_timeout=42).own_timeout
+    model = torch.nn.Linear(2, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    try:
+        DiLoCo(model, opt, create_transport({"kind": "torch", "timeout": 30}), DiLoCoConfig(reduce_timeout=20))
+        refused = None
+    except ValueError as e:
+        refused = str(e)
+    return derived, explicit, refused
+
+
+def test_the_process_group_timeout_follows_the_cores_unless_set_and_may_not_exceed_it(tmp_path):
+    world = GlooWorld(2, str(tmp_path))
+    try:
+        for derived, explicit, refused in world.run(_timeouts):
+            assert (derived, explicit) == (42, 10)
+            assert "reduce_timeout=20 is shorter than the transport's own timeout (30s)" in refused
+    finally:
+        world.close()

@@ -88,6 +88,13 @@ class DiLoCo:
         self.inner_optimizer = inner_optimizer
         self.transport = transport
         self.config = config
+        own = transport.own_timeout
+        if own is not None and own > config.reduce_timeout:
+            raise ValueError(
+                f"reduce_timeout={config.reduce_timeout:g} is shorter than the transport's own timeout ({own:g}s): "
+                f"the core would give up on reduces the transport still runs; set reduce_timeout >= {own:g} "
+                "or lower the transport's timeout"
+            )
         self.params = [p for p in model.parameters() if p.requires_grad]
         if not self.params:
             raise ValueError("model has no trainable parameters")

@@ -75,8 +75,14 @@ class Transport(ABC):
     start and wait for keyed reduces in the same order (torch.distributed matches collectives by order).
     """
 
-    # The four members below have defaults for fixed-rank transports; a transport that wraps another
+    # The members below have defaults for fixed-rank transports; a transport that wraps another
     # (fault injection, tracing) must forward them.
+
+    own_timeout: float | None = None
+    """Seconds after which the transport itself fails a collective that has not finished (torch: its
+    process group's timeout; hivemind: the attempts of one round), or None where only the caller's
+    ``wait(timeout)`` bounds it. ``DiLoCo`` refuses a ``reduce_timeout`` shorter than this: the core
+    must not give up on a reduce that the transport is still running (docs/architecture.md, timeouts)."""
 
     fixed_ranks: bool = True
     """True where ``rank`` and ``world_size`` hold for the whole run (in-process, torch.distributed), so

@@ -36,10 +36,18 @@ TRANSPORT_KINDS: dict[str, Callable[[Mapping[str, Any]], Transport]] = {
 }
 
 
-def create_transport(section: Mapping[str, Any]) -> Transport:
-    """``section["kind"]`` picks the transport; the other keys are that transport's config fields."""
+_DERIVED_TIMEOUT = {"torch": "timeout"}
+"""Per kind, the config field that defaults to the core's reduce timeout when the section leaves it unset."""
+
+
+def create_transport(section: Mapping[str, Any], *, reduce_timeout: float | None = None) -> Transport:
+    """``section["kind"]`` picks the transport; the other keys are that transport's config fields.
+    ``reduce_timeout`` (the core's, ``[diloco] reduce_timeout``) is the default of the transport's own
+    collective timeout, so that one setting bounds a round unless the section says otherwise."""
     section = dict(section)
     kind = section.pop("kind", "inprocess")
+    if reduce_timeout is not None and kind in _DERIVED_TIMEOUT:
+        section.setdefault(_DERIVED_TIMEOUT[kind], reduce_timeout)
     if kind not in TRANSPORT_KINDS:
         raise ValueError(f"[transport] kind={kind!r} is invalid: expected one of {sorted(TRANSPORT_KINDS)}")
     return TRANSPORT_KINDS[kind](section)

@@ -51,7 +51,9 @@ class TorchDistConfig:
     """Where ranks meet when no process group exists yet; env:// reads torchrun's RANK, WORLD_SIZE,
     MASTER_ADDR and MASTER_PORT."""
     timeout: float = 600.0
-    """Seconds any collective may take before the process group fails it (a dead peer's bound)."""
+    """Seconds any collective may take before the process group fails it (a dead peer's bound). At most
+    the core's ``reduce_timeout`` (DiLoCo checks); the trainer derives it from ``[diloco] reduce_timeout``
+    when it is not set."""
     bucket_mb: float = 8.0
     """Size of the buckets a reduce is split into, in MB of fp32: few large collectives, pipelined."""
 
@@ -173,9 +175,12 @@ class TorchDistTransport(Transport):
     def from_config(cls, config: TorchDistConfig) -> "TorchDistTransport":
         if not dist.is_initialized():
             _init_from_env(config)
-        return cls(bucket_mb=config.bucket_mb)
+        return cls(bucket_mb=config.bucket_mb, timeout=config.timeout)
 
-    def __init__(self, group: dist.ProcessGroup | None = None, *, bucket_mb: float = 8.0) -> None:
+    def __init__(
+        self, group: dist.ProcessGroup | None = None, *, bucket_mb: float = 8.0, timeout: float | None = None
+    ) -> None:
+        """``timeout``: the process group's own, if known (``from_config`` knows it), for ``own_timeout``."""
         if not dist.is_initialized():
             raise ValueError("TorchDistTransport needs an initialized process group (dist.init_process_group)")
         self._group = group
@@ -187,6 +192,7 @@ class TorchDistTransport(Transport):
         self._bucket_numel = max(1, int(bucket_mb * 1e6 / 4))
         self._closed = False
         self._buffers: dict[str, _Buffers] = {}  # per reduce key
+        self.own_timeout = timeout
 
     @property
     def rank(self) -> int:
