@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from diloco_core import TransportError, codec_for, reference_mean
+from faults import Action, Fault, FaultyTransport, Phase
 from world import RankError, ThreadWorld
 
 pytestmark = pytest.mark.timeout(180)
@@ -156,3 +157,42 @@ def test_in_process_reduces_meet_by_key_not_by_call_order():
     world = ThreadWorld(3)
     for a, b in _ok(world.run(_keys_in_either_order)):
         assert torch.equal(a, torch.full((4,), 1.0)) and torch.equal(b, torch.full((2,), 101.0))
+
+
+# -- faults, injected through FaultyTransport; what survivors see depends on declared capabilities ----------
+
+
+def _rounds_with(transport, faults: list, rounds: int, timeout: float):
+    t = FaultyTransport(transport, faults)
+    out = []
+    for r in range(rounds):
+        x = [torch.full((6,), float(transport.rank + 10 * r))]
+        try:
+            res = t.all_reduce(x).wait(timeout)
+            out.append((res.num_contributors, x[0][0].item()))
+        except TransportError as e:
+            out.append(("error", str(e)))
+    return out, t.capabilities
+
+
+def test_a_straggler_within_the_timeout_is_waited_for(world):
+    n = world.world_size
+    fault = Fault(rank=n - 1, round=2, phase=Phase.START, action=Action.DELAY, seconds=1.5)
+    for out, _ in _ok(world.run(_rounds_with, [fault], 3, 30.0)):
+        assert out == [(n, (n - 1) / 2 + 10 * r) for r in range(3)]
+
+
+def test_a_crashed_member_is_left_out_or_fails_the_others_within_their_timeout(world):
+    n = world.world_size
+    fault = Fault(rank=n - 1, round=2, phase=Phase.START, action=Action.CRASH)
+    start = time.monotonic()
+    results = world.run(_rounds_with, [fault], 2, 3.0, timeout=60)
+    assert time.monotonic() - start < 45  # bounded: never a hang
+    *survivors, (crashed, _) = results
+    assert crashed[1][0] == "error" and "injected crash" in crashed[1][1]
+    for out, caps in survivors:
+        assert out[0] == (n, (n - 1) / 2)
+        if caps.survives_leavers:  # the round completes among the members that remain
+            assert out[1] == (n - 1, (n - 2) / 2 + 10)
+        else:
+            assert out[1][0] == "error"

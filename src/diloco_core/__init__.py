@@ -3,8 +3,9 @@
 from .codec import BF16, CODECS, FP16, FP32, CastCodec, Codec, codec_for
 from .config import DiLoCoConfig
 from .diloco import DiLoCo, PendingRound, RoundReport
+from .forwarding import ForwardingTransport
 from .run_state import RunState
-from .transport import FutureHandle, ReduceHandle, ReduceResult, StateReplaced, Transport, TransportError
+from .transport import Capabilities, FutureHandle, ReduceHandle, ReduceResult, StateReplaced, Transport, TransportError
 from .wire import mean_of_payloads, reference_mean
 
 __all__ = [
@@ -18,6 +19,8 @@ __all__ = [
     "mean_of_payloads",
     "DiLoCo",
     "DiLoCoConfig",
+    "Capabilities",
+    "ForwardingTransport",
     "FutureHandle",
     "PendingRound",
     "ReduceHandle",

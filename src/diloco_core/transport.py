@@ -15,7 +15,7 @@ from .codec import FP32, Codec
 if TYPE_CHECKING:
     from .run_state import RunState
 
-__all__ = ["Transport", "ReduceHandle", "FutureHandle", "ReduceResult", "TransportError", "StateReplaced"]
+__all__ = ["Capabilities", "Transport", "ReduceHandle", "FutureHandle", "ReduceResult", "TransportError", "StateReplaced"]
 
 
 class TransportError(RuntimeError):
@@ -26,6 +26,30 @@ class StateReplaced(TransportError):
     """The worker's state was stale or had diverged from its group's, and the transport replaced it with
     the group's (global params, outer state, round) instead of averaging: this round's contribution is
     dropped and training continues from the replaced state."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Capabilities:
+    """What a transport does where transports legitimately differ (the defaults: a fixed group)."""
+
+    fixed_ranks: bool = True
+    """``rank`` and ``world_size`` hold for the whole run (in-process, torch.distributed), so ranks can
+    agree on a resume step and check the world size. False where peers come and go (hivemind): a
+    round's group is whoever shows up, and a peer alone averages alone (1 contributor, no error)."""
+    survives_leavers: bool = False
+    """A member that leaves (``close()`` or a crash) does not fail the others' collectives: they finish
+    among the members that remain, with fewer contributors. False: they fail with ``TransportError``
+    within their timeout."""
+    exact_mean: bool = True
+    """The result is ``reference_mean`` of the contributions (for fp32 and more than 2 members, up to
+    fp32 summation order). False (hivemind): the mean is rounded to the codec once more on its way
+    back, within half a unit of the wire format's last place."""
+    broadcast_from_any_rank: bool = True
+    """``broadcast`` takes any ``src``. False (hivemind): only ``src=0``, meaning whoever holds the
+    run's state."""
+    keys_in_any_order: bool = False
+    """Reduces with different keys may be started in a different order on each member (in-process,
+    hivemind). False (torch.distributed): every member starts and waits for them in the same order."""
 
 
 @dataclass(frozen=True)
@@ -84,9 +108,14 @@ class Transport(ABC):
     ``wait(timeout)`` bounds it. ``DiLoCo`` refuses a ``reduce_timeout`` shorter than this: the core
     must not give up on a reduce that the transport is still running (docs/architecture.md, timeouts)."""
 
-    fixed_ranks: bool = True
-    """True where ``rank`` and ``world_size`` hold for the whole run (in-process, torch.distributed), so
-    ranks can agree on a resume step and check the world size. False where peers come and go (hivemind)."""
+    capabilities: Capabilities = Capabilities()
+    """Where this transport legitimately departs from the strictest contract (the contract suite and
+    the core read it instead of asking which transport this is)."""
+
+    @property
+    def fixed_ranks(self) -> bool:
+        """``capabilities.fixed_ranks``."""
+        return self.capabilities.fixed_ranks
 
     def attach(self, state: RunState, timeout: float) -> bool:
         """Called once by ``DiLoCo``, when its global params are in place. A transport whose peers come and

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import torch
 
 from diloco_core.config import check_field
-from diloco_core.transport import ReduceHandle, ReduceResult, Transport, TransportError
+from diloco_core.transport import Capabilities, ReduceHandle, ReduceResult, Transport, TransportError
 from diloco_core.codec import FP32, Codec, check_codec
 from diloco_core.wire import mean_of_payloads
 
@@ -184,6 +184,8 @@ class _Handle(ReduceHandle):
 
 
 class InProcessTransport(Transport):
+    capabilities = Capabilities(survives_leavers=True, keys_in_any_order=True)
+
     @classmethod
     def from_config(cls, config: InProcessConfig) -> "InProcessTransport":
         """The transport of ``config.rank`` in the group named ``config.group`` (made by its first caller)."""
