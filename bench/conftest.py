@@ -22,8 +22,10 @@ def pytest_terminal_summary(terminalreporter, config):
         for b in benches:
             ratio_min = b.stats.min / base[0].stats.min
             ratio_med = b.stats.median / base[0].stats.median
-            lines.append(f"{group}: {b.name}: {b.stats.median * 1e3:.1f} ms median, "
-                         f"{ratio_med:.2f}x baseline (min {ratio_min:.2f}x)")  # fmt: skip
+            lines.append(
+                f"{group}: {b.name}: {b.stats.median * 1e3:.1f} ms median, "
+                f"{ratio_med:.2f}x baseline (min {ratio_min:.2f}x)"
+            )
     if lines:
         terminalreporter.write_sep("-", "ratios to each group's baseline")
         for line in lines:

@@ -18,7 +18,6 @@ import torch
 import torch.distributed as dist
 
 from diloco_core import codec_for
-from diloco_core import codec_for
 from transports import TorchDistTransport
 
 N = 25_000_000
@@ -35,8 +34,9 @@ def _op(name: str, transport: TorchDistTransport, x: torch.Tensor) -> None:
 def _peer(store: str, commands: mp.Queue, done: mp.Queue) -> None:
     os.environ["GLOO_SOCKET_IFNAME"] = "lo"
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=1, world_size=2,
-                            timeout=datetime.timedelta(seconds=120))  # fmt: skip
+    dist.init_process_group(
+        "gloo", init_method=f"file://{store}", rank=1, world_size=2, timeout=datetime.timedelta(seconds=120)
+    )
     transport = TorchDistTransport()
     x = torch.randn(N)
     while (name := commands.get()) is not None:
@@ -55,8 +55,9 @@ def pair(tmp_path_factory):
     commands, done = ctx.Queue(), ctx.Queue()
     peer = ctx.Process(target=_peer, args=(store, commands, done), daemon=True)
     peer.start()
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=2,
-                            timeout=datetime.timedelta(seconds=120))  # fmt: skip
+    dist.init_process_group(
+        "gloo", init_method=f"file://{store}", rank=0, world_size=2, timeout=datetime.timedelta(seconds=120)
+    )
     transport = TorchDistTransport()
     x = torch.randn(N)
 

@@ -1,5 +1,4 @@
 import pytest
-
 from world import KINDS, make_world
 
 

@@ -28,7 +28,9 @@ def processes() -> list[Proc]:
         except OSError:  # exited meanwhile
             continue
         fields = stat[stat.rindex(")") + 2 :].split()  # the name may hold spaces and parentheses
-        out.append(Proc(int(entry), stat[stat.index("(") + 1 : stat.rindex(")")], fields[0], int(fields[1]), int(fields[3])))
+        out.append(
+            Proc(int(entry), stat[stat.index("(") + 1 : stat.rindex(")")], fields[0], int(fields[1]), int(fields[3]))
+        )
     return out
 
 

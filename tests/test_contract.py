@@ -6,10 +6,10 @@ import time
 
 import pytest
 import torch
-
-from diloco_core import TransportError, codec_for, reference_mean
 from faults import Action, Fault, FaultyTransport, Phase
 from world import RankError, ThreadWorld
+
+from diloco_core import TransportError, codec_for, reference_mean
 
 pytestmark = pytest.mark.timeout(180)
 

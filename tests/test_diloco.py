@@ -195,7 +195,7 @@ def test_resume_from_a_saved_round_is_bit_identical(wire_dtype):
         model = _model()
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
         dl = DiLoCo(model, opt, t, cfg)
-        _train(dl, opt, t.rank, range(0, 7))  # round 2 ends at step 6; one step into round 3
+        _train(dl, opt, t.rank, range(7))  # round 2 ends at step 6; one step into round 3
         buf = io.BytesIO()
         torch.save(dl.state_dict(), buf)
         saved[t.rank] = buf.getvalue()
@@ -239,7 +239,6 @@ class FailingTransport(Transport):
     def all_reduce(self, tensors, *, codec=FP32, key="default") -> ReduceHandle:
         self.calls += 1
         if self.calls in self.fail_at:
-
             error = self.error
 
             class Failed(ReduceHandle):
@@ -296,7 +295,10 @@ def test_models_with_different_shapes_are_refused_on_every_rank():
     [t.start() for t in threads]
     [t.join(30) for t in threads]
     assert sorted(errors) == [0, 1, 2]
-    assert "rank 2's model differs from rank 0's" in errors[2] and "45 values here vs 2 tensors with 40 values" in errors[2]
+    assert (
+        "rank 2's model differs from rank 0's" in errors[2]
+        and "45 values here vs 2 tensors with 40 values" in errors[2]
+    )
     assert "1 rank(s) have a model" in errors[0]
 
 
@@ -325,7 +327,13 @@ def test_config_is_keyword_only_and_frozen():
     with pytest.raises(TypeError):
         DiLoCoConfig(500)  # type: ignore[misc]
     cfg = DiLoCoConfig()
-    assert (cfg.inner_steps, cfg.outer_lr, cfg.outer_momentum, cfg.nesterov, cfg.wire_dtype) == (500, None, 0.5, True, "fp32")
+    assert (cfg.inner_steps, cfg.outer_lr, cfg.outer_momentum, cfg.nesterov, cfg.wire_dtype) == (
+        500,
+        None,
+        0.5,
+        True,
+        "fp32",
+    )
     with pytest.raises(AttributeError):
         cfg.inner_steps = 3  # type: ignore[misc]
 
@@ -372,7 +380,9 @@ def test_the_transport_is_attached_once_the_global_params_are_in_place():
 
         if transport.rank == 1:
             transport.attach = attach
-        dl = DiLoCo(model, torch.optim.SGD(model.parameters(), lr=1.0), transport, DiLoCoConfig(inner_steps=1, reduce_timeout=7))
+        dl = DiLoCo(
+            model, torch.optim.SGD(model.parameters(), lr=1.0), transport, DiLoCoConfig(inner_steps=1, reduce_timeout=7)
+        )
         return dl, seen
 
     (first, none), (joiner, seen) = run_threads(2, build)
@@ -386,9 +396,11 @@ def test_the_transport_is_attached_once_the_global_params_are_in_place():
 def _trained(rounds: int, seed: int = 0) -> tuple[DiLoCo, torch.nn.Module]:
     model = _model(seed)
     dl = DiLoCo(
-        model, torch.optim.SGD(model.parameters(), lr=0.05), InProcessGroup(1).transport(0),
+        model,
+        torch.optim.SGD(model.parameters(), lr=0.05),
+        InProcessGroup(1).transport(0),
         DiLoCoConfig(inner_steps=2, outer_lr=0.7, outer_momentum=0.9),
-    )  # fmt: skip
+    )
     _train(dl, dl.inner_optimizer, 0, range(2 * rounds))
     return dl, model
 

@@ -15,8 +15,9 @@ import queue
 import threading
 import time
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 from transports import InProcessGroup
 
@@ -44,7 +45,7 @@ class ThreadWorld:
             transport = group.transport(rank)
             try:
                 results[rank] = fn(transport, *args)
-            except Exception as e:
+            except Exception as e:  # noqa: BLE001 - every rank's failure is its result, checked by the test
                 results[rank] = RankError(type(e).__name__, str(e))
             finally:
                 transport.close()
@@ -70,9 +71,12 @@ def _child(rank: int, world_size: int, store: str, tasks: mp.Queue, results: mp.
 
     torch.set_num_threads(1)
     dist.init_process_group(
-        "gloo", init_method=f"file://{store}", rank=rank, world_size=world_size,
+        "gloo",
+        init_method=f"file://{store}",
+        rank=rank,
+        world_size=world_size,
         timeout=datetime.timedelta(seconds=60),
-    )  # fmt: skip
+    )
     transport = TorchDistTransport()
     while True:
         task = tasks.get()

@@ -13,7 +13,7 @@ from abc import ABC, abstractmethod
 
 import torch
 
-__all__ = ["BF16", "CODECS", "Codec", "CastCodec", "FP16", "FP32", "check_codec", "codec_for"]
+__all__ = ["BF16", "CODECS", "FP16", "FP32", "CastCodec", "Codec", "check_codec", "codec_for"]
 
 
 class Codec(ABC):
@@ -110,5 +110,7 @@ def codec_for(name: str | Codec) -> Codec:
 def check_codec(codec: object) -> Codec:
     """``codec`` if it is a ``Codec``; a clear ``ValueError`` otherwise (a transport's input check)."""
     if not isinstance(codec, Codec):
-        raise ValueError(f"codec={codec!r} is invalid: expected a Codec, e.g. codec_for(name) with a name in {sorted(CODECS)}")
+        raise ValueError(
+            f"codec={codec!r} is invalid: expected a Codec, e.g. codec_for(name) with a name in {sorted(CODECS)}"
+        )
     return codec

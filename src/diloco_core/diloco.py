@@ -115,12 +115,19 @@ class DiLoCo:
         self.outer_lr = config.outer_lr if config.outer_lr is not None else outer_lr_for(transport.world_size, momentum)
         """The outer SGD's learning rate: ``config.outer_lr``, or the rule's for the transport's world size."""
         if config.outer_lr is None and not transport.fixed_ranks:
-            logger.warning("outer_lr is unset and the transport's peers come and go: using %.3g, the rule's value "
-                           "for %d worker(s); set outer_lr for the number you expect", self.outer_lr, transport.world_size)  # fmt: skip
+            logger.warning(
+                "outer_lr is unset and the transport's peers come and go: using %.3g, the rule's value "
+                "for %d worker(s); set outer_lr for the number you expect",
+                self.outer_lr,
+                transport.world_size,
+            )
         self.outer_optimizer = torch.optim.SGD(
-            [self._global_param], lr=self.outer_lr, momentum=momentum, nesterov=config.nesterov and momentum > 0,
+            [self._global_param],
+            lr=self.outer_lr,
+            momentum=momentum,
+            nesterov=config.nesterov and momentum > 0,
             fused=True,  # one pass over the flat buffer instead of three (and no temporary the size of the model)
-        )  # fmt: skip
+        )
         with torch.no_grad():
             self._check_same_shapes()
             self._global.copy_from(self.params)
@@ -157,8 +164,13 @@ class DiLoCo:
             except TransportError as e:
                 if attempt == self.config.round_retries:
                     raise
-                logger.warning("round %d failed (%s); retrying (%d of %d)", self.round + 1, e, attempt + 1,
-                               self.config.round_retries)  # fmt: skip
+                logger.warning(
+                    "round %d failed (%s); retrying (%d of %d)",
+                    self.round + 1,
+                    e,
+                    attempt + 1,
+                    self.config.round_retries,
+                )
         raise AssertionError("unreachable")
 
     @torch.no_grad()
@@ -209,10 +221,16 @@ class DiLoCo:
         logger.info(
             "round %d: %d contributors, %.1f MB sent, %.1f MB received, %.3fs comm, %.3fs round, "
             "|delta| %.4g, |mean delta| %.4g, agreement %.3f",
-            report.round, report.num_contributors, report.bytes_sent / 1e6, report.bytes_received / 1e6,
-            report.comm_seconds, report.round_seconds, report.pseudo_grad_norm, report.mean_pseudo_grad_norm,
+            report.round,
+            report.num_contributors,
+            report.bytes_sent / 1e6,
+            report.bytes_received / 1e6,
+            report.comm_seconds,
+            report.round_seconds,
+            report.pseudo_grad_norm,
+            report.mean_pseudo_grad_norm,
             report.agreement,
-        )  # fmt: skip
+        )
         return report
 
     def state_dict(self) -> dict[str, Any]:

@@ -13,9 +13,19 @@ import torch
 from .codec import FP32, Codec
 
 if TYPE_CHECKING:
+    from typing_extensions import Self  # typing.Self from Python 3.11; torch depends on typing_extensions
+
     from .run_state import RunState
 
-__all__ = ["Capabilities", "Transport", "ReduceHandle", "FutureHandle", "ReduceResult", "TransportError", "StateReplaced"]
+__all__ = [
+    "Capabilities",
+    "FutureHandle",
+    "ReduceHandle",
+    "ReduceResult",
+    "StateReplaced",
+    "Transport",
+    "TransportError",
+]
 
 
 class TransportError(RuntimeError):
@@ -153,7 +163,7 @@ class Transport(ABC):
     def close(self) -> None:
         """Leave the group and release resources. Idempotent."""
 
-    def __enter__(self) -> "Transport":
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc: object) -> None:

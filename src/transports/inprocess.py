@@ -15,9 +15,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+from diloco_core.codec import FP32, Codec, check_codec
 from diloco_core.config import check_field
 from diloco_core.transport import Capabilities, ReduceHandle, ReduceResult, Transport, TransportError
-from diloco_core.codec import FP32, Codec, check_codec
 from diloco_core.wire import mean_of_payloads
 
 __all__ = ["InProcessConfig", "InProcessGroup", "InProcessTransport"]
@@ -41,7 +41,7 @@ class InProcessConfig:
         check_field("group", self.group, isinstance(self.group, str) and self.group != "", "a non-empty string")
 
 
-_named_groups: dict[str, "InProcessGroup"] = {}
+_named_groups: dict[str, InProcessGroup] = {}
 _named_lock = threading.Lock()
 _BROADCAST = "broadcast"  # the key broadcasts meet by (all_reduce keys are the callers')
 
@@ -72,7 +72,7 @@ class InProcessGroup:
         self._next_op: dict[tuple[int, str], int] = {}
         self._slots: dict[tuple[str, int], _Slot] = {}
 
-    def transport(self, rank: int) -> "InProcessTransport":
+    def transport(self, rank: int) -> InProcessTransport:
         if not isinstance(rank, int) or not 0 <= rank < self.world_size:
             raise ValueError(f"rank={rank!r} is invalid: expected an integer in [0, {self.world_size - 1}]")
         with self._cond:
@@ -118,7 +118,6 @@ class InProcessGroup:
         if not self._members <= set(slot.contributions):
             return
         ranks = sorted(slot.contributions)
-        first = slot.contributions[ranks[0]]
         slot.result = []
         for i, numel in enumerate(slot.numels):
             out = torch.empty(numel, dtype=torch.float32)
@@ -187,7 +186,7 @@ class InProcessTransport(Transport):
     capabilities = Capabilities(survives_leavers=True, keys_in_any_order=True)
 
     @classmethod
-    def from_config(cls, config: InProcessConfig) -> "InProcessTransport":
+    def from_config(cls, config: InProcessConfig) -> InProcessTransport:
         """The transport of ``config.rank`` in the group named ``config.group`` (made by its first caller)."""
         with _named_lock:
             group = _named_groups.get(config.group)

@@ -31,9 +31,9 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from diloco_core.codec import FP32, Codec, check_codec
 from diloco_core.config import check_field, is_finite_number
 from diloco_core.transport import ReduceHandle, ReduceResult, Transport, TransportError
-from diloco_core.codec import FP32, Codec, check_codec
 from diloco_core.wire import mean_of_payloads
 
 __all__ = ["TorchDistConfig", "TorchDistTransport"]
@@ -87,9 +87,12 @@ def _init_from_env(config: TorchDistConfig) -> None:
         rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
         agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
         store = dist.TCPStore(
-            os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
-            is_master=rank == 0 and not agent_store, timeout=timeout,
-        )  # fmt: skip
+            os.environ["MASTER_ADDR"],
+            int(os.environ["MASTER_PORT"]),
+            world,
+            is_master=rank == 0 and not agent_store,
+            timeout=timeout,
+        )
         prefixed = dist.PrefixStore(f"diloco/attempt_{attempt}", store)
         dist.init_process_group(config.backend, store=prefixed, rank=rank, world_size=world, timeout=timeout)
         return
@@ -101,9 +104,16 @@ class _Handle(ReduceHandle):
     finished before its next piece of fp32 arithmetic, so later buckets stay on the wire meanwhile."""
 
     def __init__(
-        self, buckets: list[Iterator[list]], *, tensors: list[torch.Tensor], flat: torch.Tensor, n: int, sent: int,
-        start: float, release: Callable[[], None],
-    ) -> None:  # fmt: skip
+        self,
+        buckets: list[Iterator[list]],
+        *,
+        tensors: list[torch.Tensor],
+        flat: torch.Tensor,
+        n: int,
+        sent: int,
+        start: float,
+        release: Callable[[], None],
+    ) -> None:
         self._buckets, self._tensors, self._flat = buckets, tensors, flat
         self._n, self._sent, self._start, self._release = n, sent, start, release
 
@@ -172,7 +182,7 @@ class TorchDistTransport(Transport):
     """A member of a torch.distributed process group (the default one unless ``group`` is given)."""
 
     @classmethod
-    def from_config(cls, config: TorchDistConfig) -> "TorchDistTransport":
+    def from_config(cls, config: TorchDistConfig) -> TorchDistTransport:
         if not dist.is_initialized():
             _init_from_env(config)
         return cls(bucket_mb=config.bucket_mb, timeout=config.timeout)
