@@ -25,7 +25,7 @@ pytest.importorskip("hivemind")
 
 from diloco_core import TransportError, reference_mean  # noqa: E402
 from transports import create_transport  # noqa: E402
-from transports.hivemind import HivemindConfig, HivemindTransport  # noqa: E402
+from transports.hivemind import HivemindConfig, HivemindFaults, HivemindTransport  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 LOCAL = ["/ip4/127.0.0.1/tcp/0"]
@@ -172,21 +172,20 @@ def test_a_full_group_starts_without_waiting_out_matchmaking_time():
 
 
 @pytest.mark.timeout(90)
-def test_a_reducer_that_sends_its_groupmates_a_different_mean_commits_nowhere(monkeypatch):
-    """Each reducer keeps its slice's true mean but sends groupmates a changed one (hook inherited by the
+def test_a_reducer_that_sends_its_groupmates_a_different_mean_commits_nowhere():
+    """Each reducer keeps its slice's true mean but sends groupmates a changed one (a fault given to the
     averager processes forked below): the digests differ, so no peer commits and every input is untouched."""
-    import transports.hivemind as hm
 
     def corrupt(mean: torch.Tensor) -> torch.Tensor:
         out = mean.clone()
         out.view(-1)[0] = torch.nextafter(out.view(-1)[0], torch.tensor(float("inf"), dtype=out.dtype))  # one ulp
         return out
 
-    monkeypatch.setitem(hm._test_hooks, "reducer_sends_mean", corrupt)
+    faults = HivemindFaults(reducer_sends_mean=corrupt)
     cfg = dict(run_id="corrupt", secret="c", host_maddrs=LOCAL, matchmaking_time=2.0, target_group_size=2, averaging_timeout=3.0)
-    peers = [HivemindTransport(HivemindConfig(**cfg))]
+    peers = [HivemindTransport(HivemindConfig(**cfg), faults=faults)]
     try:
-        peers.append(HivemindTransport(HivemindConfig(**cfg, initial_peers=peers[0].join_addresses)))
+        peers.append(HivemindTransport(HivemindConfig(**cfg, initial_peers=peers[0].join_addresses), faults=faults))
         tensors = [[torch.full((64,), float(i + 1))] for i in range(2)]
         results = _together([lambda t=t, x=x: t.all_reduce(x).wait(60) for t, x in zip(peers, tensors)])
         for r in results:

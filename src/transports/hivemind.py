@@ -56,7 +56,7 @@ from diloco_core.config import check_field, is_finite_number
 from diloco_core.transport import FutureHandle, ReduceHandle, ReduceResult, StateReplaced, Transport, TransportError
 from diloco_core.wire import reference_mean, wire_torch_dtype
 
-__all__ = ["HivemindConfig", "HivemindTransport"]
+__all__ = ["HivemindConfig", "HivemindFaults", "HivemindTransport"]
 
 logger = logging.getLogger(__name__)
 
@@ -66,7 +66,17 @@ _INSTALL_HINT = "the hivemind transport needs hivemind: pip install diloco[hivem
 # copies that pipe into a second child, and the first child's join() then waits out hivemind's 5 s
 # shutdown grace period for a child that has long exited (several transports in one process: tests).
 _FORK_LOCK = threading.Lock()
-_PART_SIZE_BYTES = 2**19  # hivemind's default part size; tests set it small to get many parts
+
+
+@dataclass(frozen=True)
+class HivemindFaults:
+    """Faults for tests to inject, run in the averager processes (set before they are forked: pass them to
+    ``HivemindTransport``). None is no fault."""
+
+    reducer_received_part: Callable[[], None] | None = None
+    """Called as this peer, acting as a reducer, has received (and checked) a part of a groupmate's values."""
+    reducer_sends_mean: Callable[[torch.Tensor], torch.Tensor] | None = None
+    """Replaces the mean part this peer, acting as a reducer, sends back to a groupmate."""
 
 
 def _maddrs(value: object) -> bool:
@@ -294,9 +304,10 @@ def _averager_class() -> type:
         """Returns the rounded mean itself (not a delta), checks what it receives, records failures, and
         writes every mean part straight into the averaged tensors (no final concatenation and copy)."""
 
-        def __init__(self, *, wire_dtype: str, **kwargs: Any) -> None:
+        def __init__(self, *, wire_dtype: str, faults: HivemindFaults, **kwargs: Any) -> None:
             super().__init__(**kwargs)
             self.wire = wire_torch_dtype(wire_dtype)
+            self.faults = faults
             self.failures: list[str] = []
             self.tensor_part_reducer.finished.set()  # replaced before use: keep its finalizer quiet
             self.tensor_part_reducer = OrderedReducer(self.tensor_part_reducer.part_shapes, len(self.sender_peer_ids))
@@ -386,13 +397,16 @@ def _averager_class() -> type:
                     if part_index >= len(shapes):
                         raise AllreduceException("sender sent more parts than expected")
                     _check_tensor(part, shapes[part_index], self.wire, what, finite=False)
-                    _test_hook("reducer_received_part")
+                    if self.faults.reducer_received_part is not None:
+                        self.faults.reducer_received_part()
                     try:
                         mean = await self.tensor_part_reducer.accumulate_part(sender_index, part_index, part)
                         part_index += 1
                     except BannedException:
                         break
-                    out = _test_hook("reducer_sends_mean", mean.to(self.wire))
+                    out = mean.to(self.wire)
+                    if self.faults.reducer_sends_mean is not None:
+                        out = self.faults.reducer_sends_mean(out)
                     serialized = await loop.run_in_executor(None, serialize_torch_tensor, out, runtime_pb2.CompressionType.NONE)
                     yield averaging_pb2.AveragingData(code=averaging_pb2.AVERAGED_PART, tensor_part=serialized)
             finally:
@@ -404,8 +418,8 @@ def _averager_class() -> type:
 
         state_fn: Callable[[], tuple[Any, list[torch.Tensor]]] | None = None
 
-        def __init__(self, *args: Any, wire_dtype: str, **kwargs: Any) -> None:
-            self.wire_dtype = wire_dtype
+        def __init__(self, *args: Any, wire_dtype: str, faults: HivemindFaults, **kwargs: Any) -> None:
+            self.wire_dtype, self.faults = wire_dtype, faults
             self._confirms: OrderedDict[bytes, dict] = OrderedDict()
             self._groups: dict[bytes, dict] = {}  # per group id: its deadline, then its result's digest
             super().__init__(*args, **kwargs)
@@ -459,7 +473,8 @@ def _averager_class() -> type:
                                           group_id: bytes | None = None, **kwargs: Any) -> None:  # fmt: skip
             group_id = group_info.group_id if group_id is None else group_id
             runner = Runner(p2p=self._p2p, servicer_type=type(self), prefix=self.prefix, tensors=tensors,
-                            group_id=group_id, ordered_peer_ids=group_info.peer_ids, wire_dtype=self.wire_dtype, **kwargs)  # fmt: skip
+                            group_id=group_id, ordered_peer_ids=group_info.peer_ids, wire_dtype=self.wire_dtype,
+                            faults=self.faults, **kwargs)  # fmt: skip
             self._running_groups[group_id].set_result(runner)
             error = None
             try:
@@ -533,21 +548,11 @@ def _retryable() -> tuple[type, ...]:
     return AllreduceException, MatchmakingException, P2PDaemonError, P2PHandlerError, TimeoutError, concurrent.futures.CancelledError
 
 
-_test_hooks: dict[str, Callable[[Any], Any]] = {}
-
-
 def _wait_until_ready(process: Any, what: str, timeout: float = 60.0) -> None:
     try:
         process.wait_until_ready(timeout)
     except concurrent.futures.TimeoutError:
         raise TransportError(f"hivemind: the {what} process did not start within {timeout:g}s") from None
-
-
-def _test_hook(name: str, value: Any = None) -> Any:
-    """Fault injection for tests: returns ``value`` unless a test installed a hook (which may replace it).
-    Hooks must be set before the averager processes they should act in are forked."""
-    hook = _test_hooks.get(name)
-    return value if hook is None else hook(value)
 
 
 @dataclass
@@ -583,9 +588,14 @@ class _Resources:
 class HivemindTransport(Transport):
     """A peer of a hivemind swarm (see the module docstring for the phases of a round)."""
 
-    def __init__(self, config: HivemindConfig) -> None:
+    def __init__(self, config: HivemindConfig, *, faults: HivemindFaults | None = None, part_size_bytes: int = 2**19) -> None:
+        """``faults``: for tests, faults to inject. ``part_size_bytes``: the size of the parts the values
+        travel in (hivemind's default; tests make it small to get many parts per all-reduce)."""
         hivemind = _import_hivemind()
+        if not isinstance(part_size_bytes, int) or isinstance(part_size_bytes, bool) or part_size_bytes < 1:
+            raise ValueError(f"part_size_bytes={part_size_bytes!r} is invalid: expected an integer >= 1")
         self.config = config
+        self._faults, self._part_size_bytes = faults or HivemindFaults(), part_size_bytes
         self._ns = _namespace(config.run_id, config.secret)
         if config.secret is None:
             logger.warning("hivemind run %r has no secret: anyone who knows the run_id can join and average", config.run_id)
@@ -675,7 +685,7 @@ class HivemindTransport(Transport):
             min_group_size=cfg.min_group_size, target_group_size=cfg.target_group_size,
             min_matchmaking_time=cfg.matchmaking_time,
             request_timeout=request_timeout, allreduce_timeout=cfg.averaging_timeout,
-            next_chunk_timeout=cfg.averaging_timeout / 4, part_size_bytes=_PART_SIZE_BYTES,
+            next_chunk_timeout=cfg.averaging_timeout / 4, part_size_bytes=self._part_size_bytes, faults=self._faults,
             allow_state_sharing=share, declare_state_period=max(5.0, cfg.matchmaking_time),
         )  # fmt: skip
         # Started by hand: hivemind's run_in_background would make *this* process ignore Ctrl+C
