@@ -229,20 +229,20 @@ def test_broadcast_gives_a_joiner_the_first_peers_values_exactly():
 
 
 def test_stale_verdict_is_the_same_on_every_peer_and_names_who_is_behind():
-    from transports.hivemind import _next_tag, _stale_verdict
+    from transports.hivemind.state_tag import next_tag, stale_verdict
 
     start = (0, bytes(16))
-    group = _next_tag(_next_tag(start, b"r1"), b"r2")
-    alone = _next_tag(_next_tag(start, b"r1"), b"alone:c")  # same round count, another history
-    behind = _next_tag(start, b"r1")
-    assert _stale_verdict([group, group, group], 0) is None
+    group = next_tag(next_tag(start, b"r1"), b"r2")
+    alone = next_tag(next_tag(start, b"r1"), b"alone:c")  # same round count, another history
+    behind = next_tag(start, b"r1")
+    assert stale_verdict([group, group, group], 0) is None
     tags = [group, behind, group, alone, None]
-    verdicts = [_stale_verdict(tags, i) for i in range(len(tags))]
+    verdicts = [stale_verdict(tags, i) for i in range(len(tags))]
     assert verdicts[0].startswith("[stale:groupmate]") and verdicts[2].startswith("[stale:groupmate]")
     for i in (1, 3, 4):  # behind, diverged (fewer holders of its round-2 state), no state at all
         assert verdicts[i].startswith(f"[stale:behind:2:{group[1].hex()}]"), verdicts[i]
     # two peers, one history each: both pick the same winner (the larger hash)
-    pair = [_stale_verdict([group, alone], i) for i in range(2)]
+    pair = [stale_verdict([group, alone], i) for i in range(2)]
     assert sorted(v.split("]")[0] for v in pair) == ["[stale:behind:2:" + max(group, alone)[1].hex(), "[stale:groupmate"]
 
 
@@ -250,18 +250,18 @@ def test_a_reduce_that_committed_as_the_wait_ran_out_is_reported_as_done():
     import concurrent.futures
 
     from diloco_core import ReduceResult, StateReplaced
-    from transports.hivemind import _Handle, _Outcome
+    from transports.hivemind.handle import Handle, Outcome
 
     lock = threading.Lock()
     pending = concurrent.futures.Future()  # the background thread has committed but not returned yet
-    done = _Outcome(result=ReduceResult(2, 8, 8, 0.1))
-    assert _Handle(pending, done, lock).wait(0.01).num_contributors == 2 and not done.abandoned
-    replaced = _Outcome(replaced=StateReplaced("took the group's state"))
+    done = Outcome(result=ReduceResult(2, 8, 8, 0.1))
+    assert Handle(pending, done, lock).wait(0.01).num_contributors == 2 and not done.abandoned
+    replaced = Outcome(replaced=StateReplaced("took the group's state"))
     with pytest.raises(StateReplaced):
-        _Handle(pending, replaced, lock).wait(0.01)
-    nothing = _Outcome()
+        Handle(pending, replaced, lock).wait(0.01)
+    nothing = Outcome()
     with pytest.raises(TransportError, match="did not finish"):
-        _Handle(pending, nothing, lock).wait(0.01)
+        Handle(pending, nothing, lock).wait(0.01)
     assert nothing.abandoned  # so a late commit is refused
 
 
