@@ -229,7 +229,7 @@ def test_broadcast_gives_a_joiner_the_first_peers_values_exactly():
 
 
 def test_stale_verdict_is_the_same_on_every_peer_and_names_who_is_behind():
-    from transports.hivemind.state_tag import next_tag, stale_verdict
+    from transports.hivemind.state_tag import Stale, next_tag, stale_verdict
 
     start = (0, bytes(16))
     group = next_tag(next_tag(start, b"r1"), b"r2")
@@ -238,12 +238,46 @@ def test_stale_verdict_is_the_same_on_every_peer_and_names_who_is_behind():
     assert stale_verdict([group, group, group], 0) is None
     tags = [group, behind, group, alone, None]
     verdicts = [stale_verdict(tags, i) for i in range(len(tags))]
-    assert verdicts[0].startswith("[stale:groupmate]") and verdicts[2].startswith("[stale:groupmate]")
+    assert verdicts[0].kind is Stale.GROUPMATE and verdicts[2].kind is Stale.GROUPMATE
     for i in (1, 3, 4):  # behind, diverged (fewer holders of its round-2 state), no state at all
-        assert verdicts[i].startswith(f"[stale:behind:2:{group[1].hex()}]"), verdicts[i]
+        assert verdicts[i].kind is Stale.BEHIND and verdicts[i].group_tag == group, verdicts[i]
+    assert all(v.group_tag == group and v.own_tag == t for v, t in zip(verdicts, tags))  # one group state for all
+    assert str(verdicts[0]) == "3 groupmate(s) hold an older or diverged state"
+    assert str(verdicts[4]) == "this peer's state (no state) differs from its group's (round 2)"
     # two peers, one history each: both pick the same winner (the larger hash)
     pair = [stale_verdict([group, alone], i) for i in range(2)]
-    assert sorted(v.split("]")[0] for v in pair) == ["[stale:behind:2:" + max(group, alone)[1].hex(), "[stale:groupmate"]
+    winner = max(group, alone)
+    assert sorted((v.kind.value, v.group_tag) for v in pair) == [("behind", winner), ("groupmate", winner)]
+
+
+@pytest.mark.timeout(60)
+def test_a_stale_verdict_reaches_the_transport_typed_from_the_averager_process():
+    """The state check runs in each peer's averager process; its exception reaches the transport through
+    hivemind's pipe from that process (pickled). It must arrive as itself, its typed verdict intact."""
+    from hivemind.averaging.allreduce import AllreduceException
+
+    from transports.hivemind.state_tag import INITIAL_TAG, Stale, StaleStateError, StaleVerdict, next_tag
+
+    ahead = next_tag(next_tag(INITIAL_TAG, b"r1"), b"r2")
+    behind = next_tag(INITIAL_TAG, b"r1")
+    cfg = {"run_id": "verdict", "secret": "v", "target_group_size": 2, **FAST}
+    peers = [HivemindTransport(HivemindConfig(**cfg))]
+    try:
+        peers.append(HivemindTransport(HivemindConfig(**cfg, initial_peers=peers[0].join_addresses)))
+
+        def step(transport: HivemindTransport, tag: tuple[int, bytes]) -> object:
+            averager = transport._averager(4, "fp32")  # the averager all_reduce would use (its own process)
+            control = averager.step(gather=list(tag), timeout=2 * FAST["matchmaking_time"], allow_retries=False, wait=False)
+            return control.result(30)
+
+        results = _together([lambda t=t, tag=tag: step(t, tag) for t, tag in zip(peers, (ahead, behind))])
+        assert all(type(r) is StaleStateError and isinstance(r, AllreduceException) for r in results), results
+        assert results[0].verdict == StaleVerdict(kind=Stale.GROUPMATE, group_tag=ahead, own_tag=ahead, stale=1)
+        assert results[1].verdict == StaleVerdict(kind=Stale.BEHIND, group_tag=ahead, own_tag=behind, stale=1)
+        assert str(results[1]) == "this peer's state (round 1) differs from its group's (round 2)"
+    finally:
+        for p in peers:
+            p.close()
 
 
 def test_a_reduce_that_committed_as_the_wait_ran_out_is_reported_as_done():

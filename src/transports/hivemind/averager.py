@@ -27,7 +27,7 @@ from hivemind.proto import averaging_pb2, runtime_pb2
 
 from .faults import HivemindFaults
 from .reducer import Runner
-from .state_tag import stale_verdict, tag_or_none
+from .state_tag import StaleStateError, stale_verdict, tag_or_none
 
 logger = logging.getLogger(__name__)
 
@@ -81,7 +81,7 @@ class Averager(DecentralizedAverager):
         tags = [tag_or_none(self.serializer, g) for g in group_info.gathered]
         verdict = stale_verdict(tags, group_info.peer_ids.index(self.peer_id))
         if verdict is not None:  # every groupmate reaches the same verdict: nobody sends anything
-            raise AllreduceException(verdict)
+            raise StaleStateError(verdict)
         # Per group (a cancelled step may still be confirming while the next one starts).
         group_id = group_info.group_id
         self._groups[group_id] = {"deadline": time.monotonic() + (self._allreduce_timeout or 60.0) - 0.5}

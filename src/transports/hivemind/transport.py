@@ -4,7 +4,6 @@ import concurrent.futures
 import hashlib
 import hmac
 import logging
-import re
 import threading
 import time
 import weakref
@@ -27,6 +26,7 @@ from .handle import Handle, Outcome
 from .requirement import import_hivemind
 from .resources import Resources
 from .state_server import State, StateServer
+from .state_tag import Stale, StaleStateError
 from .tracked_state import Loader, TrackedState
 
 __all__ = ["HivemindTransport"]
@@ -197,10 +197,10 @@ class HivemindTransport(Transport):
                 if not isinstance(e, _RETRYABLE):  # a bug or a setup error: retrying would only delay it
                     raise TransportError(f"hivemind all_reduce failed: {type(e).__name__}: {e}") from e
                 out = None
-                behind = re.search(r"\[stale:behind:(\d+):([0-9a-f]+)\]", str(e))
-                if behind:  # nothing moved; my state is older than my group's: take theirs
-                    self._state.resync((int(behind.group(1)), bytes.fromhex(behind.group(2))), outcome)
-                if "[stale:groupmate]" in str(e):  # nothing moved: retry without the stale peer(s), alone if need be
+                if isinstance(e, StaleStateError):  # nothing moved: the group's state tags differ
+                    if e.verdict.kind is Stale.BEHIND:  # my state is older than my group's: take theirs
+                        self._state.resync(e.verdict.group_tag, outcome)
+                    # A groupmate is stale: retry without the stale peer(s), alone if need be.
                     if deadline - time.monotonic() < cfg.matchmaking_time:
                         raise TransportError(f"hivemind all_reduce: {e}") from e
                     logger.warning("hivemind all_reduce attempt %d: %s; retrying without them", attempt, e)
