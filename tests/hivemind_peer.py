@@ -75,8 +75,12 @@ def main() -> None:
                     report = diloco.step()
                     inner.zero_grad()
                 assert report is not None
-                say(round=report.round, contributors=report.num_contributors, digest=digest(diloco),
-                    comm_seconds=report.comm_seconds)  # fmt: skip
+                say(
+                    round=report.round,
+                    contributors=report.num_contributors,
+                    digest=digest(diloco),
+                    comm_seconds=report.comm_seconds,
+                )
             except TransportError as e:
                 inner.zero_grad()
                 say(error=str(e), round=diloco.round)
