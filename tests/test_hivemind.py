@@ -318,7 +318,7 @@ def test_a_reduce_that_committed_as_the_wait_ran_out_is_reported_as_done():
 
     lock = threading.Lock()
     pending = concurrent.futures.Future()  # the background thread has committed but not returned yet
-    done = Outcome(result=ReduceResult(2, 8, 8, 0.1))
+    done = Outcome(result=ReduceResult(num_contributors=2, bytes_sent=8, bytes_received=8, seconds=0.1))
     assert Handle(pending, done, lock).wait(0.01).num_contributors == 2 and not done.abandoned
     replaced = Outcome(replaced=StateReplaced("took the group's state"))
     with pytest.raises(StateReplaced):
