@@ -39,7 +39,8 @@ One concept per module: ``config`` (HivemindConfig), ``transport`` (HivemindTran
 ``averager`` (phases 2 and 4), ``reducer`` (phase 3), ``state_tag`` (the state tag and the stale
 verdict), ``tracked_state`` (a peer's tag, re-sync), ``state_server`` (state for joiners), ``checks``
 (received tensors), ``handle`` (what all_reduce returns), ``resources`` (processes, close),
-``diloco_state`` (DiLoCo's outer state), ``faults`` (HivemindFaults, for tests).
+``diloco_state`` (DiLoCo's outer state), ``faults`` (HivemindFaults, for tests), ``requirement``
+(the install hint when hivemind is missing).
 """
 
 from .config import HivemindConfig
