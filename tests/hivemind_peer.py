@@ -19,9 +19,8 @@ import sys
 
 import torch
 
-import transports.hivemind as hm
 from diloco_core import DiLoCo, DiLoCoConfig, TransportError
-from transports import create_transport
+from transports.hivemind import HivemindConfig, HivemindFaults, HivemindTransport
 
 INNER_STEPS = 2
 
@@ -42,15 +41,15 @@ def digest(diloco: DiLoCo) -> str:
 def main() -> None:
     args = json.loads(sys.argv[1])
     torch.set_num_threads(1)
-    hm._PART_SIZE_BYTES = 512  # many parts per all-reduce, so that a peer can die in the middle of one
     flag = args.get("die_flag")
-    if flag:
-        def die(_: object) -> None:
-            if os.path.exists(flag):
-                os.killpg(os.getpgid(0), signal.SIGKILL)
 
-        hm._test_hooks["reducer_received_part"] = die
-    transport = create_transport({"kind": "hivemind", **args["transport"]})
+    def die() -> None:
+        if os.path.exists(flag):
+            os.killpg(os.getpgid(0), signal.SIGKILL)
+
+    faults = HivemindFaults(reducer_received_part=die if flag else None)
+    # Small parts: many per all-reduce, so that a peer can die in the middle of one.
+    transport = HivemindTransport(HivemindConfig(**args["transport"]), faults=faults, part_size_bytes=512)
     try:
         say(addr=transport.join_addresses)
         name = int(args["name"])
@@ -76,8 +75,12 @@ def main() -> None:
                     report = diloco.step()
                     inner.zero_grad()
                 assert report is not None
-                say(round=report.round, contributors=report.num_contributors, digest=digest(diloco),
-                    comm_seconds=report.comm_seconds)  # fmt: skip
+                say(
+                    round=report.round,
+                    contributors=report.num_contributors,
+                    digest=digest(diloco),
+                    comm_seconds=report.comm_seconds,
+                )
             except TransportError as e:
                 inner.zero_grad()
                 say(error=str(e), round=diloco.round)

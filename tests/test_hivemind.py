@@ -23,16 +23,16 @@ import torch
 
 pytest.importorskip("hivemind")
 
-from diloco_core import TransportError, reference_mean  # noqa: E402
-from transports import create_transport  # noqa: E402
-from transports.hivemind import HivemindConfig, HivemindTransport  # noqa: E402
+from diloco_core import TransportError, reference_mean
+from transports import create_transport
+from transports.hivemind import HivemindConfig, HivemindFaults, HivemindTransport
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 LOCAL = ["/ip4/127.0.0.1/tcp/0"]
 # matchmaking_time is the slack a late peer has to find its group (a follower gives up 2 x matchmaking_time
 # after it starts looking, its leader starts the group after 1 x): 1 s was too tight for a loaded 2-core CI
 # machine. Where every peer of a round is known, target_group_size starts the group as soon as all are in.
-FAST = dict(host_maddrs=LOCAL, matchmaking_time=2.0, averaging_timeout=8.0)
+FAST = {"host_maddrs": LOCAL, "matchmaking_time": 2.0, "averaging_timeout": 8.0}
 SHAPES = [(7, 3), (5,), (2, 2, 3)]
 
 
@@ -89,7 +89,9 @@ def swarm():
 
 
 def test_config_errors_name_the_field():
-    with pytest.raises(ValueError, match=r"\[transport\] matchmaking_time=0 is invalid: expected a number of seconds > 0"):
+    with pytest.raises(
+        ValueError, match=r"\[transport\] matchmaking_time=0 is invalid: expected a number of seconds > 0"
+    ):
         create_transport({"kind": "hivemind", "matchmaking_time": 0})
     with pytest.raises(ValueError, match=r"unknown key\(s\) \['wire'\].*initial_peers"):
         create_transport({"kind": "hivemind", "wire": "fp16"})
@@ -97,7 +99,9 @@ def test_config_errors_name_the_field():
         HivemindConfig(initial_peers="1.2.3.4")
     with pytest.raises(ValueError, match="min_group_size=0"):
         HivemindConfig(min_group_size=0)
-    with pytest.raises(ValueError, match=r"target_group_size=2 is invalid: expected none or an integer >= max\(2, min_group_size\) = 3"):
+    with pytest.raises(
+        ValueError, match=r"target_group_size=2 is invalid: expected none or an integer >= max\(2, min_group_size\) = 3"
+    ):
         HivemindConfig(min_group_size=3, target_group_size=2)
     assert HivemindConfig(initial_peers=["/ip4/1.2.3.4/tcp/5"]).initial_peers == ("/ip4/1.2.3.4/tcp/5",)
 
@@ -115,14 +119,18 @@ def test_without_hivemind_the_error_says_what_to_install(monkeypatch):
 @pytest.mark.parametrize("wire_dtype", ["fp32", "fp16", "bf16"])
 def test_mean_over_contributors_is_bit_identical_on_every_peer(swarm, wire_dtype):
     tensors = [_contribution(i) for i in range(3)]
-    results = _together([lambda t=t, x=x: t.all_reduce(x, wire_dtype=wire_dtype).wait(30) for t, x in zip(swarm, tensors)])
+    results = _together(
+        [lambda t=t, x=x: t.all_reduce(x, wire_dtype=wire_dtype).wait(30) for t, x in zip(swarm, tensors)]
+    )
     assert all(r.num_contributors == 3 and r.bytes_sent > 0 for r in results), results
     wire = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}[wire_dtype]
     for i in range(len(SHAPES)):
         want = reference_mean([_contribution(r)[i] for r in range(3)], wire_dtype)
         for x in tensors:
             # Guarantee: the fp32 mean of the wire-rounded values (summed in group order), rounded to the wire.
-            torch.testing.assert_close(x[i], want.to(wire).float(), rtol=0 if wire_dtype == "fp32" else 2 * torch.finfo(wire).eps, atol=1e-6)
+            torch.testing.assert_close(
+                x[i], want.to(wire).float(), rtol=0 if wire_dtype == "fp32" else 2 * torch.finfo(wire).eps, atol=1e-6
+            )
         assert all(torch.equal(tensors[0][i], x[i]) for x in tensors[1:])  # the very same bits everywhere
 
 
@@ -130,7 +138,9 @@ def test_mean_over_contributors_is_bit_identical_on_every_peer(swarm, wire_dtype
 def test_two_contributors_equal_the_reference_mean_rounded_to_the_wire(swarm):
     for wire_dtype, wire in [("fp16", torch.float16), ("fp32", torch.float32)]:
         tensors = [_contribution(i) for i in range(2)]
-        results = _together([lambda t=t, x=x: t.all_reduce(x, wire_dtype=wire_dtype).wait(30) for t, x in zip(swarm, tensors)])
+        results = _together(
+            [lambda t=t, x=x, w=wire_dtype: t.all_reduce(x, wire_dtype=w).wait(30) for t, x in zip(swarm, tensors)]
+        )
         assert [r.num_contributors for r in results] == [2, 2]
         for i in range(len(SHAPES)):
             want = reference_mean([_contribution(r)[i] for r in range(2)], wire_dtype).to(wire).float()
@@ -141,7 +151,9 @@ def test_two_contributors_equal_the_reference_mean_rounded_to_the_wire(swarm):
 def test_sixteen_bit_wire_sends_fewer_bytes(swarm):
     sent = {}
     for wire in ("fp32", "fp16"):
-        results = _together([lambda t=t: t.all_reduce([torch.ones(10_000)], wire_dtype=wire).wait(30) for t in swarm[:2]])
+        results = _together(
+            [lambda t=t, w=wire: t.all_reduce([torch.ones(10_000)], wire_dtype=w).wait(30) for t in swarm[:2]]
+        )
         sent[wire] = results[0].bytes_sent
     assert sent["fp16"] * 2 == sent["fp32"]
 
@@ -157,7 +169,14 @@ def test_alone_a_peer_keeps_its_own_values_with_one_contributor(swarm):
 def test_a_full_group_starts_without_waiting_out_matchmaking_time():
     """With target_group_size peers in, the group forms at once: were it ignored, the group would form only
     after matchmaking_time (60 s) and the 30 s waits below would run out."""
-    cfg = dict(run_id="full", secret="f", host_maddrs=LOCAL, matchmaking_time=60.0, averaging_timeout=8.0, target_group_size=2)
+    cfg = {
+        "run_id": "full",
+        "secret": "f",
+        "host_maddrs": LOCAL,
+        "matchmaking_time": 60.0,
+        "averaging_timeout": 8.0,
+        "target_group_size": 2,
+    }
     peers = [HivemindTransport(HivemindConfig(**cfg))]
     try:
         peers.append(HivemindTransport(HivemindConfig(**cfg, initial_peers=peers[0].join_addresses)))
@@ -172,21 +191,27 @@ def test_a_full_group_starts_without_waiting_out_matchmaking_time():
 
 
 @pytest.mark.timeout(90)
-def test_a_reducer_that_sends_its_groupmates_a_different_mean_commits_nowhere(monkeypatch):
-    """Each reducer keeps its slice's true mean but sends groupmates a changed one (hook inherited by the
+def test_a_reducer_that_sends_its_groupmates_a_different_mean_commits_nowhere():
+    """Each reducer keeps its slice's true mean but sends groupmates a changed one (a fault given to the
     averager processes forked below): the digests differ, so no peer commits and every input is untouched."""
-    import transports.hivemind as hm
 
     def corrupt(mean: torch.Tensor) -> torch.Tensor:
         out = mean.clone()
         out.view(-1)[0] = torch.nextafter(out.view(-1)[0], torch.tensor(float("inf"), dtype=out.dtype))  # one ulp
         return out
 
-    monkeypatch.setitem(hm._test_hooks, "reducer_sends_mean", corrupt)
-    cfg = dict(run_id="corrupt", secret="c", host_maddrs=LOCAL, matchmaking_time=2.0, target_group_size=2, averaging_timeout=3.0)
-    peers = [HivemindTransport(HivemindConfig(**cfg))]
+    faults = HivemindFaults(reducer_sends_mean=corrupt)
+    cfg = {
+        "run_id": "corrupt",
+        "secret": "c",
+        "host_maddrs": LOCAL,
+        "matchmaking_time": 2.0,
+        "target_group_size": 2,
+        "averaging_timeout": 3.0,
+    }
+    peers = [HivemindTransport(HivemindConfig(**cfg), faults=faults)]
     try:
-        peers.append(HivemindTransport(HivemindConfig(**cfg, initial_peers=peers[0].join_addresses)))
+        peers.append(HivemindTransport(HivemindConfig(**cfg, initial_peers=peers[0].join_addresses), faults=faults))
         tensors = [[torch.full((64,), float(i + 1))] for i in range(2)]
         results = _together([lambda t=t, x=x: t.all_reduce(x).wait(60) for t, x in zip(peers, tensors)])
         for r in results:
@@ -214,7 +239,9 @@ def test_broadcast_gives_a_joiner_the_first_peers_values_exactly():
     try:
         ints, floats = torch.arange(6).view(2, 3), torch.tensor([1.5, -2.25, 1e-30, 3.0], dtype=torch.float64)
         first.broadcast([ints.clone(), floats.clone()], timeout=5)  # the first peer keeps its own values
-        joiner = HivemindTransport(HivemindConfig(run_id="bcast", secret="b", initial_peers=first.join_addresses, **FAST))
+        joiner = HivemindTransport(
+            HivemindConfig(run_id="bcast", secret="b", initial_peers=first.join_addresses, **FAST)
+        )
         mine = [torch.zeros(2, 3, dtype=torch.int64), torch.zeros(4, dtype=torch.float64)]
         joiner.broadcast(mine, timeout=30)
         assert torch.equal(mine[0], ints) and torch.equal(mine[1], floats)
@@ -230,39 +257,75 @@ def test_broadcast_gives_a_joiner_the_first_peers_values_exactly():
 
 
 def test_stale_verdict_is_the_same_on_every_peer_and_names_who_is_behind():
-    from transports.hivemind import _next_tag, _stale_verdict
+    from transports.hivemind.state_tag import Stale, next_tag, stale_verdict
 
     start = (0, bytes(16))
-    group = _next_tag(_next_tag(start, b"r1"), b"r2")
-    alone = _next_tag(_next_tag(start, b"r1"), b"alone:c")  # same round count, another history
-    behind = _next_tag(start, b"r1")
-    assert _stale_verdict([group, group, group], 0) is None
+    group = next_tag(next_tag(start, b"r1"), b"r2")
+    alone = next_tag(next_tag(start, b"r1"), b"alone:c")  # same round count, another history
+    behind = next_tag(start, b"r1")
+    assert stale_verdict([group, group, group], 0) is None
     tags = [group, behind, group, alone, None]
-    verdicts = [_stale_verdict(tags, i) for i in range(len(tags))]
-    assert verdicts[0].startswith("[stale:groupmate]") and verdicts[2].startswith("[stale:groupmate]")
+    verdicts = [stale_verdict(tags, i) for i in range(len(tags))]
+    assert verdicts[0].kind is Stale.GROUPMATE and verdicts[2].kind is Stale.GROUPMATE
     for i in (1, 3, 4):  # behind, diverged (fewer holders of its round-2 state), no state at all
-        assert verdicts[i].startswith(f"[stale:behind:2:{group[1].hex()}]"), verdicts[i]
+        assert verdicts[i].kind is Stale.BEHIND and verdicts[i].group_tag == group, verdicts[i]
+    assert all(v.group_tag == group and v.own_tag == t for v, t in zip(verdicts, tags))  # one group state for all
+    assert str(verdicts[0]) == "3 groupmate(s) hold an older or diverged state"
+    assert str(verdicts[4]) == "this peer's state (no state) differs from its group's (round 2)"
     # two peers, one history each: both pick the same winner (the larger hash)
-    pair = [_stale_verdict([group, alone], i) for i in range(2)]
-    assert sorted(v.split("]")[0] for v in pair) == ["[stale:behind:2:" + max(group, alone)[1].hex(), "[stale:groupmate"]
+    pair = [stale_verdict([group, alone], i) for i in range(2)]
+    winner = max(group, alone)
+    assert sorted((v.kind.value, v.group_tag) for v in pair) == [("behind", winner), ("groupmate", winner)]
+
+
+@pytest.mark.timeout(60)
+def test_a_stale_verdict_reaches_the_transport_typed_from_the_averager_process():
+    """The state check runs in each peer's averager process; its exception reaches the transport through
+    hivemind's pipe from that process (pickled). It must arrive as itself, its typed verdict intact."""
+    from hivemind.averaging.allreduce import AllreduceException
+
+    from transports.hivemind.state_tag import INITIAL_TAG, Stale, StaleStateError, StaleVerdict, next_tag
+
+    ahead = next_tag(next_tag(INITIAL_TAG, b"r1"), b"r2")
+    behind = next_tag(INITIAL_TAG, b"r1")
+    cfg = {"run_id": "verdict", "secret": "v", "target_group_size": 2, **FAST}
+    peers = [HivemindTransport(HivemindConfig(**cfg))]
+    try:
+        peers.append(HivemindTransport(HivemindConfig(**cfg, initial_peers=peers[0].join_addresses)))
+
+        def step(transport: HivemindTransport, tag: tuple[int, bytes]) -> object:
+            averager = transport._averager(4, "fp32")  # the averager all_reduce would use (its own process)
+            control = averager.step(
+                gather=list(tag), timeout=2 * FAST["matchmaking_time"], allow_retries=False, wait=False
+            )
+            return control.result(30)
+
+        results = _together([lambda t=t, tag=tag: step(t, tag) for t, tag in zip(peers, (ahead, behind))])
+        assert all(type(r) is StaleStateError and isinstance(r, AllreduceException) for r in results), results
+        assert results[0].verdict == StaleVerdict(kind=Stale.GROUPMATE, group_tag=ahead, own_tag=ahead, stale=1)
+        assert results[1].verdict == StaleVerdict(kind=Stale.BEHIND, group_tag=ahead, own_tag=behind, stale=1)
+        assert str(results[1]) == "this peer's state (round 1) differs from its group's (round 2)"
+    finally:
+        for p in peers:
+            p.close()
 
 
 def test_a_reduce_that_committed_as_the_wait_ran_out_is_reported_as_done():
     import concurrent.futures
 
     from diloco_core import ReduceResult, StateReplaced
-    from transports.hivemind import _Handle, _Outcome
+    from transports.hivemind.handle import Handle, Outcome
 
     lock = threading.Lock()
     pending = concurrent.futures.Future()  # the background thread has committed but not returned yet
-    done = _Outcome(result=ReduceResult(2, 8, 8, 0.1))
-    assert _Handle(pending, done, lock).wait(0.01).num_contributors == 2 and not done.abandoned
-    replaced = _Outcome(replaced=StateReplaced("took the group's state"))
+    done = Outcome(result=ReduceResult(num_contributors=2, bytes_sent=8, bytes_received=8, seconds=0.1))
+    assert Handle(pending, done, lock).wait(0.01).num_contributors == 2 and not done.abandoned
+    replaced = Outcome(replaced=StateReplaced("took the group's state"))
     with pytest.raises(StateReplaced):
-        _Handle(pending, replaced, lock).wait(0.01)
-    nothing = _Outcome()
+        Handle(pending, replaced, lock).wait(0.01)
+    nothing = Outcome()
     with pytest.raises(TransportError, match="did not finish"):
-        _Handle(pending, nothing, lock).wait(0.01)
+        Handle(pending, nothing, lock).wait(0.01)
     assert nothing.abandoned  # so a late commit is refused
 
 
@@ -363,7 +426,9 @@ def test_a_resumed_first_peer_serves_its_checkpoint_and_an_older_checkpoint_is_c
 
     def peer(seed: int):
         first = not transports
-        transports.append(HivemindTransport(HivemindConfig(**cfg, initial_peers=() if first else transports[0].join_addresses)))
+        transports.append(
+            HivemindTransport(HivemindConfig(**cfg, initial_peers=() if first else transports[0].join_addresses))
+        )
         return _diloco_peer(transports[-1], seed)
 
     try:
@@ -383,7 +448,9 @@ def test_a_resumed_first_peer_serves_its_checkpoint_and_an_older_checkpoint_is_c
         assert db.joined and da.round == db.round == 2
         assert torch.equal(db.state_dict()["global"], a_round2["global"])
         momentum = [d.outer_optimizer.state_dict()["state"][0]["momentum_buffer"] for d in (da, db)]
-        assert momentum[0].equal(momentum[1]) and momentum[0].equal(a_round2["outer_optimizer"]["state"][0]["momentum_buffer"])
+        assert momentum[0].equal(momentum[1]) and momentum[0].equal(
+            a_round2["outer_optimizer"]["state"][0]["momentum_buffer"]
+        )
 
         # The joiner then loads its own older checkpoint (round 1): its state tag comes back with it, so
         # the next round's state check finds it behind and it takes the group's state.
@@ -404,8 +471,14 @@ def test_a_resumed_first_peer_serves_its_checkpoint_and_an_older_checkpoint_is_c
 
 @pytest.mark.timeout(90)
 def test_a_peer_without_the_secret_can_neither_contribute_nor_read(swarm):
-    outsiders = [HivemindTransport(HivemindConfig(run_id="contract", secret=s, target_group_size=3, initial_peers=swarm[0].join_addresses, **FAST))
-                 for s in (None, "wrong")]
+    outsiders = [
+        HivemindTransport(
+            HivemindConfig(
+                run_id="contract", secret=s, target_group_size=3, initial_peers=swarm[0].join_addresses, **FAST
+            )
+        )
+        for s in (None, "wrong")
+    ]
     try:
         inside = [[torch.full((4,), 1.0)], [torch.full((4,), 3.0)]]
         outside = [[torch.full((4,), 1000.0)], [torch.full((4,), 5000.0)]]
@@ -455,7 +528,9 @@ def test_averagers_started_at_once_can_each_be_joined_alone(swarm):
         for t in swarm:
             averager = t._averagers[(size, "fp32")]
             writers = procs.writers(procs.pipe_of(averager.sentinel))
-            assert writers == {averager.pid}, f"the exit sentinel of averager {averager.pid} is also held by {writers - {averager.pid}}"
+            assert writers == {averager.pid}, (
+                f"the exit sentinel of averager {averager.pid} is also held by {writers - {averager.pid}}"
+            )
 
 
 _CRASH = """
@@ -471,14 +546,18 @@ raise RuntimeError("boom: the training loop failed and nobody called close()")
 def test_an_exception_without_close_leaves_nothing_behind():
     sockets_before = set(glob.glob("/tmp/hivemind-*.sock"))
     env = {**os.environ, "PYTHONPATH": os.path.join(os.path.dirname(HERE), "src")}
-    proc = subprocess.Popen([sys.executable, "-c", _CRASH], stderr=subprocess.PIPE, text=True, env=env, start_new_session=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _CRASH], stderr=subprocess.PIPE, text=True, env=env, start_new_session=True
+    )
     try:
         err = proc.communicate(timeout=45)[1]
         assert proc.returncode == 1 and "RuntimeError: boom" in err, err[-2000:]
         deadline = time.monotonic() + 10
         while procs.live_in_session(proc.pid) and time.monotonic() < deadline:
             time.sleep(0.2)
-        assert procs.live_in_session(proc.pid) == [], "the DHT, averager or p2pd of the crashed process are still running"
+        assert procs.live_in_session(proc.pid) == [], (
+            "the DHT, averager or p2pd of the crashed process are still running"
+        )
         assert set(glob.glob("/tmp/hivemind-*.sock")) - sockets_before == set()
     finally:
         try:
@@ -494,10 +573,16 @@ class _Peer:
     def __init__(self, name: int, transport: dict, log: str, die_flag: str | None = None) -> None:
         args = json.dumps({"name": name, "transport": transport, "die_flag": die_flag})
         env = {**os.environ, "PYTHONPATH": os.pathsep.join([HERE, os.path.join(os.path.dirname(HERE), "src")])}
-        self.proc = subprocess.Popen(
-            [sys.executable, os.path.join(HERE, "hivemind_peer.py"), args], stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE, stderr=open(log, "a"), text=True, env=env, start_new_session=True,
-        )  # fmt: skip
+        with open(log, "a") as stderr:  # the peer holds its own copy of the file
+            self.proc = subprocess.Popen(
+                [sys.executable, os.path.join(HERE, "hivemind_peer.py"), args],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=stderr,
+                text=True,
+                env=env,
+                start_new_session=True,
+            )
         self.lines: queue.Queue = queue.Queue()
         threading.Thread(target=self._read, daemon=True).start()
 
@@ -535,7 +620,10 @@ def test_diloco_peers_agree_after_every_round_through_a_kill_and_a_restart(tmp_p
         peers.append(_Peer(0, base, str(tmp_path / "peer0.log")))
         addr = peers[0].next()["addr"]
         joined = dict(base, initial_peers=addr)
-        peers += [_Peer(1, joined, str(tmp_path / "peer1.log")), _Peer(2, joined, str(tmp_path / "peer2.log"), die_flag=flag)]
+        peers += [
+            _Peer(1, joined, str(tmp_path / "peer1.log")),
+            _Peer(2, joined, str(tmp_path / "peer2.log"), die_flag=flag),
+        ]
         ready = [p.next() if i == 0 else (p.next(), p.next())[1] for i, p in enumerate(peers)]
         assert len({r["digest"] for r in ready}) == 1, ready  # one start state, whatever each peer's seed
 
@@ -566,7 +654,8 @@ def test_diloco_peers_agree_after_every_round_through_a_kill_and_a_restart(tmp_p
         survivors = out[0]["digest"]
 
         os.remove(flag)
-        peers[2] = _Peer(2, joined, str(tmp_path / "peer2b.log"))  # restarts and loads the run's state from the survivors
+        # It restarts and loads the run's state from the survivors.
+        peers[2] = _Peer(2, joined, str(tmp_path / "peer2b.log"))
         assert "addr" in peers[2].next()
         back = peers[2].next()
         assert back.get("loaded") is True and back["round"] == 4 and back["digest"] == survivors, back
@@ -584,7 +673,13 @@ def test_diloco_peers_agree_after_every_round_through_a_kill_and_a_restart(tmp_p
 @pytest.mark.timeout(90)
 def test_ctrl_c_during_a_round_shuts_the_peer_down_with_nothing_left_behind(tmp_path):
     """SIGINT (what Ctrl+C sends to the foreground process) while the peer waits for groupmates."""
-    transport = dict(run_id="ctrl-c", secret="c", host_maddrs=LOCAL, matchmaking_time=5.0, averaging_timeout=8.0)
+    transport = {
+        "run_id": "ctrl-c",
+        "secret": "c",
+        "host_maddrs": LOCAL,
+        "matchmaking_time": 5.0,
+        "averaging_timeout": 8.0,
+    }
     peer = _Peer(0, transport, str(tmp_path / "peer.log"))
     try:
         assert "addr" in peer.next() and peer.next().get("ready") is True

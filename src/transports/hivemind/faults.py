@@ -1,0 +1,19 @@
+"""Faults for tests to inject into a ``HivemindTransport`` (through its constructor, never module globals)."""
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["HivemindFaults"]
+
+
+@dataclass(frozen=True)
+class HivemindFaults:
+    """What to do wrong, and where. The faults run in the averager processes, which get them when they are
+    forked (at the transport's construction and at an all-reduce of a new size). None: no fault."""
+
+    reducer_received_part: Callable[[], None] | None = None
+    """Called each time this peer, as a reducer, has received (and checked) a part of a groupmate's values."""
+    reducer_sends_mean: Callable[[torch.Tensor], torch.Tensor] | None = None
+    """Replaces the mean part this peer, as a reducer, sends back to a groupmate (it keeps the true one)."""

@@ -1,0 +1,44 @@
+"""What an ``all_reduce`` returns: a handle whose wait, once it runs out, forbids any later commit."""
+
+import concurrent.futures
+import threading
+from dataclasses import dataclass
+
+from diloco_core.transport import FutureHandle, ReduceResult, StateReplaced
+
+
+@dataclass
+class Outcome:
+    """What one reduce did to the caller's state, set under the transport's lock."""
+
+    abandoned: bool = False
+    """The caller's wait ran out: nothing may be copied into its tensors or state any more."""
+    replaced: StateReplaced | None = None
+    """The caller's state was replaced by the group's (set before the reduce's future completes)."""
+    result: ReduceResult | None = None
+    """The reduce committed (set with the commit, before the future completes)."""
+
+
+class Handle(FutureHandle):
+    """Marks the reduce abandoned when the caller's wait times out, so a late result is never copied
+    into tensors the caller has taken back (the reduce checks the mark under the same lock)."""
+
+    def __init__(self, future: concurrent.futures.Future, outcome: Outcome, lock: threading.Lock) -> None:
+        super().__init__(future, "hivemind all_reduce")
+        self._outcome, self._lock = outcome, lock
+
+    def wait(self, timeout: float) -> ReduceResult:
+        try:
+            return super().wait(timeout)
+        except BaseException as e:  # a timeout, or Ctrl+C: nothing may be committed once the caller has left
+            with self._lock:
+                committed, replaced = self._outcome.result, self._outcome.replaced
+                if committed is None and replaced is None:
+                    self._outcome.abandoned = True
+            if not isinstance(e, Exception):
+                raise  # Ctrl+C still stops the caller
+            if committed is not None:
+                return committed  # it committed just as the wait ran out
+            if replaced is not None:
+                raise replaced from None  # the state was replaced just as the wait ran out
+            raise

@@ -1,0 +1,121 @@
+"""The processes a peer runs (its DHT and averagers, each with hivemind's p2p daemon client) and its
+reduce thread: started one fork at a time, closed once (``close``, or a finalizer when nobody did)."""
+
+import concurrent.futures
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import hivemind
+import torch
+
+from diloco_core.transport import TransportError
+from diloco_core.wire import wire_torch_dtype
+
+from .averager import Averager
+from .config import HivemindConfig
+from .faults import HivemindFaults
+
+logger = logging.getLogger(__name__)
+
+# Held while this module forks a DHT or averager process. multiprocessing makes the pipe that tells a
+# parent its child exited (the sentinel) just before forking; a fork from another thread in between
+# copies that pipe into a second child, and the first child's join() then waits out hivemind's 5 s
+# shutdown grace period for a child that has long exited (several transports in one process: tests).
+_FORK_LOCK = threading.Lock()
+
+
+def _wait_until_ready(process: Any, what: str, timeout: float = 60.0) -> None:
+    try:
+        process.wait_until_ready(timeout)
+    except concurrent.futures.TimeoutError:
+        raise TransportError(f"hivemind: the {what} process did not start within {timeout:g}s") from None
+
+
+@dataclass
+class Resources:
+    """What ``close`` releases; kept apart from the transport so that a finalizer can hold it."""
+
+    config: HivemindConfig
+    faults: HivemindFaults
+    part_size_bytes: int
+    dht: Any = None
+    averagers: list = field(default_factory=list)
+    pool: concurrent.futures.ThreadPoolExecutor | None = None
+    closed: bool = False
+
+    def start_dht(self) -> None:
+        cfg = self.config
+        with _FORK_LOCK:
+            self.dht = hivemind.DHT(
+                initial_peers=list(cfg.initial_peers),
+                start=False,
+                host_maddrs=list(cfg.host_maddrs),
+                announce_maddrs=list(cfg.announce_maddrs) or None,
+            )
+            self.dht.start()
+        _wait_until_ready(self.dht, "DHT")
+
+    def start_averager(self, size: int, wire_dtype: str, *, prefix: str, share: bool = False) -> Averager:
+        """An averager of ``size`` values on ``wire_dtype`` (a process), serving state to joiners if ``share``."""
+        cfg = self.config
+        averager = Averager(
+            averaged_tensors=[torch.zeros(size, dtype=wire_torch_dtype(wire_dtype))],
+            dht=self.dht,
+            start=False,
+            prefix=prefix,
+            wire_dtype=wire_dtype,
+            faults=self.faults,
+            min_group_size=cfg.min_group_size,
+            target_group_size=cfg.target_group_size,
+            min_matchmaking_time=cfg.matchmaking_time,
+            request_timeout=min(3.0, cfg.matchmaking_time / 3),
+            allreduce_timeout=cfg.averaging_timeout,
+            next_chunk_timeout=cfg.averaging_timeout / 4,
+            part_size_bytes=self.part_size_bytes,
+            allow_state_sharing=share,
+            declare_state_period=max(5.0, cfg.matchmaking_time),
+        )
+        # Started by hand: hivemind's run_in_background would make *this* process ignore Ctrl+C
+        # (and fails outside the main thread); the child ignores SIGINT itself (Averager.run).
+        with _FORK_LOCK:
+            averager.start()
+        self.averagers.append(averager)
+        _wait_until_ready(averager, "averager")
+        return averager
+
+    def wait(self, future: Any, timeout: float) -> Any:
+        """``future.result(timeout)``, but given up within a second of ``close()``: the thread waiting here
+        is joined by the interpreter at exit, and a Ctrl+C should not wait for a step's or download's
+        timeout (nor forever, for a process that close() has shut down)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                return future.result(timeout=max(0.0, min(1.0, deadline - time.monotonic())))
+            except concurrent.futures.TimeoutError:
+                if self.closed:
+                    raise TransportError("hivemind transport was closed") from None
+                if time.monotonic() >= deadline:
+                    raise
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        if self.pool is not None:
+            self.pool.shutdown(wait=False, cancel_futures=True)
+        for averager in self.averagers:  # averagers first: they use the DHT's p2p daemon
+            try:
+                if averager.is_alive():
+                    averager.shutdown()
+            except Exception as e:  # noqa: BLE001 - keep closing the rest
+                logger.warning("hivemind averager did not shut down cleanly: %r", e)
+        if self.dht is not None:
+            try:
+                if self.dht.is_alive():
+                    self.dht.shutdown()
+                    self.dht.join(10)
+            except Exception as e:  # noqa: BLE001 - a failed close is logged, never raised
+                logger.warning("hivemind DHT did not shut down cleanly: %r", e)

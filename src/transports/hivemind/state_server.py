@@ -1,0 +1,143 @@
+"""State for joiners: the snapshot a peer serves (its broadcast values, what ``share_state`` adds, its state
+tag) and the download of another peer's snapshot, on joining or when re-syncing from its group."""
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from diloco_core.transport import TransportError
+
+from .checks import check_tensor, valid_state
+from .resources import Resources
+from .state_tag import Tag
+
+logger = logging.getLogger(__name__)
+
+State = tuple[dict, list[torch.Tensor]]
+"""(msgpack-able meta, tensors): what a peer serves and a joiner downloads."""
+
+
+def broadcast_values(downloaded: State, index: int, like: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The values of broadcast #``index`` in a downloaded state, checked against the local tensors."""
+    meta, got = downloaded
+    counts = meta["broadcasts"]
+    if index >= len(counts) or counts[index] != len(like):
+        raise TransportError(f"hivemind broadcast #{index}: the peers' state holds no matching broadcast ({counts})")
+    values = got[sum(counts[:index]) : sum(counts[: index + 1])]
+    try:
+        for t, v in zip(like, values):
+            check_tensor(v, shape=t.shape, dtype=t.dtype, what=f"broadcast #{index}")
+    except ValueError as e:
+        raise TransportError(f"hivemind broadcast #{index}: peers' values do not fit: {e}") from None
+    return values
+
+
+class StateServer:
+    """Peers serve a snapshot taken at each broadcast and at the start of each all-reduce (a point between
+    rounds), plus whatever ``share_state`` adds; a joiner serves nothing until it holds the run's state."""
+
+    def __init__(self, *, joining: bool, resources: Resources, lock: threading.RLock, tags: Callable[[], dict]) -> None:
+        """``tags()``: the state tags to serve (called under ``lock``, which guards the snapshot too)."""
+        self.joining = joining
+        self.shared: list[list[torch.Tensor]] = []  # the tensors of every broadcast, in call order
+        self.extra_fn: Callable[[], State] | None = None
+        self.downloaded: State | None = None
+        self.averager: Any = None  # the 1-value averager that serves the snapshot (it never averages)
+        self._snapshot: State = ({"ready": False}, [])
+        self._res, self._lock, self._tags = resources, lock, tags
+
+    def take_snapshot(self) -> None:
+        if self.joining and self.downloaded is None:
+            return  # a joiner serves nothing until it holds the run's state
+        extra_meta, extra = self.extra_fn() if self.extra_fn is not None else ({}, [])
+        tensors = [t.detach().clone() for group in self.shared for t in group] + [t.detach().clone() for t in extra]
+        counts = [len(g) for g in self.shared]
+        meta = {"ready": True, "broadcasts": counts, "extra": extra_meta, "num_tensors": len(tensors)}
+        with self._lock:
+            meta.update(self._tags())
+            self._snapshot = (meta, tensors)
+
+    def serve(self) -> State:
+        with self._lock:
+            return self._snapshot
+
+    def download(self, timeout: float) -> State:
+        """A whole, well-formed state from any peer that serves one, within ``timeout`` seconds."""
+        deadline = time.monotonic() + timeout
+        while True:
+            left = deadline - time.monotonic()
+            try:
+                # One try may take all the time left (a large state over a slow link); a stalled donor is
+                # caught by hivemind's per-chunk timeout, and a try that outlives its time is cancelled.
+                future = self.averager.load_state_from_peers(wait=False, timeout=max(1.0, left))
+                try:
+                    got = self._res.wait(future, max(1.0, left) + 5)
+                except BaseException:
+                    if not future.done():
+                        future.cancel()
+                    raise
+            except Exception as e:  # a timeout or a peer that vanished: try again
+                if self._res.closed:
+                    raise TransportError("hivemind transport was closed during a state download") from e
+                logger.debug("state download failed: %r", e)
+                got = None
+            if got is not None:
+                meta, tensors = got
+                if valid_state(meta, tensors):
+                    return meta, tensors
+                logger.warning("ignored an invalid or not yet ready state from a peer")
+            if time.monotonic() + 1.0 > deadline:
+                raise TransportError(
+                    f"hivemind: no peer of run {self._res.config.run_id!r} served its state within {timeout:g}s "
+                    "(are initial_peers right, and do all peers use the same secret?)"
+                )
+            time.sleep(1.0)
+
+    def load_state(self, timeout: float) -> State | None:
+        """What a peer shared with ``share_state`` (downloaded on joining); None on the swarm's first peer."""
+        if not self.joining:
+            return None
+        if self.downloaded is None:
+            self.downloaded = self.download(timeout)
+        meta, tensors = self.downloaded
+        skip = sum(meta["broadcasts"])
+        return meta["extra"], tensors[skip:]
+
+    def broadcast(self, tensors: list[torch.Tensor], timeout: float) -> None:
+        """Make ``tensors`` the run's values: kept on the swarm's first peer, downloaded on a joiner."""
+        index = len(self.shared)
+        if self.joining:
+            deadline = time.monotonic() + timeout
+            if self.downloaded is None:
+                self.downloaded = self.download(timeout)
+            while index >= len(self.downloaded[0]["broadcasts"]) and time.monotonic() + 1.0 < deadline:
+                time.sleep(1.0)  # the donor has not made this broadcast yet (it may still be starting)
+                self.downloaded = self.download(deadline - time.monotonic())
+            torch._foreach_copy_(tensors, broadcast_values(self.downloaded, index, tensors))
+            self.averager.allow_state_sharing = True
+        self.shared.append(tensors)
+        self.take_snapshot()
+
+    def download_successor(self, tag: Tag, timeout: float, stop: Callable[[], bool]) -> State | None:
+        """The state the group commits next after the state tagged ``tag`` (its previous tag is ``tag``),
+        waited for within ``timeout`` seconds; failing that, the state tagged ``tag`` itself; None if no peer
+        served either, or once ``stop()``. A state with any other history is never returned."""
+        deadline = time.monotonic() + timeout
+        want, best = list(tag), None
+        while not stop():
+            try:
+                got = self.download(max(1.0, deadline - time.monotonic()))
+            except TransportError:
+                got = None
+            if got is not None and got[0].get("prev_tag") == want:
+                return got  # the round the group is finishing
+            if got is not None and got[0].get("tag") == want:
+                best = got  # the group's state now: taken if the newer one does not come in time
+            if time.monotonic() + 1.0 > deadline:
+                break
+            time.sleep(1.0)
+        return best

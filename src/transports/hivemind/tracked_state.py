@@ -1,0 +1,110 @@
+"""The run's state as this peer holds it: its state tag, and taking its group's state when it is behind.
+
+Only the results of the tracked all-reduce (``track_state``: DiLoCo's rounds) make up the run's state;
+groupmates compare their tags before averaging it (``state_tag.py``).
+"""
+
+import logging
+import threading
+from collections.abc import Callable
+from typing import NoReturn
+
+import torch
+
+from diloco_core.transport import StateReplaced, TransportError
+
+from .handle import Outcome
+from .resources import Resources
+from .state_server import State, StateServer, broadcast_values
+from .state_tag import INITIAL_TAG, Tag, next_tag, valid_tag
+
+logger = logging.getLogger(__name__)
+
+Loader = Callable[[dict, list[torch.Tensor]], Callable[[], None]]
+"""``on_resync(extra meta, extra tensors)``: checks what ``share_state`` served, returns what loads it."""
+
+
+def _tag_of(meta: dict, key: str) -> Tag | None:
+    return None if meta.get(key) is None else (meta[key][0], meta[key][1])
+
+
+class TrackedState:
+    """The state tag (rounds committed, hash chain of their results) and the one before the last commit.
+    Read and changed under the transport's lock."""
+
+    def __init__(self, *, server: StateServer, resources: Resources, lock: threading.RLock) -> None:
+        self.key: tuple[int, str] | None = None  # (numel, wire dtype) of the all-reduce whose results count
+        self.tag: Tag = INITIAL_TAG
+        self.prev_tag: Tag | None = None
+        self.on_resync: Loader | None = None
+        self._server, self._res, self._lock = server, resources, lock
+
+    def track(self, key: tuple[int, str], on_resync: Loader) -> None:
+        with self._lock:
+            self.key, self.on_resync = key, on_resync
+
+    def served(self) -> dict:
+        """The tags a snapshot carries (none until an all-reduce is tracked); called under the lock."""
+        tracked = self.key is not None
+        return {
+            "tag": list(self.tag) if tracked else None,
+            "prev_tag": list(self.prev_tag) if tracked and self.prev_tag else None,
+        }
+
+    def commit(self, digest: bytes) -> None:
+        """One more committed round whose result has ``digest``; called under the lock."""
+        self.prev_tag = self.tag
+        self.tag = next_tag(self.tag, digest)
+
+    def state_dict(self) -> dict:
+        with self._lock:
+            return {"tag": self.tag, "prev_tag": self.prev_tag}
+
+    def load_state_dict(self, state: dict) -> None:
+        tag, prev = state.get("tag"), state.get("prev_tag")
+        if not valid_tag(tag) or not (prev is None or valid_tag(prev)):
+            raise ValueError(f"hivemind transport state holds no valid state tag: {state!r}")
+        with self._lock:
+            self.tag = (int(tag[0]), bytes(tag[1]))
+            self.prev_tag = None if prev is None else (int(prev[0]), bytes(prev[1]))
+
+    def adopt(self, meta: dict) -> None:
+        """Take the tags of a state that was downloaded and loaded (if it has any)."""
+        with self._lock:
+            if meta.get("tag") is not None:
+                self.tag, self.prev_tag = _tag_of(meta, "tag"), _tag_of(meta, "prev_tag")
+
+    def resync(self, group_tag: Tag, outcome: Outcome) -> NoReturn:
+        """Replace this peer's state with its group's, then raise ``StateReplaced``. The group is retrying
+        this round without us, so wait (within one round's time) for the state it commits, whose previous
+        tag is ``group_tag``: taking the group's current one would leave us a round behind again. A state
+        with any other history (a peer that is stale or diverged itself) is never taken."""
+        if self.on_resync is None:
+            raise TransportError("hivemind: this peer's state is older than its group's and nothing can reload it")
+        cfg = self._res.config
+        timeout = cfg.averaging_timeout + 4 * cfg.matchmaking_time
+        best = self._server.download_successor(group_tag, timeout, stop=lambda: self._res.closed or outcome.abandoned)
+        if best is None:
+            raise TransportError(
+                f"hivemind: this peer is behind its group (round {group_tag[0]}) and no peer served that state"
+            )
+        self._load(best, outcome)
+        self._server.take_snapshot()
+        logger.warning("hivemind: %s", outcome.replaced)
+        raise outcome.replaced
+
+    def _load(self, best: State, outcome: Outcome) -> None:
+        meta, got = best
+        shared = self._server.shared
+        # Everything is checked before anything changes.
+        values = [broadcast_values(best, index, tensors) for index, tensors in enumerate(shared)]
+        load_extra = self.on_resync(meta["extra"], got[sum(meta["broadcasts"]) :])
+        with self._lock:
+            if outcome.abandoned or self._res.closed:
+                raise TransportError("hivemind: re-sync finished after the caller had given up")
+            for tensors, v in zip(shared, values):
+                torch._foreach_copy_(tensors, v)
+            load_extra()
+            self.tag, self.prev_tag, self._server.downloaded = _tag_of(meta, "tag"), _tag_of(meta, "prev_tag"), best
+            replaced = f"this peer was behind its group; it took the group's state of round {meta['tag'][0]}"
+            outcome.replaced = StateReplaced(replaced)
