@@ -15,6 +15,7 @@ import torch
 
 hivemind = pytest.importorskip("hivemind")
 
+from diloco_core import codec_for  # noqa: E402
 from transports.hivemind import HivemindConfig, HivemindTransport  # noqa: E402
 
 NUM_VALUES = 25_000_000
@@ -40,13 +41,18 @@ def _both(fns):
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("wire", ["fp32", "fp16"])
 def test_ours(benchmark, wire):
-    cfg = dict(run_id=f"bench-{wire}", host_maddrs=LOCAL, matchmaking_time=MATCHMAKING, averaging_timeout=TIMEOUT, secret="b")
+    cfg = dict(
+        run_id=f"bench-{wire}", host_maddrs=LOCAL, matchmaking_time=MATCHMAKING, averaging_timeout=TIMEOUT, secret="b"
+    )
     a = HivemindTransport(HivemindConfig(**cfg))
     b = HivemindTransport(HivemindConfig(**cfg, initial_peers=a.join_addresses))
     xs = [torch.randn(NUM_VALUES), torch.randn(NUM_VALUES)]
     try:
+
         def one_round():
-            results = _both([lambda t=t, x=x: t.all_reduce([x], wire_dtype=wire).wait(TIMEOUT) for t, x in zip((a, b), xs)])
+            results = _both(
+                [lambda t=t, x=x: t.all_reduce([x], codec=codec_for(wire)).wait(TIMEOUT) for t, x in zip((a, b), xs)]
+            )
             assert [r.num_contributors for r in results] == [2, 2]
 
         benchmark.group = f"25M values, 2 peers, {wire} wire"
@@ -66,13 +72,21 @@ def test_raw_hivemind_baseline(benchmark, wire):
     dht_b = hivemind.DHT(start=True, host_maddrs=LOCAL, initial_peers=[str(m) for m in dht_a.get_visible_maddrs()])
     averagers = [
         hivemind.averaging.DecentralizedAverager(
-            [torch.randn(NUM_VALUES)], dht, start=True, prefix=f"raw_{wire}", min_group_size=2,
-            min_matchmaking_time=MATCHMAKING, request_timeout=min(3.0, MATCHMAKING / 3), allreduce_timeout=TIMEOUT,
-            next_chunk_timeout=TIMEOUT / 4, compression=compression,
+            [torch.randn(NUM_VALUES)],
+            dht,
+            start=True,
+            prefix=f"raw_{wire}",
+            min_group_size=2,
+            min_matchmaking_time=MATCHMAKING,
+            request_timeout=min(3.0, MATCHMAKING / 3),
+            allreduce_timeout=TIMEOUT,
+            next_chunk_timeout=TIMEOUT / 4,
+            compression=compression,
         )  # fmt: skip
         for dht in (dht_a, dht_b)
     ]
     try:
+
         def one_round():
             out = _both([lambda av=av: av.step(timeout=2 * MATCHMAKING, allow_retries=False) for av in averagers])
             assert all(o is not None and len(o) == 2 for o in out)

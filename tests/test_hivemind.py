@@ -23,7 +23,7 @@ import torch
 
 pytest.importorskip("hivemind")
 
-from diloco_core import TransportError, reference_mean
+from diloco_core import FP32, TransportError, codec_for, reference_mean
 from transports import create_transport
 from transports.hivemind import HivemindConfig, HivemindFaults, HivemindTransport
 
@@ -120,7 +120,7 @@ def test_without_hivemind_the_error_says_what_to_install(monkeypatch):
 def test_mean_over_contributors_is_bit_identical_on_every_peer(swarm, wire_dtype):
     tensors = [_contribution(i) for i in range(3)]
     results = _together(
-        [lambda t=t, x=x: t.all_reduce(x, wire_dtype=wire_dtype).wait(30) for t, x in zip(swarm, tensors)]
+        [lambda t=t, x=x: t.all_reduce(x, codec=codec_for(wire_dtype)).wait(30) for t, x in zip(swarm, tensors)]
     )
     assert all(r.num_contributors == 3 and r.bytes_sent > 0 for r in results), results
     wire = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}[wire_dtype]
@@ -139,7 +139,10 @@ def test_two_contributors_equal_the_reference_mean_rounded_to_the_wire(swarm):
     for wire_dtype, wire in [("fp16", torch.float16), ("fp32", torch.float32)]:
         tensors = [_contribution(i) for i in range(2)]
         results = _together(
-            [lambda t=t, x=x, w=wire_dtype: t.all_reduce(x, wire_dtype=w).wait(30) for t, x in zip(swarm, tensors)]
+            [
+                lambda t=t, x=x, w=wire_dtype: t.all_reduce(x, codec=codec_for(w)).wait(30)
+                for t, x in zip(swarm, tensors)
+            ]
         )
         assert [r.num_contributors for r in results] == [2, 2]
         for i in range(len(SHAPES)):
@@ -152,7 +155,7 @@ def test_sixteen_bit_wire_sends_fewer_bytes(swarm):
     sent = {}
     for wire in ("fp32", "fp16"):
         results = _together(
-            [lambda t=t, w=wire: t.all_reduce([torch.ones(10_000)], wire_dtype=w).wait(30) for t in swarm[:2]]
+            [lambda t=t, w=wire: t.all_reduce([torch.ones(10_000)], codec=codec_for(w)).wait(30) for t in swarm[:2]]
         )
         sent[wire] = results[0].bytes_sent
     assert sent["fp16"] * 2 == sent["fp32"]
@@ -161,7 +164,7 @@ def test_sixteen_bit_wire_sends_fewer_bytes(swarm):
 @pytest.mark.timeout(60)
 def test_alone_a_peer_keeps_its_own_values_with_one_contributor(swarm):
     x = [torch.tensor([1.0, 2.5])]
-    result = swarm[2].all_reduce(x, wire_dtype="fp32").wait(30)
+    result = swarm[2].all_reduce(x).wait(30)
     assert result.num_contributors == 1 and torch.equal(x[0], torch.tensor([1.0, 2.5]))
 
 
@@ -226,8 +229,8 @@ def test_bad_input_is_a_clear_value_error(swarm):
     t = swarm[0]
     with pytest.raises(ValueError, match="float64"):
         t.all_reduce([torch.ones(3, dtype=torch.float64)])
-    with pytest.raises(ValueError, match=r"wire_dtype='int8'.*fp16"):
-        t.all_reduce([torch.ones(3)], wire_dtype="int8")
+    with pytest.raises(ValueError, match=r"codec='int8'.*fp16"):
+        t.all_reduce([torch.ones(3)], codec="int8")
     with pytest.raises(ValueError, match="src=1"):
         t.broadcast([torch.ones(3)], src=1, timeout=5)
 
@@ -294,7 +297,7 @@ def test_a_stale_verdict_reaches_the_transport_typed_from_the_averager_process()
         peers.append(HivemindTransport(HivemindConfig(**cfg, initial_peers=peers[0].join_addresses)))
 
         def step(transport: HivemindTransport, tag: tuple[int, bytes]) -> object:
-            averager = transport._averager(4, "fp32")  # the averager all_reduce would use (its own process)
+            averager = transport._averager("default", 4, FP32)  # the averager all_reduce would use (its own process)
             control = averager.step(
                 gather=list(tag), timeout=2 * FAST["matchmaking_time"], allow_retries=False, wait=False
             )
@@ -524,9 +527,11 @@ def test_averagers_started_at_once_can_each_be_joined_alone(swarm):
     wait out hivemind's 5 s grace period for a child that has already exited. Before forks were serialized
     this failed in 3 of 3 runs, and closing the test swarm took 5-10 s in 4 of 7."""
     for size in (11, 12, 13):
-        _together([lambda t=t, size=size: t._averager(size, "fp32") for t in swarm])  # what all_reduce does first
+        _together(
+            [lambda t=t, size=size: t._averager("default", size, FP32) for t in swarm]
+        )  # what all_reduce does first
         for t in swarm:
-            averager = t._averagers[(size, "fp32")]
+            averager = t._averagers[("default", size, "fp32")]
             writers = procs.writers(procs.pipe_of(averager.sentinel))
             assert writers == {averager.pid}, (
                 f"the exit sentinel of averager {averager.pid} is also held by {writers - {averager.pid}}"

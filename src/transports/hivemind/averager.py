@@ -25,6 +25,8 @@ from hivemind.averaging.allreduce import AllreduceException, AveragingMode
 from hivemind.p2p import P2PContext
 from hivemind.proto import averaging_pb2, runtime_pb2
 
+from diloco_core.codec import Codec
+
 from .faults import HivemindFaults
 from .reducer import Runner
 from .state_tag import StaleStateError, stale_verdict, tag_or_none
@@ -37,8 +39,8 @@ class Averager(DecentralizedAverager):
 
     state_fn: Callable[[], tuple[Any, list[torch.Tensor]]] | None = None
 
-    def __init__(self, *, wire_dtype: str, faults: HivemindFaults, **kwargs: Any) -> None:
-        self.wire_dtype, self.faults = wire_dtype, faults
+    def __init__(self, *, codec: Codec, faults: HivemindFaults, **kwargs: Any) -> None:
+        self.codec, self.faults = codec, faults
         self._confirms: OrderedDict[bytes, dict] = OrderedDict()
         self._groups: dict[bytes, dict] = {}  # per group id: its deadline, then its result's digest
         super().__init__(**kwargs)
@@ -103,7 +105,7 @@ class Averager(DecentralizedAverager):
             tensors=tensors,
             group_id=group_id,
             ordered_peer_ids=group_info.peer_ids,
-            wire_dtype=self.wire_dtype,
+            codec=self.codec,
             faults=self.faults,
             **kwargs,
         )

@@ -21,7 +21,8 @@ from hivemind.compression import deserialize_torch_tensor, serialize_torch_tenso
 from hivemind.proto import averaging_pb2, runtime_pb2
 from hivemind.utils.asyncio import aiter_with_timeout, amap_in_executor
 
-from diloco_core.wire import reference_mean, wire_torch_dtype
+from diloco_core.codec import FP32, Codec
+from diloco_core.wire import mean_of_payloads
 
 from .checks import check_tensor, checked
 from .faults import HivemindFaults
@@ -41,10 +42,10 @@ def part_sum(t: torch.Tensor) -> int:
 
 
 class OrderedReducer(TensorPartReducer):
-    """Keeps every sender's part; once all arrived, their mean is ``reference_mean`` of them in group
+    """Keeps every sender's part; once all arrived, their mean is ``mean_of_payloads`` of them in group
     order (not arrival order): the same arithmetic as the transport contract's reference."""
 
-    wire_dtype = "fp32"  # set by the Runner
+    codec: Codec = FP32  # set by the Runner
 
     def reset_accumulators(self) -> None:
         self.received: dict[int, torch.Tensor] = {}
@@ -71,7 +72,7 @@ class OrderedReducer(TensorPartReducer):
     def check_current_part_finished(self) -> None:
         if self.current_part_accumulated_from == self.num_current_senders:
             parts = [self.received[i] for i in sorted(self.received)]
-            self.current_part_future.set_result(reference_mean(parts, self.wire_dtype, out=self.accumulator))
+            self.current_part_future.set_result(mean_of_payloads(parts, self.codec, out=self.accumulator))
             self.reset_accumulators()
 
 
@@ -79,14 +80,14 @@ class Runner(AllReduceRunner):
     """Returns the rounded mean itself (not a delta), checks what it receives, records failures, and
     writes every mean part straight into the averaged tensors (no final concatenation and copy)."""
 
-    def __init__(self, *, wire_dtype: str, faults: HivemindFaults, **kwargs: Any) -> None:
+    def __init__(self, *, codec: Codec, faults: HivemindFaults, **kwargs: Any) -> None:
         super().__init__(**kwargs)
-        self.wire = wire_torch_dtype(wire_dtype)
+        self.wire = codec.elementwise_dtype  # parts of an element-wise payload are payloads of the parts
         self.faults = faults
         self.failures: list[str] = []
         self.tensor_part_reducer.finished.set()  # replaced before use: keep its finalizer quiet
         self.tensor_part_reducer = OrderedReducer(self.tensor_part_reducer.part_shapes, len(self.sender_peer_ids))
-        self.tensor_part_reducer.wire_dtype = wire_dtype
+        self.tensor_part_reducer.codec = codec
         container = self.tensor_part_container
         self.inputs = [[p for p, _ in parts] for parts in container._input_parts_by_peer]  # views of the tensors
         self.expected = [[p.shape for p in parts] for parts in self.inputs]

@@ -11,8 +11,8 @@ from typing import Any
 import hivemind
 import torch
 
+from diloco_core.codec import Codec
 from diloco_core.transport import TransportError
-from diloco_core.wire import wire_torch_dtype
 
 from .averager import Averager
 from .config import HivemindConfig
@@ -58,15 +58,15 @@ class Resources:
             self.dht.start()
         _wait_until_ready(self.dht, "DHT")
 
-    def start_averager(self, size: int, wire_dtype: str, *, prefix: str, share: bool = False) -> Averager:
-        """An averager of ``size`` values on ``wire_dtype`` (a process), serving state to joiners if ``share``."""
+    def start_averager(self, size: int, codec: Codec, *, prefix: str, share: bool = False) -> Averager:
+        """An averager of ``size`` values travelling as ``codec`` (a process), serving state to joiners if ``share``."""
         cfg = self.config
         averager = Averager(
-            averaged_tensors=[torch.zeros(size, dtype=wire_torch_dtype(wire_dtype))],
+            averaged_tensors=[torch.zeros(size, dtype=codec.elementwise_dtype)],
             dht=self.dht,
             start=False,
             prefix=prefix,
-            wire_dtype=wire_dtype,
+            codec=codec,
             faults=self.faults,
             min_group_size=cfg.min_group_size,
             target_group_size=cfg.target_group_size,

@@ -33,13 +33,13 @@ class TrackedState:
     Read and changed under the transport's lock."""
 
     def __init__(self, *, server: StateServer, resources: Resources, lock: threading.RLock) -> None:
-        self.key: tuple[int, str] | None = None  # (numel, wire dtype) of the all-reduce whose results count
+        self.key: str | None = None  # the reduce key whose results count
         self.tag: Tag = INITIAL_TAG
         self.prev_tag: Tag | None = None
         self.on_resync: Loader | None = None
         self._server, self._res, self._lock = server, resources, lock
 
-    def track(self, key: tuple[int, str], on_resync: Loader) -> None:
+    def track(self, key: str, on_resync: Loader) -> None:
         with self._lock:
             self.key, self.on_resync = key, on_resync
 

@@ -8,26 +8,25 @@ import threading
 import time
 import weakref
 from collections.abc import Callable, Sequence
-from typing import Any
 
 import torch
 from hivemind.averaging.allreduce import AllreduceException
 from hivemind.averaging.matchmaking import MatchmakingException
 from hivemind.p2p import P2PDaemonError, P2PHandlerError
 
-from diloco_core.transport import ReduceHandle, ReduceResult, Transport, TransportError
-from diloco_core.wire import wire_torch_dtype
+from diloco_core.codec import FP32, Codec, check_codec
+from diloco_core.run_state import RunState
+from diloco_core.transport import Capabilities, ReduceHandle, ReduceResult, Transport, TransportError
 
 from .averager import Averager
 from .config import HivemindConfig
-from .diloco_state import load_diloco_state, share_diloco_state
 from .faults import HivemindFaults
 from .handle import Handle, Outcome
 from .requirement import import_hivemind
 from .resources import Resources
-from .state_server import State, StateServer
+from .state_server import StateServer
 from .state_tag import Stale, StaleStateError
-from .tracked_state import Loader, TrackedState
+from .tracked_state import TrackedState
 
 __all__ = ["HivemindTransport"]
 
@@ -69,8 +68,8 @@ class HivemindTransport(Transport):
             )
         self._res = Resources(config=config, faults=faults or HivemindFaults(), part_size_bytes=part_size_bytes)
         self._finalizer = weakref.finalize(self, self._res.close)
-        self._lock = threading.RLock()  # re-entered: a re-sync loads DiLoCo, whose state_dict() reads the tags
-        self._averagers: dict[tuple[int, str], Averager] = {}
+        self._lock = threading.RLock()
+        self._averagers: dict[tuple[str, int, str], Averager] = {}  # per (key, size, codec)
         self._last_group: list[bytes] = []
         self._closed = False
         joining = bool(config.initial_peers)
@@ -82,7 +81,7 @@ class HivemindTransport(Transport):
             self._res.start_dht()
             # A 1-value averager that never averages: it serves this peer's state to joiners (a joiner
             # only once it holds the run's state).
-            state_averager = self._res.start_averager(1, "fp32", prefix=f"{self._ns}_state", share=not joining)
+            state_averager = self._res.start_averager(1, FP32, prefix=f"{self._ns}_state", share=not joining)
             state_averager.state_fn = self._server.serve
             self._server.averager = state_averager
             self._res.pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="hivemind-transport")
@@ -95,15 +94,53 @@ class HivemindTransport(Transport):
 
     # -- membership --------------------------------------------------------------------------------
 
-    fixed_ranks = False  # whoever matchmakes in time forms a round's group
+    capabilities = Capabilities(
+        fixed_ranks=False,  # whoever matchmakes in time forms a round's group; alone, a peer averages alone
+        survives_leavers=True,
+        exact_mean=False,  # the mean comes back rounded to the wire dtype
+        broadcast_from_any_rank=False,  # src=0 only: whoever holds the run's state
+        keys_in_any_order=True,  # an averager per key, each matchmaking on its own
+    )
 
-    def attach(self, diloco: Any, timeout: float) -> bool:
+    @property
+    def own_timeout(self) -> float:  # type: ignore[override]
+        """The longest one all_reduce runs by itself: attempts until ``averaging_timeout + 4 *
+        matchmaking_time``, the last of which may take ``2 * matchmaking_time + averaging_timeout + 10``."""
+        cfg = self.config
+        return 2 * cfg.averaging_timeout + 6 * cfg.matchmaking_time + 10
+
+    def attach(self, state: RunState, timeout: float) -> bool:
         """Take the run's outer momentum and round from the peers (a joiner; False on the swarm's first
-        peer), then serve this peer's to later joiners and re-sync it when a round finds it behind."""
+        peer), then serve this peer's to later joiners (refreshed after every round) and re-sync it when
+        a round finds it behind its group."""
         if self._state.on_resync is not None:
             raise ValueError("this HivemindTransport already serves a DiLoCo: use one transport per DiLoCo")
-        joined = load_diloco_state(self, diloco, timeout)
-        share_diloco_state(self, diloco)
+
+        def loader(meta: dict, tensors: list[torch.Tensor]) -> Callable[[], None]:
+            try:
+                return state.loader(meta, tensors)
+            except ValueError as e:
+                raise TransportError(f"hivemind: {e}") from None
+
+        joined = False
+        got = self._server.load_state(timeout)  # None on the swarm's first peer
+        if got is not None and not got[0]:
+            logger.warning(
+                "the peers shared no DiLoCo state (they broadcast without a DiLoCo): keeping round and momentum"
+            )
+        elif got is not None:
+            loader(*got)()
+            # Take the downloaded state's tag too: until now this peer served the initial tag, which no
+            # group holds, so nobody re-synced from its half-loaded state.
+            self._state.adopt(self._server.downloaded[0])
+            joined = True
+        self._server.extra_fn = state.snapshot  # served with the broadcast values, refreshed after every round
+        state.subscribe(self._take_snapshot)
+        # From now on groupmates compare state tags before averaging a round: a peer that is behind or has
+        # diverged takes its group's state instead (checked by ``loader`` first) and its all_reduce raises
+        # StateReplaced.
+        self._state.track(state.key, loader)
+        self._take_snapshot()
         return joined
 
     def state_dict(self) -> dict:
@@ -129,15 +166,22 @@ class HivemindTransport(Transport):
 
     # -- averaging -----------------------------------------------------------------------------------
 
-    def _averager(self, size: int, wire_dtype: str) -> Averager:
-        key = (size, wire_dtype)
-        if key not in self._averagers:
-            prefix = f"{self._ns}_{wire_dtype}_{size}"
-            self._averagers[key] = self._res.start_averager(size, wire_dtype, prefix=prefix)
-        return self._averagers[key]
+    def _averager(self, key: str, size: int, codec: Codec) -> Averager:
+        """The averager of ``key`` (hivemind fixes an averager's tensors when it starts: one per size and codec)."""
+        ident = (key, size, codec.name)
+        if ident not in self._averagers:
+            name = hashlib.sha256(key.encode()).hexdigest()[:12]  # any key, in names the DHT and p2p accept
+            prefix = f"{self._ns}_{name}_{codec.name}_{size}"
+            self._averagers[ident] = self._res.start_averager(size, codec, prefix=prefix)
+        return self._averagers[ident]
 
-    def all_reduce(self, tensors: Sequence[torch.Tensor], *, wire_dtype: str = "fp32") -> ReduceHandle:
-        wire_torch_dtype(wire_dtype)  # every wire dtype is honoured: it picks the averager
+    def all_reduce(self, tensors: Sequence[torch.Tensor], *, codec: Codec = FP32, key: str = "default") -> ReduceHandle:
+        check_codec(codec)
+        if codec.elementwise_dtype is None:
+            raise ValueError(
+                f"codec={codec!r} is invalid here: hivemind's butterfly cuts payloads into parts anywhere, so it "
+                "moves element-wise codecs only (fp32, fp16, bf16)"
+            )
         tensors = list(tensors)
         if not tensors:
             raise ValueError("all_reduce needs at least one tensor")
@@ -150,21 +194,21 @@ class HivemindTransport(Transport):
         # flight trains from it and meets this round's group if it matchmakes in time (tested); telling
         # joiners to wait instead made them miss the round and average a round behind.
         self._take_snapshot()
-        self._averager(sum(t.numel() for t in tensors), wire_dtype)  # created here: it starts a process
+        self._averager(key, sum(t.numel() for t in tensors), codec)  # created here: it starts a process
         # The caller's tensors are the contribution (untouched until commit, so a retry re-reads them).
         outcome = Outcome()
-        future = self._res.pool.submit(self._reduce, tensors, wire_dtype=wire_dtype, outcome=outcome)
+        future = self._res.pool.submit(self._reduce, tensors, codec=codec, key=key, outcome=outcome)
         return Handle(future, outcome, self._lock)
 
-    def _reduce(self, tensors: list[torch.Tensor], *, wire_dtype: str, outcome: Outcome) -> ReduceResult:
+    def _reduce(self, tensors: list[torch.Tensor], *, codec: Codec, key: str, outcome: Outcome) -> ReduceResult:
         start = time.perf_counter()
         cfg = self.config
         numels = [t.numel() for t in tensors]
-        averager = self._averager(sum(numels), wire_dtype)
-        tracked = (sum(numels), wire_dtype) == self._state.key  # DiLoCo's rounds: groupmates compare state tags
+        averager = self._averager(key, sum(numels), codec)
+        tracked = key == self._state.key  # DiLoCo's rounds: groupmates compare state tags
         # Room for one failed attempt (up to averaging_timeout after matchmaking) and a regroup.
         deadline = time.monotonic() + cfg.averaging_timeout + 4 * cfg.matchmaking_time
-        n_bytes = sum(numels) * wire_torch_dtype(wire_dtype).itemsize
+        n_bytes = codec.payload_bytes(sum(numels))
         attempt = 0
         failed: Exception | None = None  # set once a group attempt failed
         while True:
@@ -239,17 +283,6 @@ class HivemindTransport(Transport):
 
     # -- state for joiners ---------------------------------------------------------------------------
 
-    def share_state(self, get_state: Callable[[], State]) -> None:
-        """Also serve ``get_state() -> (msgpack-able dict, tensors)`` to joiners; it is called at the start
-        of every all_reduce (between rounds), so it should return tensors that are not changed in place."""
-        self._server.extra_fn = get_state
-        self._take_snapshot()
-
-    def load_state(self, timeout: float) -> State | None:
-        """The state a peer shared with ``share_state`` (downloaded with the broadcast values on joining);
-        None when this peer started the swarm."""
-        return self._server.load_state(timeout)
-
     def _take_snapshot(self) -> None:
         self._server.take_snapshot()
 
@@ -260,24 +293,6 @@ class HivemindTransport(Transport):
                 f"src={src!r} is invalid: hivemind peers have no ranks; src=0 means whoever holds the run's state"
             )
         self._server.broadcast(list(tensors), timeout)
-
-    # -- stale or diverged state ------------------------------------------------------------------------
-
-    def track_state(self, numel: int, wire_dtype: str, on_resync: Loader) -> None:
-        """Declare the all-reduce of ``numel`` values on ``wire_dtype`` as the one whose results make up the
-        run's state (DiLoCo's rounds; ``share_diloco_state`` calls this). From then on groupmates compare
-        state tags before averaging: a peer that is behind or has diverged takes its group's state
-        instead and its ``all_reduce`` raises ``StateReplaced``. ``on_resync(extra meta, extra tensors)``
-        checks what ``share_state`` served and returns the function that loads it (called after the
-        broadcast values are in place), so that a state that does not fit changes nothing."""
-        self._state.track((numel, wire_dtype), on_resync)
-        self._take_snapshot()
-
-    def adopt_downloaded_tag(self) -> None:
-        """On a joiner, once it has loaded the state it downloaded: take that state's tag too. Until then it
-        serves the initial tag, which no group holds, so nobody re-syncs from its half-loaded state."""
-        self._state.adopt(self._server.downloaded[0] if self._server.downloaded is not None else {})
-        self._take_snapshot()
 
     def close(self) -> None:
         """Shut down the averagers, then the DHT and its p2p daemon. Idempotent."""
