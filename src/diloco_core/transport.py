@@ -127,6 +127,10 @@ class Transport(ABC):
         """``capabilities.fixed_ranks``."""
         return self.capabilities.fixed_ranks
 
+    join_addresses: Sequence[str] = ()
+    """Where other peers reach this one to join the run (hivemind: its multiaddrs), for a launcher to show.
+    Empty where members are placed by their launcher (in-process, torchrun)."""
+
     def attach(self, state: RunState, timeout: float) -> bool:
         """Called once by ``DiLoCo``, when its global params are in place. A transport whose peers come and
         go loads the run's outer state from its peers here (``state.loader``), serves this worker's to
