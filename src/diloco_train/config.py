@@ -211,8 +211,7 @@ def _merge(base: dict[str, dict[str, Any]], update: Mapping[str, Any], where: st
         if section not in valid:
             raise ValueError(f"unknown section [{section}] in {where}; valid sections: {valid}")
         if not isinstance(table, Mapping):
-            # ValueError, as all bad input: the CLI turns it into one line and exit status 2
-            raise ValueError(f"[{section}] in {where} must be a table of key = value, got {type(table).__name__}")  # noqa: TRY004
+            raise ValueError(f"[{section}] in {where} must be a table of key = value, got {type(table).__name__}")
         base.setdefault(section, {}).update(table)
 
 
