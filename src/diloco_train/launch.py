@@ -75,7 +75,11 @@ def train(
     check_shards(t, spec)
 
     job = Job(config=config, corpus=corpus, run_dir=run_dir, resume=resume)
-    transports: Sequence[Transport | None] = [None] if t.mode == "single" else spec.connect(local)
+    # [diloco] reduce_timeout also bounds the transport's own collectives unless [transport] sets them.
+    timeout = config.diloco.reduce_timeout
+    transports: Sequence[Transport | None] = (
+        [None] if t.mode == "single" else spec.connect(local, reduce_timeout=timeout)
+    )
     first = transports[0]
     lead = first is None or first.rank == 0  # rank 0 is in this process
     try:

@@ -98,13 +98,14 @@ class TransportSpec:
             return f"{workers} in-process worker(s)"
         return f"one worker per process on {self.kind}"
 
-    def connect(self, workers: int) -> list[Transport]:
+    def connect(self, workers: int, *, reduce_timeout: float | None = None) -> list[Transport]:
         """The transports of this process's workers: ``workers`` members of a new group where workers are
-        threads, else this process's one member of the run's group."""
+        threads, else this process's one member of the run's group (``reduce_timeout``: as in
+        ``create_transport``)."""
         if self.threads:
             group = InProcessGroup(workers)
             return [group.transport(rank) for rank in range(workers)]
-        return [create_transport(self.section)]
+        return [create_transport(self.section, reduce_timeout=reduce_timeout)]
 
 
 def _local_world_size() -> int:
