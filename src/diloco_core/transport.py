@@ -13,8 +13,6 @@ import torch
 from .codec import FP32, Codec
 
 if TYPE_CHECKING:
-    from typing_extensions import Self  # typing.Self from Python 3.11; torch depends on typing_extensions
-
     from .run_state import RunState
 
 __all__ = [
@@ -167,7 +165,7 @@ class Transport(ABC):
     def close(self) -> None:
         """Leave the group and release resources. Idempotent."""
 
-    def __enter__(self) -> Self:
+    def __enter__(self) -> Transport:  # noqa: PYI034 - typing.Self is 3.11+; the core imports stdlib and torch only
         return self
 
     def __exit__(self, *exc: object) -> None:
