@@ -28,6 +28,10 @@ class ForwardingTransport(Transport):
         return self.inner.own_timeout
 
     @property
+    def join_addresses(self) -> Sequence[str]:  # type: ignore[override]
+        return self.inner.join_addresses
+
+    @property
     def rank(self) -> int:
         return self.inner.rank
 

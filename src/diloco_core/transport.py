@@ -13,8 +13,6 @@ import torch
 from .codec import FP32, Codec
 
 if TYPE_CHECKING:
-    from typing_extensions import Self  # typing.Self from Python 3.11; torch depends on typing_extensions
-
     from .run_state import RunState
 
 __all__ = [
@@ -127,6 +125,10 @@ class Transport(ABC):
         """``capabilities.fixed_ranks``."""
         return self.capabilities.fixed_ranks
 
+    join_addresses: Sequence[str] = ()
+    """Where other peers reach this one to join the run (hivemind: its multiaddrs), for a launcher to show.
+    Empty where members are placed by their launcher (in-process, torchrun)."""
+
     def attach(self, state: RunState, timeout: float) -> bool:
         """Called once by ``DiLoCo``, when its global params are in place. A transport whose peers come and
         go loads the run's outer state from its peers here (``state.loader``), serves this worker's to
@@ -163,7 +165,7 @@ class Transport(ABC):
     def close(self) -> None:
         """Leave the group and release resources. Idempotent."""
 
-    def __enter__(self) -> Self:
+    def __enter__(self) -> Transport:  # noqa: PYI034 - typing.Self is 3.11+; the core imports stdlib and torch only
         return self
 
     def __exit__(self, *exc: object) -> None:

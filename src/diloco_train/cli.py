@@ -19,16 +19,35 @@ _EXAMPLE = "e.g. diloco train --set train.steps=200 --set diloco.inner_steps=50"
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="diloco", description="Train a language model with DiLoCo (or DDP, or one worker).")
+    p = argparse.ArgumentParser(
+        prog="diloco", description="Train a language model with DiLoCo (or DDP, or one worker)."
+    )
     sub = p.add_subparsers(dest="command", metavar="{train,plot}")
-    t = sub.add_parser("train", help="train (with no options: tiny model, 4 in-process workers, a few minutes on a CPU)",
-                       epilog=_EXAMPLE)  # fmt: skip
-    t.add_argument("--config", action="append", default=[], metavar="FILE.toml",
-                   help="TOML file with [model] [data] [train] [diloco] [transport] tables (repeatable; later wins)")
-    t.add_argument("--set", action="append", default=[], dest="overrides", metavar="SECTION.KEY=VALUE",
-                   help="override one key; VALUE is a TOML literal (a bare word is a string). Repeatable")
-    t.add_argument("--resume", action="store_true",
-                   help="continue run NAME from its latest checkpoint (with its saved config unless --config is given)")
+    t = sub.add_parser(
+        "train",
+        help="train (with no options: tiny model, 4 in-process workers, a few minutes on a CPU)",
+        epilog=_EXAMPLE,
+    )
+    t.add_argument(
+        "--config",
+        action="append",
+        default=[],
+        metavar="FILE.toml",
+        help="TOML file with [model] [data] [train] [diloco] [transport] tables (repeatable; later wins)",
+    )
+    t.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        dest="overrides",
+        metavar="SECTION.KEY=VALUE",
+        help="override one key; VALUE is a TOML literal (a bare word is a string). Repeatable",
+    )
+    t.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue run NAME from its latest checkpoint (with its saved config unless --config is given)",
+    )
     t.add_argument("--name", metavar="RUN", help="run name: files go to <train.runs_dir>/RUN/ (default: mode-time)")
     t.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     t.add_argument("-v", "--verbose", action="store_true", help="log one line per round and worker")
@@ -40,13 +59,13 @@ def _parser() -> argparse.ArgumentParser:
 
 def _train(args: argparse.Namespace, argv: list[str]) -> int:
     from .config import build_config, load_toml, parse_override
-    from .train import train
+    from .launch import describe_workers, train
 
     base = None
     if args.resume:
         if not args.name:
             raise ValueError("--resume needs --name RUN: the run to continue")
-        # The overrides apply to the saved config (e.g. a hivemind run's secret, never saved), so they are
+        # The overrides apply to the saved config (e.g. a transport's secret, never saved), so they are
         # not checked against the defaults first: only train.runs_dir is needed to find the run.
         where = [o for o in args.overrides if parse_override(o)[:2] == ("train", "runs_dir")]
         saved = Path(build_config((), where).train.runs_dir) / args.name / "config.toml"
@@ -56,17 +75,14 @@ def _train(args: argparse.Namespace, argv: list[str]) -> int:
     name = args.name or f"{config.train.mode}-{time.strftime('%Y%m%d-%H%M%S')}"
     run_dir = Path(config.train.runs_dir) / name
     t = config.train
-    kind = config.transport.get("kind", "inprocess")
-    workers = f"{1 if t.mode == 'single' else t.workers} in-process worker(s)" if kind == "inprocess" else (
-        f"one worker per process on {kind}"
-    )
     if os.environ.get("RANK", "0") == "0":  # under torchrun, rank 0 speaks for the run
         print(
-            f"run {run_dir}: {t.mode}, {workers}, model {config.model.preset}, {t.steps} steps"
+            f"run {run_dir}: {t.mode}, {describe_workers(config)}, model {config.model.preset}, {t.steps} steps"
             + (f", outer round every {config.diloco.inner_steps}" if t.mode == "diloco" else ""),
             file=sys.stderr,
         )
-    result = train(config, run_dir, resume=args.resume, show_progress=not args.quiet, command=["diloco", "train", *argv])
+    command = ["diloco", "train", *argv]
+    result = train(config, run_dir, resume=args.resume, show_progress=not args.quiet, command=command)
     if math.isnan(result.eval_after):  # a non-zero rank of a multi-process run: rank 0 reports
         return 0
     wall = result.wall_seconds

@@ -11,7 +11,7 @@ from typing import Any
 
 from diloco_core import DiLoCoConfig
 from diloco_core.config import check_field, from_mapping, is_finite_number
-from transports import TRANSPORT_KINDS
+from transports import transport_spec
 
 from .data import DataConfig
 from .model import ModelConfig
@@ -91,26 +91,46 @@ class TrainConfig:
         check_field("mode", self.mode, self.mode in MODES, f"one of {list(MODES)}")
         for name in ("workers", "steps", "batch_size", "eval_batches", "keep_checkpoints"):
             check_field(name, getattr(self, name), _int(getattr(self, name), 1), "an integer >= 1")
-        for name in ("warmup_steps", "ddp_warm_start", "seed", "eval_every", "checkpoint_every", "stop_after", "threads", "num_shards"):
+        for name in (
+            "warmup_steps",
+            "ddp_warm_start",
+            "seed",
+            "eval_every",
+            "checkpoint_every",
+            "stop_after",
+            "threads",
+            "num_shards",
+        ):
             check_field(name, getattr(self, name), _int(getattr(self, name), 0), "an integer >= 0")
         w = self.ddp_warm_start
-        check_field("ddp_warm_start", w, not w or (self.mode == "diloco" and w < self.steps),
-                    f"0, or in diloco mode a step count below steps={self.steps}")  # fmt: skip
+        ok = not w or (self.mode == "diloco" and w < self.steps)
+        check_field("ddp_warm_start", w, ok, f"0, or in diloco mode a step count below steps={self.steps}")
         check_field("shard", self.shard, _int(self.shard, -1), "an integer >= 0 (or -1: the rank)")
         ok = self.shard < max(self.num_shards, 1) if self.num_shards else self.shard <= 0
         check_field("shard", self.shard, ok, f"below num_shards={self.num_shards} (set num_shards with shard)")
         check_field("lr", self.lr, is_finite_number(self.lr) and self.lr > 0, "a finite number > 0")
         r = self.min_lr_ratio
         check_field("min_lr_ratio", r, is_finite_number(r) and 0 <= r <= 1, "a number in [0, 1]")
-        check_field("weight_decay", self.weight_decay, is_finite_number(self.weight_decay) and self.weight_decay >= 0, "a number >= 0")
+        check_field(
+            "weight_decay",
+            self.weight_decay,
+            is_finite_number(self.weight_decay) and self.weight_decay >= 0,
+            "a number >= 0",
+        )
         for name in ("beta1", "beta2"):
             v = getattr(self, name)
             check_field(name, v, is_finite_number(v) and 0 <= v < 1, "a number in [0, 1)")
-        check_field("grad_clip", self.grad_clip, is_finite_number(self.grad_clip) and self.grad_clip >= 0, "a number >= 0")
-        ok = isinstance(self.device, str) and (self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:"))
+        check_field(
+            "grad_clip", self.grad_clip, is_finite_number(self.grad_clip) and self.grad_clip >= 0, "a number >= 0"
+        )
+        ok = isinstance(self.device, str) and (
+            self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:")
+        )
         check_field("device", self.device, ok, "auto, cpu, cuda or cuda:N")
         check_field("bf16", self.bf16, isinstance(self.bf16, bool), "true or false")
-        check_field("runs_dir", self.runs_dir, isinstance(self.runs_dir, str) and self.runs_dir != "", "a non-empty path")
+        check_field(
+            "runs_dir", self.runs_dir, isinstance(self.runs_dir, str) and self.runs_dir != "", "a non-empty path"
+        )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -123,8 +143,8 @@ class RunConfig:
     """[train]: mode, workers, schedule, evaluation, checkpoints."""
     diloco: DiLoCoConfig = field(default_factory=DiLoCoConfig)
     """[diloco]: the outer loop (diloco_core.DiLoCoConfig)."""
-    transport: dict[str, Any] = field(default_factory=lambda: {"kind": "inprocess"})
-    """[transport]: ``kind`` plus that transport's fields, handed to transports.create_transport."""
+    transport: dict[str, Any] = field(default_factory=lambda: dict(transport_spec({}).section))
+    """[transport]: ``kind`` plus that transport's fields, handed to transports.transport_spec."""
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
         """Every section as a table of its values, unset (None) values and ``train.stop_after`` left out.
@@ -180,7 +200,7 @@ def parse_override(text: str) -> tuple[str, str, Any]:
         import tomllib
 
         value = tomllib.loads(f"v = {raw.strip()}")["v"]
-    except Exception:  # not a TOML literal (or no TOML reader): a bare word is a string
+    except Exception:  # noqa: BLE001 - not a TOML literal (or no TOML reader): a bare word is a string
         value = raw.strip()
     return section, key, value
 
@@ -208,15 +228,8 @@ def build_config(
         section, key, value = parse_override(text)
         tables.setdefault(section, {})[key] = value
     sections = {name: from_mapping(cls, tables.get(name, {}), name) for name, cls in SECTIONS.items()}
-    transport = dict(tables.get("transport", {}))
-    kind = transport.setdefault("kind", "inprocess")
-    check_field("[transport] kind", kind, kind in TRANSPORT_KINDS, f"one of {sorted(TRANSPORT_KINDS)}")
-    extra = sorted(set(transport) - {"kind"})
-    if kind == "inprocess" and extra:
-        raise ValueError(
-            f"unknown key(s) {extra} in [transport] for kind 'inprocess'; valid keys: ['kind'] "
-            "(the trainer sets world size and ranks from train.workers)"
-        )
+    # The factory checks the kind and what a launch of it takes, and fills in the default kind.
+    transport = dict(transport_spec(tables.get("transport", {})).section)
     return RunConfig(transport=transport, **sections)
 
 
@@ -224,7 +237,9 @@ def _toml_value(v: Any) -> str:
     if isinstance(v, bool):
         return "true" if v else "false"
     if isinstance(v, (int, float)):
-        return repr(v) if not isinstance(v, float) or math.isfinite(v) else ("nan" if v != v else ("inf" if v > 0 else "-inf"))
+        if not isinstance(v, float) or math.isfinite(v):
+            return repr(v)
+        return "nan" if math.isnan(v) else ("inf" if v > 0 else "-inf")
     if isinstance(v, str):
         return json.dumps(v)  # JSON's string escapes are valid TOML basic-string escapes
     if isinstance(v, (list, tuple)):

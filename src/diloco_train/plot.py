@@ -2,30 +2,15 @@
 
 from __future__ import annotations
 
-import json
 import logging
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
 
-__all__ = ["plot_runs", "read_metrics"]
+from .metrics import read_metrics
+
+__all__ = ["plot_runs", "read_metrics"]  # read_metrics: also imported from here (bench/convergence.py)
 
 logger = logging.getLogger(__name__)
-
-
-def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
-    """The records of ``<run_dir>/metrics.jsonl`` (ValueError if the run has none)."""
-    path = Path(run_dir) / "metrics.jsonl"
-    if not path.is_file():
-        raise ValueError(f"{str(run_dir)!r} is not a run: no metrics.jsonl in it")
-    records = []
-    for i, line in enumerate(path.read_text(encoding="utf-8").splitlines()):
-        if line.strip():
-            try:
-                records.append(json.loads(line))
-            except json.JSONDecodeError:
-                raise ValueError(f"{path}:{i + 1} is not a JSON line") from None
-    return records
 
 
 def _smooth(values: list[float], alpha: float = 0.1) -> list[float]:
@@ -56,16 +41,22 @@ def plot_runs(run_dirs: Sequence[str | Path], out: str | Path) -> Path:
         evals = [r for r in records if r.get("type") == "eval"]
         rounds = [r for r in records if r.get("type") == "round"]
         if steps:
-            ax.plot([r["step"] for r in steps], _smooth([r["loss"] for r in steps]), color=color, alpha=0.6,
-                    label=f"{run_dir.name} train (EMA)")  # fmt: skip
+            ax.plot(
+                [r["step"] for r in steps],
+                _smooth([r["loss"] for r in steps]),
+                color=color,
+                alpha=0.6,
+                label=f"{run_dir.name} train (EMA)",
+            )
         if evals:
-            ax.plot([r["step"] for r in evals], [r["loss"] for r in evals], "o-", color=color, label=f"{run_dir.name} eval")
+            eval_loss = [r["loss"] for r in evals]
+            ax.plot([r["step"] for r in evals], eval_loss, "o-", color=color, label=f"{run_dir.name} eval")
         if len(runs) == 1 and len(rounds) <= 30:  # more would hide the curves
             for j, r in enumerate(rounds):
                 ax.axvline(r["step"], color="gray", lw=0.6, ls="--", label="outer round" if j == 0 else None)
         if with_rounds and rounds and "agreement" in rounds[0]:
-            ax_agree.plot([r["step"] for r in rounds], [r["agreement"] for r in rounds], ".-", color=color, ms=3,
-                          label=run_dir.name)  # fmt: skip
+            agreement = [r["agreement"] for r in rounds]
+            ax_agree.plot([r["step"] for r in rounds], agreement, ".-", color=color, ms=3, label=run_dir.name)
     ax.set_ylabel("loss (nats/token)")
     ax.set_title(", ".join(d.name for d, _ in runs))
     ax.grid(alpha=0.3)
@@ -73,7 +64,9 @@ def plot_runs(run_dirs: Sequence[str | Path], out: str | Path) -> Path:
     if with_rounds:
         ax_agree.set_ylabel("agreement")
         ax_agree.set_ylim(0, 1.05)
-        ax_agree.set_title("|mean pseudo-gradient| / mean |pseudo-gradient| per round (1: workers agree)", fontsize="small")
+        ax_agree.set_title(
+            "|mean pseudo-gradient| / mean |pseudo-gradient| per round (1: workers agree)", fontsize="small"
+        )
         ax_agree.grid(alpha=0.3)
         ax_agree.set_xlabel("step (per worker)")
     else:

@@ -6,10 +6,11 @@ torch.distributed's nor hivemind's import cost (or absence) touches the other tr
 
 from typing import Any
 
-from .factory import TRANSPORT_KINDS, create_transport
+from .factory import DEFAULT_KIND, TRANSPORT_KINDS, TransportSpec, create_transport, transport_spec
 from .inprocess import InProcessConfig, InProcessGroup, InProcessTransport
 
 __all__ = [
+    "DEFAULT_KIND",
     "TRANSPORT_KINDS",
     "HivemindConfig",
     "HivemindTransport",
@@ -18,7 +19,9 @@ __all__ = [
     "InProcessTransport",
     "TorchDistConfig",
     "TorchDistTransport",
+    "TransportSpec",
     "create_transport",
+    "transport_spec",
 ]
 
 _LAZY = {

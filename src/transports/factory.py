@@ -1,16 +1,25 @@
-"""Build a transport from a config section such as a TOML ``[transport]`` table."""
+"""Build a transport from a config section such as a TOML ``[transport]`` table, and say how its workers launch.
+
+This is the one module that knows the transport kinds. A launcher (the trainer) asks ``transport_spec``
+how a section's workers start, and connects them with ``TransportSpec.connect``; it never names a kind.
+"""
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 from diloco_core.config import from_mapping
 from diloco_core.transport import Transport
 
-from .inprocess import InProcessConfig, InProcessTransport
+from .inprocess import InProcessConfig, InProcessGroup, InProcessTransport
 
-__all__ = ["create_transport", "TRANSPORT_KINDS"]
+__all__ = ["DEFAULT_KIND", "TRANSPORT_KINDS", "TransportSpec", "create_transport", "transport_spec"]
+
+DEFAULT_KIND = "inprocess"
+"""The kind of a section that names none."""
 
 
 def _inprocess(section: Mapping[str, Any]) -> Transport:
@@ -40,14 +49,93 @@ _DERIVED_TIMEOUT = {"torch": "timeout"}
 """Per kind, the config field that defaults to the core's reduce timeout when the section leaves it unset."""
 
 
+def _kind_of(section: Mapping[str, Any]) -> str:
+    kind = section.get("kind", DEFAULT_KIND)
+    if kind not in TRANSPORT_KINDS:
+        raise ValueError(f"[transport] kind={kind!r} is invalid: expected one of {sorted(TRANSPORT_KINDS)}")
+    return kind
+
+
 def create_transport(section: Mapping[str, Any], *, reduce_timeout: float | None = None) -> Transport:
     """``section["kind"]`` picks the transport; the other keys are that transport's config fields.
     ``reduce_timeout`` (the core's, ``[diloco] reduce_timeout``) is the default of the transport's own
     collective timeout, so that one setting bounds a round unless the section says otherwise."""
     section = dict(section)
-    kind = section.pop("kind", "inprocess")
+    kind = _kind_of(section)
+    section.pop("kind", None)
     if reduce_timeout is not None and kind in _DERIVED_TIMEOUT:
         section.setdefault(_DERIVED_TIMEOUT[kind], reduce_timeout)
-    if kind not in TRANSPORT_KINDS:
-        raise ValueError(f"[transport] kind={kind!r} is invalid: expected one of {sorted(TRANSPORT_KINDS)}")
     return TRANSPORT_KINDS[kind](section)
+
+
+@dataclass(frozen=True, kw_only=True)
+class TransportSpec:
+    """How the workers of a ``[transport]`` section are launched: what a launcher needs besides the transport."""
+
+    kind: str
+    """The section's kind, for messages."""
+    section: Mapping[str, Any] = field(repr=False)
+    """The section, its kind filled in (not shown: it may hold a secret)."""
+    threads: bool
+    """True: the run's workers are threads of one process, and ``connect(n)`` makes all n of them (so every
+    worker's checkpoint is on this machine). False: each process is one worker (torch: started by torchrun;
+    hivemind: a peer started by hand), and ``connect`` joins it to the others."""
+    fixed_ranks: bool
+    """As the transport's ``fixed_ranks``, known before connecting: ranks hold for the whole run, so a
+    worker's data shard can be its rank's. False: each process must be given its own shard."""
+    processes_on_machine: int = 1
+    """Worker processes sharing this machine's cores (torchrun's LOCAL_WORLD_SIZE); a process's threads
+    count apart."""
+    secret_keys: frozenset[str] = frozenset()
+    """Keys of the section that must never be written to disk."""
+    join_key: str | None = None
+    """The key of the section that takes another peer's ``Transport.join_addresses``; None where peers
+    are not joined by address."""
+
+    def describe(self, workers: int) -> str:
+        """How a run's workers are laid out, in words; ``workers`` counts this process's threads."""
+        if self.threads:
+            return f"{workers} in-process worker(s)"
+        return f"one worker per process on {self.kind}"
+
+    def connect(self, workers: int, *, reduce_timeout: float | None = None) -> list[Transport]:
+        """The transports of this process's workers: ``workers`` members of a new group where workers are
+        threads, else this process's one member of the run's group (``reduce_timeout``: as in
+        ``create_transport``)."""
+        if self.threads:
+            group = InProcessGroup(workers)
+            return [group.transport(rank) for rank in range(workers)]
+        return [create_transport(self.section, reduce_timeout=reduce_timeout)]
+
+
+def _local_world_size() -> int:
+    return int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+
+
+def transport_spec(section: Mapping[str, Any]) -> TransportSpec:
+    """How ``section``'s workers launch; ValueError for an unknown kind, or keys a launch cannot take."""
+    kind = _kind_of(section)
+    section = {**section, "kind": kind}
+    if kind == "inprocess":
+        extra = sorted(set(section) - {"kind"})
+        if extra:
+            raise ValueError(
+                f"unknown key(s) {extra} in [transport] for kind 'inprocess'; valid keys: ['kind'] "
+                "(the trainer sets world size and ranks from train.workers)"
+            )
+        return TransportSpec(kind=kind, section=section, threads=True, fixed_ranks=True)
+    if kind == "torch":
+        return TransportSpec(
+            kind=kind, section=section, threads=False, fixed_ranks=True, processes_on_machine=_local_world_size()
+        )
+    if kind == "hivemind":
+        return TransportSpec(
+            kind=kind,
+            section=section,
+            threads=False,
+            fixed_ranks=False,
+            processes_on_machine=_local_world_size(),
+            secret_keys=frozenset({"secret"}),
+            join_key="initial_peers",
+        )
+    raise AssertionError(f"transport kind {kind!r} has no launch spec")  # every kind in TRANSPORT_KINDS needs one

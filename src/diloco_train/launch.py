@@ -1,0 +1,187 @@
+"""Starting a run: this process's workers as the transport's spec lays them out, threads or just one.
+
+The transport factory says how a [transport] section launches (``transports.transport_spec``): all the
+run's workers as threads of this process, or this process as one worker of many (torchrun, a hivemind
+peer). The trainer never names a transport kind.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import shlex
+import sys
+import threading
+from collections.abc import Sequence
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+
+from diloco_core import Transport, TransportError
+from transports import TransportSpec, transport_spec
+
+from .config import RunConfig
+from .data import Corpus, load_corpus
+from .metrics import TrainResult
+from .resume import check_resume_workers, prepare_run_dir
+from .shards import check_data, check_shards
+from .worker import Job, Worker
+
+__all__ = ["describe_workers", "train"]
+
+logger = logging.getLogger(__name__)
+
+
+def _local_workers(config: RunConfig, spec: TransportSpec) -> int:
+    """Workers in this process: the run's, where they are threads (one in single mode); else this one."""
+    return 1 if config.train.mode == "single" or not spec.threads else config.train.workers
+
+
+def describe_workers(config: RunConfig) -> str:
+    """How the run's workers are laid out, in words (for the CLI's first line)."""
+    spec = transport_spec(config.transport)
+    return spec.describe(_local_workers(config, spec))
+
+
+def train(
+    config: RunConfig,
+    run_dir: str | Path,
+    *,
+    resume: bool = False,
+    show_progress: bool = True,
+    command: list[str] | None = None,
+) -> TrainResult:
+    """Train as ``config`` says, writing into ``run_dir``. ``command``: argv shown to peers that join by address.
+
+    Workers run as threads of this process where the transport's spec says so; else this process is one
+    worker. Only rank 0 writes files (metrics, config, plot); another rank's result holds NaN losses.
+    """
+    run_dir = Path(run_dir)
+    t = config.train
+    spec = transport_spec(config.transport)
+    if t.mode == "single" and not spec.threads:
+        raise ValueError(
+            f"train.mode='single' runs one worker in one process; [transport] kind={spec.kind!r} needs ddp or diloco"
+        )
+    corpus = load_corpus(config.data)
+    config = _resolve_model(config, corpus)
+    local = _local_workers(config, spec)
+    # Workers sharing this machine's cores: threads here, times the worker processes on this node (torchrun).
+    # Oversubscribed cores make every OpenMP region wait on a busy core (seen: 10x slower steps).
+    torch.set_num_threads(t.threads or max(1, (os.cpu_count() or 1) // (local * spec.processes_on_machine)))
+    check_shards(t, spec)
+
+    job = Job(config=config, corpus=corpus, run_dir=run_dir, resume=resume)
+    # [diloco] reduce_timeout also bounds the transport's own collectives unless [transport] sets them.
+    timeout = config.diloco.reduce_timeout
+    transports: Sequence[Transport | None] = (
+        [None] if t.mode == "single" else spec.connect(local, reduce_timeout=timeout)
+    )
+    first = transports[0]
+    lead = first is None or first.rank == 0  # rank 0 is in this process
+    try:
+        world = 1 if first is None else first.world_size
+        check_data(config, corpus, world)
+        if lead:
+            prepare_run_dir(run_dir, config, resume=resume, secret_keys=spec.secret_keys)
+            if resume and spec.threads:  # every worker's checkpoint is on this disk
+                check_resume_workers(run_dir, world)
+            if first is not None:
+                _print_join(first, spec=spec, command=command)
+        if len(transports) == 1:
+            Worker(
+                job,
+                rank=0 if first is None else first.rank,
+                world_size=world,
+                transport=first,
+                show=show_progress and lead,
+            ).run()
+        else:
+            _run_threads(job, transports=transports, show=show_progress)
+    finally:
+        for transport in transports:
+            if transport is not None:
+                transport.close()
+        if job.reporter is not None:
+            job.reporter.close()
+    if not lead:
+        nan = math.nan
+        return TrainResult(
+            run_dir=run_dir,
+            steps=t.steps,
+            eval_before=nan,
+            eval_after=nan,
+            wall_seconds=0.0,
+            compute_seconds=0.0,
+            bytes_sent=0,
+        )
+    assert job.result is not None
+    _plot(run_dir)
+    return job.result
+
+
+def _resolve_model(config: RunConfig, corpus: Corpus) -> RunConfig:
+    if config.model.vocab_size is not None and config.model.vocab_size < corpus.vocab_size:
+        raise ValueError(
+            f"model.vocab_size={config.model.vocab_size} is smaller than the tokenizer's {corpus.vocab_size}"
+        )
+    return replace(config, model=config.model.resolved(vocab_size=corpus.vocab_size))
+
+
+def _run_threads(job: Job, *, transports: Sequence[Transport | None], show: bool) -> None:
+    """One thread per worker; the first error (not a transport failing because of it) is re-raised here."""
+    world = len(transports)
+
+    def work(rank: int) -> None:
+        transport = transports[rank]
+        try:
+            Worker(job, rank=rank, world_size=world, transport=transport, show=show).run()
+        except BaseException as e:  # noqa: BLE001 - handed to the main thread, which re-raises it
+            job.errors.append(e)
+            job.stop.set()
+        finally:
+            # Leaving the group releases the others from any collective that waits on this rank.
+            if transport is not None:
+                transport.close()
+
+    threads = [threading.Thread(target=work, args=(r,), name=f"diloco-worker-{r}", daemon=True) for r in range(world)]
+    for th in threads:
+        th.start()
+    try:
+        for th in threads:
+            while th.is_alive():
+                th.join(0.2)
+    except KeyboardInterrupt:
+        job.stop.set()
+        for th in threads:
+            th.join(30)
+        raise
+    if job.errors:
+        # The first error is the cause; the others are usually transports failing because of it.
+        raise next((e for e in job.errors if not isinstance(e, TransportError)), job.errors[0])
+
+
+def _print_join(transport: Transport, *, spec: TransportSpec, command: list[str] | None) -> None:
+    """Where peers join by address, show the command that joins another one to this run."""
+    if not transport.join_addresses or spec.join_key is None:
+        return
+    argv = list(command or ["diloco", "train"])
+    argv += ["--set", f"transport.{spec.join_key}={json.dumps(list(transport.join_addresses))}"]
+    print(
+        "other peers join with (each with its own train.shard=K and train.num_shards=N for a disjoint data shard):\n  "
+        + shlex.join(argv),
+        file=sys.stderr,
+        flush=True,
+    )
+
+
+def _plot(run_dir: Path) -> None:
+    try:
+        from .plot import plot_runs
+
+        plot_runs([run_dir], run_dir / "plot.png")
+    except ImportError as e:  # matplotlib is an optional extra
+        logger.warning("no plot written (%s): pip install 'diloco[train]'", e)

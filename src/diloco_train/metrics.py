@@ -1,0 +1,187 @@
+"""A run's metrics.jsonl: rank 0 writes it (with the progress bar and the summary); everything reads it here.
+
+One JSON object per line, ``type`` one of step, round, eval, summary, each with the ``step`` it belongs to.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TextIO
+
+from diloco_core import RoundReport
+
+__all__ = ["METRICS", "Reporter", "TrainResult", "read_metrics", "truncate_metrics"]
+
+logger = logging.getLogger(__name__)
+
+METRICS = "metrics.jsonl"
+"""The file's name in a run folder."""
+
+
+@dataclass(frozen=True)
+class TrainResult:
+    run_dir: Path
+    """Where metrics.jsonl, config.toml, plot.png and checkpoints/ were written."""
+    steps: int
+    """Steps done per worker when the run stopped."""
+    eval_before: float
+    """Validation loss of the initial weights (from the first run of a resumed run)."""
+    eval_after: float
+    """Validation loss at the end."""
+    wall_seconds: float
+    """Seconds of this invocation's training loop (rank 0)."""
+    compute_seconds: float
+    """Of which rank 0 computed (forward, backward, optimizer steps) rather than communicated."""
+    bytes_sent: int
+    """Bytes rank 0 put on the wire in this invocation."""
+    steps_run: int = 0
+    """Steps trained in this invocation (fewer than ``steps`` after a resume)."""
+    rounds: int = 0
+    """DiLoCo outer rounds in this invocation."""
+    round_bytes: int = 0
+    """Of ``bytes_sent``, what rank 0 sent in outer rounds (the rest: DDP steps of a warm start)."""
+
+
+def read_metrics(run_dir: str | Path, *, missing_ok: bool = False) -> list[dict[str, Any]]:
+    """The records of ``<run_dir>/metrics.jsonl``. A run without the file is a ValueError, or no records
+    with ``missing_ok``; a line that is not JSON is a ValueError naming it."""
+    path = Path(run_dir) / METRICS
+    if not path.is_file():
+        if missing_ok:
+            return []
+        raise ValueError(f"{str(run_dir)!r} is not a run: no {METRICS} in it")
+    records = []
+    for i, line in enumerate(path.read_text(encoding="utf-8").splitlines()):
+        if line.strip():
+            try:
+                records.append(json.loads(line))
+            except json.JSONDecodeError:
+                raise ValueError(f"{path}:{i + 1} is not a JSON line") from None
+    return records
+
+
+def truncate_metrics(run_dir: Path, step: int) -> None:
+    """Drop what a crashed or stopped run logged after the checkpoint it resumes from."""
+    path = run_dir / METRICS
+    keep = [
+        r for r in read_metrics(run_dir, missing_ok=True) if r.get("type") != "summary" and r.get("step", 0) <= step
+    ]
+    tmp = path.with_suffix(".jsonl.tmp")
+    tmp.write_text("".join(json.dumps(r) + "\n" for r in keep), encoding="utf-8")
+    os.replace(tmp, path)
+
+
+def _perplexity(loss: float) -> float:
+    return math.exp(min(loss, 80.0))
+
+
+class Reporter:
+    """Rank 0's output: metrics.jsonl, the progress bar, the summary and the run's ``TrainResult``."""
+
+    def __init__(self, *, run_dir: Path, world_size: int, start_step: int, end_step: int, show: bool) -> None:
+        self.run_dir = run_dir
+        self.file: TextIO = (run_dir / METRICS).open("a", encoding="utf-8")
+        self.compute = 0.0
+        self.comm = 0.0
+        self.bytes_sent = 0
+        self.steps = 0
+        self.rounds = 0
+        self.round_bytes = 0
+        self.contributors = world_size
+        self.bar = None
+        self._rate: float | None = None
+        try:
+            from tqdm import tqdm
+        except ImportError:  # an optional extra: train without the bar rather than fail
+            logger.warning("no progress bar: pip install 'diloco[train]'")
+            show = False
+        if show:
+            self.bar = tqdm(total=end_step, initial=start_step, unit="step", dynamic_ncols=True, file=sys.stderr)
+
+    def write(self, record: dict[str, Any]) -> None:
+        self.file.write(json.dumps(record) + "\n")
+        self.file.flush()
+
+    def step(self, record: dict[str, Any]) -> None:
+        self.compute += record["compute_s"]
+        self.comm += record["comm_s"]
+        self.bytes_sent += record["bytes_sent"]
+        self.steps += 1
+        rate = record["tokens_per_s"]
+        self._rate = rate if self._rate is None else 0.9 * self._rate + 0.1 * rate
+        self.write(record)
+        if self.bar is not None:
+            self.bar.set_postfix(
+                loss=f"{record['loss']:.3f}",
+                tok_s=f"{self._rate:,.0f}",
+                round=record["round"],
+                workers=self.contributors,
+                refresh=False,
+            )
+            self.bar.update(1)
+
+    def round(self, step: int, report: RoundReport) -> None:
+        self.contributors = report.num_contributors
+        self.rounds += 1
+        self.round_bytes += report.bytes_sent
+        self.write(
+            {
+                "type": "round",
+                "step": step,
+                "round": report.round,
+                "num_contributors": report.num_contributors,
+                "bytes_sent": report.bytes_sent,
+                "bytes_received": report.bytes_received,
+                "comm_s": report.comm_seconds,
+                "round_s": report.round_seconds,
+                "pseudo_grad_norm": report.pseudo_grad_norm,
+                "mean_pseudo_grad_norm": report.mean_pseudo_grad_norm,
+                "agreement": report.agreement,
+            }
+        )
+
+    def eval(self, step: int, loss: float) -> None:
+        self.write({"type": "eval", "step": step, "loss": loss, "perplexity": _perplexity(loss)})
+        if self.bar is not None:
+            self.bar.write(f"step {step}: eval loss {loss:.4f} (perplexity {_perplexity(loss):.2f})")
+
+    def finish(self, *, step: int, eval_after: float, wall: float) -> TrainResult:
+        """Write the summary record; the run's result (its first eval, of a resumed run too, is read back)."""
+        history = [r for r in read_metrics(self.run_dir) if r.get("type") == "eval"]
+        before = history[0]["loss"] if history else math.nan
+        self.write(
+            {
+                "type": "summary",
+                "step": step,
+                "wall_s": wall,
+                "compute_s": self.compute,
+                "comm_s": self.comm,
+                "utilization": self.compute / wall if wall else 0.0,
+                "bytes_sent": self.bytes_sent,
+                "eval_before": before,
+                "eval_after": eval_after,
+            }
+        )
+        return TrainResult(
+            run_dir=self.run_dir,
+            steps=step,
+            eval_before=before,
+            eval_after=eval_after,
+            wall_seconds=wall,
+            compute_seconds=self.compute,
+            bytes_sent=self.bytes_sent,
+            steps_run=self.steps,
+            rounds=self.rounds,
+            round_bytes=self.round_bytes,
+        )
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+        self.file.close()

@@ -1,0 +1,127 @@
+"""What keeps the workers in step, per mode: nothing (single), a gradient all-reduce at every step (ddp),
+DiLoCo's outer rounds (diloco), and diloco's optional DDP warm start that hands over to DiLoCo from its weights.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+
+from diloco_core import DiLoCo, RoundReport, Transport, codec_for
+from diloco_core.config import outer_lr_for
+from diloco_core.flat import FlatBuffer
+
+from .config import RunConfig
+from .model import Llama
+
+__all__ = ["Comm", "Sync"]
+
+
+@dataclass(frozen=True)
+class Comm:
+    """What one step's communication cost this worker."""
+
+    seconds: float = 0.0
+    bytes_sent: int = 0
+    bytes_received: int = 0
+
+
+class Sync:
+    """One worker's side of its mode. Built at step 0, where DDP (and a warm start) broadcasts rank 0's
+    weights and DiLoCo starts (a joiner takes the run's outer state there)."""
+
+    def __init__(
+        self,
+        *,
+        config: RunConfig,
+        model: Llama,
+        optimizer: torch.optim.Optimizer,
+        transport: Transport | None,
+        device: torch.device,
+    ) -> None:
+        self.config, self.model, self.optimizer, self.transport = config, model, optimizer, transport
+        self.device = device
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.timeout = config.diloco.reduce_timeout
+        self.wire = codec_for(config.diloco.wire_dtype)  # DDP's gradients travel as DiLoCo's pseudo-gradients would
+        mode = config.train.mode
+        self.warm = config.train.ddp_warm_start if mode == "diloco" else 0  # DDP steps before DiLoCo takes over
+        self.diloco: DiLoCo | None = None
+        self.grads: FlatBuffer | None = None
+        if mode == "diloco" and not self.warm:
+            self._start_diloco()
+        elif mode != "single":
+            assert transport is not None
+            with torch.no_grad():
+                transport.broadcast(self.params, src=0, timeout=self.timeout)
+            self.grads = FlatBuffer(self.params, device)
+
+    @property
+    def round(self) -> int:
+        """DiLoCo's outer round (0 before it starts, and in the other modes)."""
+        return self.diloco.round if self.diloco is not None else 0
+
+    def resumed_at(self, step: int) -> None:
+        """A checkpoint past the warm start holds DiLoCo's state: DiLoCo takes over before it is loaded."""
+        if self.warm and step > self.warm:
+            self._start_diloco()
+
+    def before(self, step: int) -> None:
+        """Called before each step: at the end of the warm start, DiLoCo starts from these weights."""
+        if self.warm and step == self.warm and self.diloco is None:
+            self._start_diloco()
+
+    def step(self, grad_clip: float) -> tuple[Comm, RoundReport | None]:
+        """After the backward pass: average the gradients (ddp), clip them, step (DiLoCo's inner step and,
+        at a round's end, its outer round; else the optimizer), zero the gradients."""
+        comm = Comm()
+        if self.grads is not None:
+            assert self.transport is not None
+            grads = self.grads
+            with torch.no_grad():
+                grads.copy_from([p.grad for p in self.params])
+                result = self.transport.all_reduce([grads.flat], codec=self.wire, key="ddp/grads").wait(self.timeout)
+                grads.copy_to([p.grad for p in self.params])
+            comm = Comm(result.seconds, result.bytes_sent, result.bytes_received)
+        if grad_clip:
+            torch.nn.utils.clip_grad_norm_(self.params, grad_clip)
+        report: RoundReport | None = None
+        if self.diloco is not None:
+            report = self.diloco.step()
+            if report is not None:
+                comm = Comm(report.comm_seconds, report.bytes_sent, report.bytes_received)
+        else:
+            self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return comm, report
+
+    def state_dict(self) -> dict[str, Any]:
+        """The mode's part of a checkpoint: DiLoCo's state, else the weights and the optimizer's."""
+        if self.diloco is not None:
+            return self.diloco.state_dict()
+        return {"model": [p.detach() for p in self.model.parameters()], "inner_optimizer": self.optimizer.state_dict()}
+
+    def load_state_dict(self, core: dict[str, Any]) -> None:
+        diloco = self.diloco
+        if diloco is not None and diloco.joined:
+            # The swarm's global params, outer momentum and round are newer than this checkpoint:
+            # take only what is this peer's own, its inner optimizer (and its data position, elsewhere).
+            self.optimizer.load_state_dict(core["inner_optimizer"])
+        elif diloco is not None:
+            diloco.load_state_dict(core)
+        else:
+            with torch.no_grad():
+                torch._foreach_copy_(list(self.model.parameters()), [t.to(self.device) for t in core["model"]])
+            self.optimizer.load_state_dict(core["inner_optimizer"])
+
+    def _start_diloco(self) -> None:
+        """DiLoCo over this worker's model. An unset outer lr is the core's rule for the transport's world size;
+        peers that come and go have none up front, so the rule takes the number of data shards there."""
+        assert self.transport is not None
+        c = self.config.diloco
+        if c.outer_lr is None and not self.transport.fixed_ranks:
+            c = replace(c, outer_lr=outer_lr_for(max(self.config.train.num_shards, 1), c.outer_momentum))
+        self.diloco = DiLoCo(model=self.model, inner_optimizer=self.optimizer, transport=self.transport, config=c)
+        self.grads = None

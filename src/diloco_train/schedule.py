@@ -1,0 +1,17 @@
+"""The learning-rate schedule: linear warmup, then cosine decay."""
+
+from __future__ import annotations
+
+import math
+
+from .config import TrainConfig
+
+__all__ = ["lr_at"]
+
+
+def lr_at(step: int, c: TrainConfig) -> float:
+    """Learning rate for the 0-based ``step``: linear warmup, then cosine down to ``lr * min_lr_ratio``."""
+    if step < c.warmup_steps:
+        return c.lr * (step + 1) / c.warmup_steps
+    progress = min(1.0, (step - c.warmup_steps) / max(1, c.steps - c.warmup_steps - 1))
+    return c.lr * (c.min_lr_ratio + (1 - c.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))

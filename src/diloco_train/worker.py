@@ -1,0 +1,161 @@
+"""One worker's training loop: its model, optimizer and data shard, its mode's sync, checkpoints and (rank 0)
+metrics. Only rank 0 writes metrics and shows the progress bar; every rank writes its own checkpoint.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from diloco_core import Transport
+
+from .compute import autocast, device_for, evaluate, loss_of
+from .config import RunConfig
+from .data import BatchSampler, Corpus
+from .metrics import Reporter, TrainResult, truncate_metrics
+from .model import Llama
+from .modes import Sync
+from .resume import checkpoint_due, load_worker, resume_step, save_worker
+from .schedule import lr_at
+from .shards import shard_of
+
+__all__ = ["Job", "Worker"]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class Job:
+    """One invocation, as its workers (threads of this process, or just one) share it."""
+
+    config: RunConfig
+    corpus: Corpus
+    run_dir: Path
+    resume: bool
+    stop: threading.Event = field(default_factory=threading.Event)
+    """Set when a worker thread fails or the run is interrupted: the others leave their loop."""
+    errors: list[BaseException] = field(default_factory=list)
+    """What the worker threads raised, for the launching thread to re-raise."""
+    reporter: Reporter | None = None
+    """Rank 0's, once it has started (the launcher closes it)."""
+    result: TrainResult | None = None
+    """Rank 0's, once it has finished."""
+
+
+class Worker:
+    def __init__(self, job: Job, *, rank: int, world_size: int, transport: Transport | None, show: bool) -> None:
+        self.job, self.rank, self.world_size, self.transport, self.show = job, rank, world_size, transport, show
+        self.config, self.t = job.config, job.config.train
+        self.device = device_for(self.t, rank)
+
+    def run(self) -> None:
+        job, c, t = self.job, self.config, self.t
+        model = Llama(c.model, generator=torch.Generator().manual_seed(t.seed)).to(self.device)
+        decay = [p for p in model.parameters() if p.ndim >= 2]
+        no_decay = [p for p in model.parameters() if p.ndim < 2]
+        groups = [{"params": decay, "weight_decay": t.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+        optimizer = torch.optim.AdamW(groups, lr=t.lr, betas=(t.beta1, t.beta2))
+        shard, num_shards = shard_of(t, rank=self.rank, world_size=self.world_size)
+        sampler = BatchSampler(
+            job.corpus.shard(shard, num_shards),
+            seq_len=c.data.seq_len,
+            batch_size=t.batch_size,
+            seed=t.seed * 1_000_003 + shard + 1,
+            what=f"shard {shard} of {num_shards} of the training data",
+        )
+        sync = Sync(config=c, model=model, optimizer=optimizer, transport=self.transport, device=self.device)
+        step = self._resume(sync, sampler) if job.resume else 0
+
+        end = min(t.stop_after, t.steps) if t.stop_after else t.steps
+        h = c.diloco.inner_steps
+        eval_every = t.eval_every or h
+        reporter: Reporter | None = None
+        if self.rank == 0:
+            reporter = Reporter(
+                run_dir=job.run_dir, world_size=self.world_size, start_step=step, end_step=end, show=self.show
+            )
+            job.reporter = reporter
+            if step == 0:
+                reporter.eval(0, evaluate(model, val=job.corpus.val, config=c, device=self.device))
+        tokens = t.batch_size * c.data.seq_len
+        wall_start = time.perf_counter()
+        last_eval = math.nan
+        model.train()
+        while step < end and not job.stop.is_set():
+            sync.before(step)
+            t0 = time.perf_counter()
+            lr = lr_at(step, t)
+            for group in optimizer.param_groups:
+                group["lr"] = lr
+            x, y = sampler.next()
+            with autocast(self.device, t.bf16):
+                loss = loss_of(model, x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True))
+            loss.backward()
+            comm, report = sync.step(t.grad_clip)
+            step += 1
+            loss_value = loss.item()  # the one host sync per step
+            elapsed = time.perf_counter() - t0
+            if reporter is not None:
+                if report is not None:
+                    reporter.round(step, report)
+                reporter.step(
+                    {
+                        "type": "step",
+                        "step": step,
+                        "round": sync.round,
+                        "loss": loss_value,
+                        "lr": lr,
+                        "tokens_per_s": tokens * self.world_size / elapsed,
+                        "compute_s": elapsed - comm.seconds,
+                        "comm_s": comm.seconds,
+                        "bytes_sent": comm.bytes_sent,
+                        "bytes_received": comm.bytes_received,
+                        "time_s": time.perf_counter() - wall_start,
+                    }
+                )
+                if step % eval_every == 0 or step == end:
+                    last_eval = evaluate(model, val=job.corpus.val, config=c, device=self.device)
+                    reporter.eval(step, last_eval)
+            if checkpoint_due(step, end=end, inner_steps=h, every=t.checkpoint_every):
+                self._save(step, sync, sampler)
+        if job.stop.is_set() or reporter is None:
+            return
+        if math.isnan(last_eval):  # resumed at the very end: nothing trained, still report where it stands
+            last_eval = evaluate(model, val=job.corpus.val, config=c, device=self.device)
+        job.result = reporter.finish(step=step, eval_after=last_eval, wall=time.perf_counter() - wall_start)
+
+    def _resume(self, sync: Sync, sampler: BatchSampler) -> int:
+        """Load this worker's checkpoint of the step all ranks resume from; that step (0: none yet)."""
+        run_dir = self.job.run_dir
+        step = resume_step(run_dir, rank=self.rank, transport=self.transport, timeout=self.config.diloco.reduce_timeout)
+        sync.resumed_at(step)
+        if step < 0:  # crashed (or restarted by torchrun) before its first checkpoint: start over
+            logger.warning("rank %d: run %s has no checkpoint yet; starting from step 0", self.rank, run_dir)
+            return 0
+        if self.rank == 0:  # drop what was logged after the checkpoint all ranks resume from
+            truncate_metrics(run_dir, step)
+        fixed = self.transport is None or self.transport.fixed_ranks  # else group sizes change from round to round
+        state = load_worker(
+            run_dir, step=step, rank=self.rank, world_size=self.world_size, config=self.config, fixed_ranks=fixed
+        )
+        sync.load_state_dict(state["core"])
+        sampler.load_state_dict(state["data"])
+        logger.info("rank %d: resumed from step %d", self.rank, step)
+        return step
+
+    def _save(self, step: int, sync: Sync, sampler: BatchSampler) -> None:
+        save_worker(
+            self.job.run_dir,
+            step=step,
+            rank=self.rank,
+            world_size=self.world_size,
+            config=self.config,
+            core=sync.state_dict(),
+            data=sampler.state_dict(),
+        )
