@@ -138,23 +138,31 @@ def verdicts(agg: dict[str, dict[str, float]]) -> list[str]:
         single, ddp, d4 = (agg[n]["eval_loss"] for n in ("single", "ddp-4", "diloco-4"))
         recovered = (single - d4) / (single - ddp) if single != ddp else math.nan
         above = d4 / ddp - 1
-        out.append(f"diloco-4 recovers {100 * recovered:.0f}% of DDP's gain over single (target >= 50%): "
-                   + ("PASS" if recovered >= 0.5 else "MISS"))  # fmt: skip
-        out.append(f"diloco-4 ends {100 * above:+.2f}% against DDP's eval loss (target <= +5%): "
-                   + ("PASS" if above <= 0.05 else "MISS"))  # fmt: skip
+        out.append(
+            f"diloco-4 recovers {100 * recovered:.0f}% of DDP's gain over single (target >= 50%): "
+            + ("PASS" if recovered >= 0.5 else "MISS")
+        )
+        out.append(
+            f"diloco-4 ends {100 * above:+.2f}% against DDP's eval loss (target <= +5%): "
+            + ("PASS" if above <= 0.05 else "MISS")
+        )
         gap = min(abs(d4 - ddp), abs(single - d4))
         worst = max(agg[n]["spread"] for n in ("single", "ddp-4", "diloco-4"))
         if agg["diloco-4"]["seeds"] > 1:
-            out.append(f"largest seed spread {worst:.4f} vs the smallest gap claimed {gap:.4f}: "
-                       + ("PASS" if worst < gap else "MISS"))  # fmt: skip
+            out.append(
+                f"largest seed spread {worst:.4f} vs the smallest gap claimed {gap:.4f}: "
+                + ("PASS" if worst < gap else "MISS")
+            )
         else:
             out.append("seed spread: n/a with one seed")
         if agg["diloco-4"]["bytes"]:
             out.append(f"diloco-4 sends {agg['ddp-4']['bytes'] / agg['diloco-4']['bytes']:.1f}x less than DDP")
     if {"single", "diloco-1"} <= set(agg):
         worse = agg["diloco-1"]["eval_loss"] / agg["single"]["eval_loss"] - 1
-        out.append(f"diloco-1 ends {100 * worse:+.2f}% against single (target <= +0.5%): "
-                   + ("PASS" if worse <= 0.005 else "MISS"))  # fmt: skip
+        out.append(
+            f"diloco-1 ends {100 * worse:+.2f}% against single (target <= +0.5%): "
+            + ("PASS" if worse <= 0.005 else "MISS")
+        )
     return out
 
 
@@ -178,11 +186,17 @@ def plot(out: Path, names: list[str], seeds: list[int], path: Path) -> None:
         values = [[v for _, v in c] for c in curves]
         mean = [statistics.fmean(col) for col in zip(*values)]
         (line,) = ax.plot(steps, mean, "o-", ms=3, label=name)
-        ax.fill_between(steps, [min(c) for c in zip(*values)], [max(c) for c in zip(*values)], color=line.get_color(),
-                        alpha=0.2)  # fmt: skip
+        ax.fill_between(
+            steps, [min(c) for c in zip(*values)], [max(c) for c in zip(*values)], color=line.get_color(), alpha=0.2
+        )
         if agree[0]:
-            ax2.plot([s for s, _ in agree[0]], [statistics.fmean(c) for c in zip(*[[v for _, v in a] for a in agree])],
-                     color=line.get_color(), lw=1, label=name)  # fmt: skip
+            ax2.plot(
+                [s for s, _ in agree[0]],
+                [statistics.fmean(c) for c in zip(*[[v for _, v in a] for a in agree])],
+                color=line.get_color(),
+                lw=1,
+                label=name,
+            )
     ax.set_ylabel("eval loss (nats/byte)")
     ax.set_ylim(top=min(3.0, ax.get_ylim()[1]))
     ax.set_title(f"{out.name}: mean over seeds {seeds} (band: min..max)")
@@ -209,8 +223,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batch-size", type=int, default=16, help="sequences per step per worker (train.batch_size)")
     p.add_argument("--warm-start", type=int, default=100, help="DiLoCo runs: DDP steps before the first round")
     p.add_argument("--quick", action="store_true", help="smoke check: 100 steps, H = 10, one seed")
-    p.add_argument("--set", action="append", default=[], dest="overrides", metavar="SECTION.KEY=VALUE",
-                   help="extra trainer overrides for every run (e.g. model.preset=150m on a GPU)")  # fmt: skip
+    p.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        dest="overrides",
+        metavar="SECTION.KEY=VALUE",
+        help="extra trainer overrides for every run (e.g. model.preset=150m on a GPU)",
+    )
     args = p.parse_args(argv)
     if args.quick:
         args.steps, args.inner_steps, args.seeds, args.warm_start = 100, 10, "0", 20

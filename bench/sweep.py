@@ -38,8 +38,14 @@ def _name(m: int, h: int, lr: float, mom: float, extra: str = "") -> str:
     return f"m{m}-h{h}-lr{lr:g}-mom{mom:g}{extra}"
 
 
-def _heatmap(cells: dict[tuple[int, float, float], float], lrs: list[float], momenta: list[float], path: Path,
-             reference: dict[str, float], pruned: list[tuple[float, float]]) -> None:  # fmt: skip
+def _heatmap(
+    cells: dict[tuple[int, float, float], float],
+    lrs: list[float],
+    momenta: list[float],
+    path: Path,
+    reference: dict[str, float],
+    pruned: list[tuple[float, float]],
+) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -56,8 +62,15 @@ def _heatmap(cells: dict[tuple[int, float, float], float], lrs: list[float], mom
             for j, v in enumerate(row):
                 blank = "pruned" if (lrs[j], momenta[i]) in pruned else "not run"
                 dark = not math.isnan(v) and v > (lo + hi) / 2  # dark cells get white text
-                ax.text(j, i, blank if math.isnan(v) else f"{v:.3f}", ha="center", va="center", fontsize=8,
-                        color="gray" if math.isnan(v) else ("white" if dark else "black"))  # fmt: skip
+                ax.text(
+                    j,
+                    i,
+                    blank if math.isnan(v) else f"{v:.3f}",
+                    ha="center",
+                    va="center",
+                    fontsize=8,
+                    color="gray" if math.isnan(v) else ("white" if dark else "black"),
+                )
         ax.set_xticks(range(len(lrs)), [f"{x:g}" for x in lrs])
         ax.set_yticks(range(len(momenta)), [f"{x:g}" for x in momenta])
         ax.set_xlabel("outer lr")
@@ -96,19 +109,29 @@ def main(argv: list[str] | None = None) -> int:
     stages = {int(s) for s in args.stages.split(",")}
     lrs = [float(x) for x in args.lrs.split(",")]
     momenta = [float(x) for x in args.momenta.split(",")]
-    common = [f"train.steps={args.steps}", f"data.seq_len={args.seq_len}", f"train.batch_size={args.batch_size}",
-              f"train.eval_every={args.steps // 6}", "train.eval_batches=32"]  # fmt: skip
+    common = [
+        f"train.steps={args.steps}",
+        f"data.seq_len={args.seq_len}",
+        f"train.batch_size={args.batch_size}",
+        f"train.eval_every={args.steps // 6}",
+        "train.eval_batches=32",
+    ]
     results: dict[str, Outcome] = {}
 
     def run(name: str, mode: str, workers: int, overrides: list[str]) -> Outcome:
-        results[name] = run_one(name=name, mode=mode, workers=workers, seed=args.seed, out=out,
-                                overrides=common + overrides)  # fmt: skip
+        results[name] = run_one(
+            name=name, mode=mode, workers=workers, seed=args.seed, out=out, overrides=common + overrides
+        )
         print(f"{name}: eval loss {results[name].eval_loss:.4f}", file=sys.stderr, flush=True)
         return results[name]
 
     def diloco(m: int, h: int, lr: float, mom: float, extra: list[str] = (), suffix: str = "") -> Outcome:
-        return run(_name(m, h, lr, mom, suffix), "diloco", m, [f"diloco.inner_steps={h}", f"diloco.outer_lr={lr}",
-                   f"diloco.outer_momentum={mom}", *extra])  # fmt: skip
+        return run(
+            _name(m, h, lr, mom, suffix),
+            "diloco",
+            m,
+            [f"diloco.inner_steps={h}", f"diloco.outer_lr={lr}", f"diloco.outer_momentum={mom}", *extra],
+        )
 
     reference = {"single": run("single", "single", 1, []).eval_loss, "ddp-4": run("ddp-4", "ddp", 4, []).eval_loss}
     cells: dict[tuple[int, float, float], float] = {}
@@ -157,33 +180,56 @@ def main(argv: list[str] | None = None) -> int:
                     4, 10, lr, mom, o, f"-ilr{ilr:g}"
                 ).eval_loss
 
-    lines = [(f"{args.steps} steps per worker, batch {args.batch_size} x {args.seq_len} bytes, seed {args.seed}; "
-              f"single {reference['single']:.4f}, ddp-4 {reference['ddp-4']:.4f}"), ""]  # fmt: skip
+    lines = [
+        (
+            f"{args.steps} steps per worker, batch {args.batch_size} x {args.seq_len} bytes, seed {args.seed}; "
+            f"single {reference['single']:.4f}, ddp-4 {reference['ddp-4']:.4f}"
+        ),
+        "",
+    ]
     for h in sorted({h for h, _, _ in cells}):
-        lines += [f"M=4, H={h} (final eval loss; '-': pruned or not run)", "",
-                  "| momentum \\ outer lr | " + " | ".join(f"{x:g}" for x in lrs) + " |",
-                  "|---" * (len(lrs) + 1) + "|"]  # fmt: skip
+        lines += [
+            f"M=4, H={h} (final eval loss; '-': pruned or not run)",
+            "",
+            "| momentum \\ outer lr | " + " | ".join(f"{x:g}" for x in lrs) + " |",
+            "|---" * (len(lrs) + 1) + "|",
+        ]
         for mom in momenta:
             row = [f"{cells[(h, lr, mom)]:.4f}" if (h, lr, mom) in cells else "-" for lr in lrs]
             lines.append(f"| {mom:g} | " + " | ".join(row) + " |")
         lines.append("")
     if pruned:
-        lines.append("pruned (effective step lr/(1-momentum) outside "
-                     f"[{args.min_eff:g}, {args.max_eff:g}]): " + ", ".join(f"lr {a:g} mom {b:g}" for a, b in pruned))  # fmt: skip
+        lines.append(
+            "pruned (effective step lr/(1-momentum) outside "
+            f"[{args.min_eff:g}, {args.max_eff:g}]): " + ", ".join(f"lr {a:g} mom {b:g}" for a, b in pruned)
+        )
         lines.append("")
     if levers:
         lines += ["| lever | eval loss |", "|---|---|", *(f"| {k} | {v:.4f} |" for k, v in levers.items()), ""]
     if small_m:
-        lines += ["| M | outer lr | momentum | eval loss |", "|---|---|---|---|",
-                  *(f"| {m} | {lr:g} | {mom:g} | {v:.4f} |" for (m, lr, mom), v in small_m.items()), ""]  # fmt: skip
+        lines += [
+            "| M | outer lr | momentum | eval loss |",
+            "|---|---|---|---|",
+            *(f"| {m} | {lr:g} | {mom:g} | {v:.4f} |" for (m, lr, mom), v in small_m.items()),
+            "",
+        ]
     if inner:
         lines += ["| inner lr probe | eval loss |", "|---|---|", *(f"| {k} | {v:.4f} |" for k, v in inner.items()), ""]
     text = "\n".join(lines)
     (out / "sweep.md").write_text(text)
-    (out / "results.json").write_text(json.dumps({
-        "reference": reference, "cells": [[*k, v] for k, v in cells.items()], "levers": levers,
-        "small_m": [[*k, v] for k, v in small_m.items()], "pruned": pruned, "inner_lr": inner,
-    }, indent=2))  # fmt: skip
+    (out / "results.json").write_text(
+        json.dumps(
+            {
+                "reference": reference,
+                "cells": [[*k, v] for k, v in cells.items()],
+                "levers": levers,
+                "small_m": [[*k, v] for k, v in small_m.items()],
+                "pruned": pruned,
+                "inner_lr": inner,
+            },
+            indent=2,
+        )
+    )
     if cells:
         _heatmap(cells, lrs, momenta, out / "heatmap.png", reference, pruned)
     print(text)

@@ -15,8 +15,8 @@ import torch
 
 hivemind = pytest.importorskip("hivemind")
 
-from diloco_core import codec_for  # noqa: E402
-from transports.hivemind import HivemindConfig, HivemindTransport  # noqa: E402
+from diloco_core import codec_for
+from transports.hivemind import HivemindConfig, HivemindTransport
 
 NUM_VALUES = 25_000_000
 MATCHMAKING = 1.0
@@ -41,9 +41,13 @@ def _both(fns):
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("wire", ["fp32", "fp16"])
 def test_ours(benchmark, wire):
-    cfg = dict(
-        run_id=f"bench-{wire}", host_maddrs=LOCAL, matchmaking_time=MATCHMAKING, averaging_timeout=TIMEOUT, secret="b"
-    )
+    cfg = {
+        "run_id": f"bench-{wire}",
+        "host_maddrs": LOCAL,
+        "matchmaking_time": MATCHMAKING,
+        "averaging_timeout": TIMEOUT,
+        "secret": "b",
+    }
     a = HivemindTransport(HivemindConfig(**cfg))
     b = HivemindTransport(HivemindConfig(**cfg, initial_peers=a.join_addresses))
     xs = [torch.randn(NUM_VALUES), torch.randn(NUM_VALUES)]
@@ -82,7 +86,7 @@ def test_raw_hivemind_baseline(benchmark, wire):
             allreduce_timeout=TIMEOUT,
             next_chunk_timeout=TIMEOUT / 4,
             compression=compression,
-        )  # fmt: skip
+        )
         for dht in (dht_a, dht_b)
     ]
     try:

@@ -23,11 +23,15 @@ def test_table_and_verdicts_from_hand_computed_figures():
     # single 2.0, DDP 1.5 (gain 0.5); diloco-4 at 1.6 recovers (2.0 - 1.6) / 0.5 = 80% and ends 6.67% above
     # DDP; diloco-1 1% above single. Spreads: 0.02 (single), 0 elsewhere; the smallest gap is 0.1.
     outcomes = [
-        _outcome("single", 0, 2.01, 0), _outcome("single", 1, 1.99, 0),
-        _outcome("ddp-4", 0, 1.5, 1000), _outcome("ddp-4", 1, 1.5, 1000),
-        _outcome("diloco-4", 0, 1.6, 100), _outcome("diloco-4", 1, 1.6, 100),
-        _outcome("diloco-1", 0, 2.02, 100), _outcome("diloco-1", 1, 2.02, 100),
-    ]  # fmt: skip
+        _outcome("single", 0, 2.01, 0),
+        _outcome("single", 1, 1.99, 0),
+        _outcome("ddp-4", 0, 1.5, 1000),
+        _outcome("ddp-4", 1, 1.5, 1000),
+        _outcome("diloco-4", 0, 1.6, 100),
+        _outcome("diloco-4", 1, 1.6, 100),
+        _outcome("diloco-1", 0, 2.02, 100),
+        _outcome("diloco-1", 1, 2.02, 100),
+    ]
     text, agg = table(outcomes, ["single", "ddp-4", "diloco-1", "diloco-4"])
     assert agg["single"]["eval_loss"] == pytest.approx(2.0) and agg["single"]["spread"] == pytest.approx(0.02)
     assert "| diloco-4 | 2 | 1.6000 | 0.0000 | 4.953 | 0.0 | 1/10.0 | 5 | 0.500 | 10 |" in text

@@ -9,11 +9,26 @@ from diloco_train.cli import main
 
 # A fast run: 2 workers, 1-layer tiny model, short windows, 12 steps with a round every 3.
 FAST = [
-    "--set", "train.workers=2", "--set", "train.steps=12", "--set", "diloco.inner_steps=3",
-    "--set", "model.num_layers=1", "--set", "data.seq_len=32", "--set", "train.batch_size=4",
-    "--set", "train.eval_batches=1", "--set", "train.warmup_steps=2", "--set", "train.checkpoint_every=1",
+    "--set",
+    "train.workers=2",
+    "--set",
+    "train.steps=12",
+    "--set",
+    "diloco.inner_steps=3",
+    "--set",
+    "model.num_layers=1",
+    "--set",
+    "data.seq_len=32",
+    "--set",
+    "train.batch_size=4",
+    "--set",
+    "train.eval_batches=1",
+    "--set",
+    "train.warmup_steps=2",
+    "--set",
+    "train.checkpoint_every=1",
     "-q",
-]  # fmt: skip
+]
 
 
 def _losses(run: Path) -> list[float]:
@@ -31,8 +46,11 @@ def test_short_run_writes_metrics_config_plot_checkpoints(tmp_path: Path, capsys
     assert all(r["num_contributors"] == 2 and r["bytes_sent"] > 0 for r in records if r["type"] == "round")
     assert {"loss", "lr", "tokens_per_s", "compute_s", "comm_s", "bytes_sent"} <= set(records[1])
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == [
-        "step00000009-rank0.pt", "step00000009-rank1.pt", "step00000012-rank0.pt", "step00000012-rank1.pt",
-    ]  # fmt: skip
+        "step00000009-rank0.pt",
+        "step00000009-rank1.pt",
+        "step00000012-rank0.pt",
+        "step00000012-rank1.pt",
+    ]
     out = capsys.readouterr().out
     assert "eval loss" in out and "perplexity" in out and "compute utilization" in out
     # Same name again without --resume: refused, nothing overwritten.
@@ -107,16 +125,39 @@ def test_a_hivemind_peer_resumes_exactly(tmp_path: Path) -> None:
     transport's state tag) comes back from the checkpoint. One peer, so every round averages alone."""
     pytest.importorskip("hivemind")
     hivemind = [
-        "--set", "transport.kind=hivemind", "--set", 'transport.host_maddrs=["/ip4/127.0.0.1/tcp/0"]',
-        "--set", "transport.matchmaking_time=0.5", "--set", 'transport.secret="s"',
-        "--set", "train.shard=0", "--set", "train.num_shards=1",
-    ]  # fmt: skip
+        "--set",
+        "transport.kind=hivemind",
+        "--set",
+        'transport.host_maddrs=["/ip4/127.0.0.1/tcp/0"]',
+        "--set",
+        "transport.matchmaking_time=0.5",
+        "--set",
+        'transport.secret="s"',
+        "--set",
+        "train.shard=0",
+        "--set",
+        "train.num_shards=1",
+    ]
     common = ["--set", f"train.runs_dir={tmp_path!s}", *FAST, *hivemind]
     assert main(["train", "--name", "whole", *common]) == 0
     assert main(["train", "--name", "split", *common, "--set", "train.stop_after=6"]) == 0
     # The secret is never written into the run's config: give it again.
-    assert main(["train", "--name", "split", "--resume", "--set", f"train.runs_dir={tmp_path!s}", "-q",
-                 "--set", 'transport.secret="s"']) == 0  # fmt: skip
+    assert (
+        main(
+            [
+                "train",
+                "--name",
+                "split",
+                "--resume",
+                "--set",
+                f"train.runs_dir={tmp_path!s}",
+                "-q",
+                "--set",
+                'transport.secret="s"',
+            ]
+        )
+        == 0
+    )
     whole, split = _losses(tmp_path / "whole"), _losses(tmp_path / "split")
     assert len(whole) == 12 and split == whole
 
@@ -130,7 +171,9 @@ def test_a_ddp_warm_start_hands_over_to_diloco_and_resumes_exactly(tmp_path: Pat
     assert main(["train", "--name", "whole", *common]) == 0
     records = [json.loads(line) for line in (tmp_path / "whole" / "metrics.jsonl").read_text().splitlines()]
     rounds = list(range(warm + 3, 13, 3))
-    assert [r["bytes_sent"] > 0 for r in records if r["type"] == "step"] == [s <= warm or s in rounds for s in range(1, 13)]
+    assert [r["bytes_sent"] > 0 for r in records if r["type"] == "step"] == [
+        s <= warm or s in rounds for s in range(1, 13)
+    ]
     assert [r["step"] for r in records if r["type"] == "round"] == rounds
     assert main(["train", "--name", "split", *common, "--set", f"train.stop_after={stop_after}"]) == 0
     assert main(["train", "--name", "split", "--resume", "--set", f"train.runs_dir={tmp_path!s}", "-q"]) == 0

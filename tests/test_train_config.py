@@ -1,10 +1,10 @@
 """Config: TOML sections to dataclasses, unknown keys and wrong types rejected, --set parsing."""
 
-import tomllib
 from dataclasses import replace
 from pathlib import Path
 
 import pytest
+import tomllib
 
 from diloco_train.config import build_config, dump_toml, load_toml, parse_override
 
@@ -48,7 +48,7 @@ def test_parse_override_values() -> None:
     assert parse_override("train.lr=3e-4") == ("train", "lr", 3e-4)
     assert parse_override("train.mode=ddp") == ("train", "mode", "ddp")
     assert parse_override('data.path="a b.txt"') == ("data", "path", "a b.txt")
-    assert parse_override("transport.peers=[\"x\", \"y\"]") == ("transport", "peers", ["x", "y"])
+    assert parse_override('transport.peers=["x", "y"]') == ("transport", "peers", ["x", "y"])
     assert parse_override("data.path=/tmp/x=y") == ("data", "path", "/tmp/x=y")
     for bad in ("train", "train.steps", "steps=3", "train.a.b=1"):
         with pytest.raises(ValueError, match="section.key=value"):

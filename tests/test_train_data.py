@@ -1,3 +1,5 @@
+import itertools
+
 """Data: a validation set no training byte comes from, disjoint worker shards, checkpointable sampling."""
 
 import json
@@ -51,7 +53,7 @@ def test_worker_shards_are_disjoint_and_cover_train() -> None:
     assert sum(s.numel() for s in shards) == corpus.train.numel()
     base = corpus.train.untyped_storage().data_ptr()
     spans = sorted((s.data_ptr() - base, s.data_ptr() - base + s.numel()) for s in shards)
-    assert all(a_end <= b_start for (_, a_end), (b_start, _) in zip(spans, spans[1:]))
+    assert all(a_end <= b_start for (_, a_end), (b_start, _) in itertools.pairwise(spans))
     # Windows sampled from a shard come only from that shard.
     sampler = BatchSampler(shards[2], 16, 4, seed=0)
     x, y = sampler.next()

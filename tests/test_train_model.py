@@ -7,9 +7,7 @@ from diloco_train.model import PRESETS, Llama, ModelConfig, count_parameters
 
 
 @pytest.mark.timeout(30)
-@pytest.mark.parametrize(
-    ("preset", "expected"), [("tiny", 1.0e6), ("150m", 150e6), ("1b", 1.1e9)]
-)
+@pytest.mark.parametrize(("preset", "expected"), [("tiny", 1.0e6), ("150m", 150e6), ("1b", 1.1e9)])
 def test_preset_parameter_counts_on_meta_device(preset: str, expected: float) -> None:
     n = count_parameters(ModelConfig(preset=preset))
     assert abs(n - expected) / expected < 0.10, f"{preset}: {n:,} parameters"

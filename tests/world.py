@@ -19,9 +19,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from transports import InProcessGroup
+from diloco_core import ForwardingTransport
+from transports import InProcessGroup, InProcessTransport
 
-KINDS = ["inprocess", "torch"]
+KINDS = ["inprocess", "torch", "hivemind"]
 
 
 @dataclass
@@ -36,6 +37,7 @@ class RankError:
 class ThreadWorld:
     def __init__(self, world_size: int) -> None:
         self.world_size = world_size
+        self.capabilities = InProcessTransport.capabilities
 
     def run(self, fn: Callable, *args: Any, timeout: float = 60) -> list:
         group = InProcessGroup(self.world_size)
@@ -94,7 +96,10 @@ class GlooWorld:
     """``world_size`` processes joined in a gloo group over 127.0.0.1, reused across runs."""
 
     def __init__(self, world_size: int, tmpdir: str) -> None:
+        from transports import TorchDistTransport
+
         self.world_size = world_size
+        self.capabilities = TorchDistTransport.capabilities
         self._tmpdir = tmpdir
         self._generation = 0
         self._procs: list[mp.Process] = []
@@ -145,5 +150,80 @@ class GlooWorld:
         self._procs = []
 
 
-def make_world(kind: str, world_size: int, tmpdir: str) -> ThreadWorld | GlooWorld:
+class _Indexed(ForwardingTransport):
+    """A hivemind peer seen as member ``index`` of ``size``: the contract's functions pick their values by
+    rank, and hivemind peers have no fixed ranks."""
+
+    def __init__(self, inner: Any, index: int, size: int) -> None:
+        super().__init__(inner)
+        self._index, self._size = index, size
+
+    @property
+    def rank(self) -> int:
+        return self._index
+
+    @property
+    def world_size(self) -> int:
+        return self._size
+
+
+class HivemindWorld:
+    """``world_size`` hivemind peers of one run (each with its own DHT daemon and averager processes,
+    talking over 127.0.0.1), driven from threads; peer 0 starts the swarm and the others join it. Peers
+    are kept across runs; after a run that closed one (a crash) the next run starts a fresh swarm."""
+
+    def __init__(self, world_size: int) -> None:
+        from transports.hivemind import HivemindTransport
+
+        self.world_size = world_size
+        self.capabilities = HivemindTransport.capabilities
+        self._peers: list[Any] = []
+        self._generation = 0
+
+    def _start(self) -> None:
+        from transports.hivemind import HivemindConfig, HivemindTransport
+
+        self._generation += 1
+        cfg = {
+            "run_id": f"contract-{os.getpid()}-{self._generation}",
+            "secret": "s",
+            "host_maddrs": ["/ip4/127.0.0.1/tcp/0"],
+            # matchmaking 2 s: 1 s was too tight on a loaded 2-core machine; the full group starts at once
+            "matchmaking_time": 2.0,
+            "averaging_timeout": 8.0,
+            "target_group_size": self.world_size,
+        }
+        self._peers = [HivemindTransport(HivemindConfig(**cfg))]
+        for _ in range(self.world_size - 1):
+            self._peers.append(HivemindTransport(HivemindConfig(**cfg, initial_peers=self._peers[0].join_addresses)))
+
+    def run(self, fn: Callable, *args: Any, timeout: float = 60, fresh: bool = False) -> list:
+        if fresh or not self._peers or any(p._closed for p in self._peers):
+            self.close()
+            self._start()
+        results: list = [RankError("Timeout", "peer did not finish")] * self.world_size
+
+        def body(i: int) -> None:
+            try:
+                results[i] = fn(_Indexed(self._peers[i], i, self.world_size), *args)
+            except Exception as e:  # noqa: BLE001 - every peer's failure is its result, checked by the test
+                results[i] = RankError(type(e).__name__, str(e))
+
+        threads = [threading.Thread(target=body, args=(i,), daemon=True) for i in range(self.world_size)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout)
+        assert not any(t.is_alive() for t in threads), f"hivemind peers still running after {timeout}s"
+        return results
+
+    def close(self) -> None:
+        for p in self._peers:
+            p.close()
+        self._peers = []
+
+
+def make_world(kind: str, world_size: int, tmpdir: str) -> ThreadWorld | GlooWorld | HivemindWorld:
+    if kind == "hivemind":
+        return HivemindWorld(world_size)
     return ThreadWorld(world_size) if kind == "inprocess" else GlooWorld(world_size, tmpdir)

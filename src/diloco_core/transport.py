@@ -56,8 +56,8 @@ class Capabilities:
     """``broadcast`` takes any ``src``. False (hivemind): only ``src=0``, meaning whoever holds the
     run's state."""
     keys_in_any_order: bool = False
-    """Reduces with different keys may be started in a different order on each member (in-process,
-    hivemind). False (torch.distributed): every member starts and waits for them in the same order."""
+    """Reduces with different keys may be started in a different order on each member (in-process).
+    False (torch.distributed, hivemind): every member starts and waits for them in the same order."""
 
 
 @dataclass(frozen=True)

@@ -87,7 +87,7 @@ def load_checkpoint(path: str | Path) -> dict[str, Any]:
     """Read a checkpoint; only tensors and plain containers are accepted (nothing is unpickled)."""
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as e:
+    except Exception as e:  # noqa: BLE001 - whatever the reader raises, the user gets one clear ValueError
         raise ValueError(f"checkpoint {str(path)!r} cannot be read: {type(e).__name__}: {e}") from None
     if not isinstance(state, dict):
         raise ValueError(f"checkpoint {str(path)!r} holds a {type(state).__name__}, not a dict")

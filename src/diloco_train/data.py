@@ -21,7 +21,7 @@ import torch
 
 from diloco_core.config import check_field, is_finite_number
 
-__all__ = ["DataConfig", "Corpus", "BatchSampler", "load_corpus", "stdlib_root"]
+__all__ = ["BatchSampler", "Corpus", "DataConfig", "load_corpus", "stdlib_root"]
 
 logger = logging.getLogger(__name__)
 
@@ -59,7 +59,9 @@ class DataConfig:
         sl = self.seq_len
         check_field("seq_len", sl, isinstance(sl, int) and not isinstance(sl, bool) and sl >= 1, "an integer >= 1")
         md = self.max_documents
-        check_field("max_documents", md, isinstance(md, int) and not isinstance(md, bool) and md >= 0, "an integer >= 0")
+        check_field(
+            "max_documents", md, isinstance(md, int) and not isinstance(md, bool) and md >= 0, "an integer >= 0"
+        )
         check_field("path", self.path, not (self.path and self.hf_dataset), "empty when hf_dataset is set")
 
 
@@ -148,7 +150,9 @@ def _hf_documents(config: DataConfig) -> tuple[list[tuple[str, list[int] | bytes
     if config.max_documents:
         ds = ds.select(range(min(config.max_documents, len(ds))))
     if config.text_field not in ds.column_names:
-        raise ValueError(f"data.text_field={config.text_field!r} is not a column of {config.hf_dataset}: {ds.column_names}")
+        raise ValueError(
+            f"data.text_field={config.text_field!r} is not a column of {config.hf_dataset}: {ds.column_names}"
+        )
     texts = ds[config.text_field]
     names = [f"{config.hf_dataset}:{config.hf_split}:{i}" for i in range(len(texts))]
     if not config.hf_tokenizer:
@@ -208,8 +212,11 @@ def load_corpus(config: DataConfig) -> Corpus:
         )
         logger.info(
             "corpus: %d train documents (%d tokens), %d validation (%d tokens)",
-            len(train), corpus.train.numel(), len(val), corpus.val.numel(),
-        )  # fmt: skip
+            len(train),
+            corpus.train.numel(),
+            len(val),
+            corpus.val.numel(),
+        )
         _cache[config] = corpus
         return corpus
 

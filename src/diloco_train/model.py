@@ -12,7 +12,7 @@ from torch import nn
 
 from diloco_core.config import check_field, is_finite_number
 
-__all__ = ["PRESETS", "ModelConfig", "Llama", "count_parameters"]
+__all__ = ["PRESETS", "Llama", "ModelConfig", "count_parameters"]
 
 logger = logging.getLogger(__name__)
 
@@ -20,9 +20,30 @@ logger = logging.getLogger(__name__)
 # (untied embeddings). "1b" is OpenDiLoCo's / TinyLlama's 1.1B shape; OpenDiLoCo's own "150m" file
 # (hidden 1024, intermediate 2688) is 150M *without* its 65M embedding parameters, so ours is narrower.
 PRESETS: dict[str, dict[str, int]] = {
-    "tiny": dict(vocab_size=256, hidden_size=128, num_layers=4, num_heads=4, num_kv_heads=4, intermediate_size=384),
-    "150m": dict(vocab_size=32000, hidden_size=768, num_layers=12, num_heads=12, num_kv_heads=12, intermediate_size=2688),
-    "1b": dict(vocab_size=32000, hidden_size=2048, num_layers=22, num_heads=32, num_kv_heads=4, intermediate_size=5632),
+    "tiny": {
+        "vocab_size": 256,
+        "hidden_size": 128,
+        "num_layers": 4,
+        "num_heads": 4,
+        "num_kv_heads": 4,
+        "intermediate_size": 384,
+    },
+    "150m": {
+        "vocab_size": 32000,
+        "hidden_size": 768,
+        "num_layers": 12,
+        "num_heads": 12,
+        "num_kv_heads": 12,
+        "intermediate_size": 2688,
+    },
+    "1b": {
+        "vocab_size": 32000,
+        "hidden_size": 2048,
+        "num_layers": 22,
+        "num_heads": 32,
+        "num_kv_heads": 4,
+        "intermediate_size": 5632,
+    },
 }
 
 
@@ -75,7 +96,7 @@ class ModelConfig:
             values["vocab_size"] = vocab_size
         return {k: preset[k] if v is None else v for k, v in values.items()}
 
-    def resolved(self, vocab_size: int | None = None) -> "ModelConfig":
+    def resolved(self, vocab_size: int | None = None) -> ModelConfig:
         """Every shape field filled in: explicit values, else ``vocab_size`` (vocab only), else the preset's."""
         return replace(self, **self._shape(vocab_size))
 
@@ -198,4 +219,3 @@ def count_parameters(config: ModelConfig) -> int:
     with torch.device("meta"):
         model = Llama(config)
     return sum(p.numel() for p in model.parameters())
-

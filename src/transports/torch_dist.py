@@ -23,80 +23,21 @@ import datetime
 import functools
 import itertools
 import logging
-import os
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
 from diloco_core.codec import FP32, Codec, check_codec
-from diloco_core.config import check_field, is_finite_number
 from diloco_core.transport import ReduceHandle, ReduceResult, Transport, TransportError
 from diloco_core.wire import mean_of_payloads
+
+from .torch_group import BACKEND_DEVICE, TorchDistConfig, init_process_group
 
 __all__ = ["TorchDistConfig", "TorchDistTransport"]
 
 logger = logging.getLogger(__name__)
-
-_BACKEND_DEVICE = {"gloo": "cpu", "nccl": "cuda"}
-
-
-@dataclass(frozen=True, kw_only=True)
-class TorchDistConfig:
-    backend: str = "gloo"
-    """gloo for CPU tensors, nccl for CUDA tensors (then set the core's global_device to "cuda")."""
-    init_method: str = "env://"
-    """Where ranks meet when no process group exists yet; env:// reads torchrun's RANK, WORLD_SIZE,
-    MASTER_ADDR and MASTER_PORT."""
-    timeout: float = 600.0
-    """Seconds any collective may take before the process group fails it (a dead peer's bound). At most
-    the core's ``reduce_timeout`` (DiLoCo checks); the trainer derives it from ``[diloco] reduce_timeout``
-    when it is not set."""
-    bucket_mb: float = 8.0
-    """Size of the buckets a reduce is split into, in MB of fp32: few large collectives, pipelined."""
-
-    def __post_init__(self) -> None:
-        check_field("backend", self.backend, self.backend in _BACKEND_DEVICE, f"one of {sorted(_BACKEND_DEVICE)}")
-        check_field("init_method", self.init_method, isinstance(self.init_method, str), "a URL such as env://")
-        check_field(
-            "timeout", self.timeout, is_finite_number(self.timeout) and self.timeout > 0, "a number of seconds > 0"
-        )
-        check_field(
-            "bucket_mb", self.bucket_mb, is_finite_number(self.bucket_mb) and self.bucket_mb > 0, "a number of MB > 0"
-        )
-
-
-def _init_from_env(config: TorchDistConfig) -> None:
-    if config.init_method == "env://":
-        missing = [v for v in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if v not in os.environ]
-        if missing:
-            raise ValueError(
-                f"transport kind 'torch' needs a process group: launch with torchrun (it sets {missing}) "
-                "or set [transport] init_method"
-            )
-    if config.backend == "nccl" and not torch.cuda.is_available():
-        raise ValueError("backend='nccl' needs CUDA, and torch.cuda.is_available() is False; use backend='gloo'")
-    timeout = datetime.timedelta(seconds=config.timeout)
-    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
-    if config.init_method == "env://" and attempt is not None:
-        # After torchrun restarts the workers (--max-restarts) they meet in the same store as before,
-        # where the killed group's keys still stand: gloo then dials the dead workers' addresses
-        # ("Connection refused") or waits for them. Each attempt gets keys of its own.
-        rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-        agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
-        store = dist.TCPStore(
-            os.environ["MASTER_ADDR"],
-            int(os.environ["MASTER_PORT"]),
-            world,
-            is_master=rank == 0 and not agent_store,
-            timeout=timeout,
-        )
-        prefixed = dist.PrefixStore(f"diloco/attempt_{attempt}", store)
-        dist.init_process_group(config.backend, store=prefixed, rank=rank, world_size=world, timeout=timeout)
-        return
-    dist.init_process_group(config.backend, init_method=config.init_method, timeout=timeout)
 
 
 class _Handle(ReduceHandle):
@@ -184,7 +125,7 @@ class TorchDistTransport(Transport):
     @classmethod
     def from_config(cls, config: TorchDistConfig) -> TorchDistTransport:
         if not dist.is_initialized():
-            _init_from_env(config)
+            init_process_group(config)
         return cls(bucket_mb=config.bucket_mb, timeout=config.timeout)
 
     def __init__(
@@ -195,7 +136,7 @@ class TorchDistTransport(Transport):
             raise ValueError("TorchDistTransport needs an initialized process group (dist.init_process_group)")
         self._group = group
         self._backend = str(dist.get_backend(group))
-        if self._backend not in _BACKEND_DEVICE:
+        if self._backend not in BACKEND_DEVICE:
             raise ValueError(f"process group backend {self._backend!r} is not supported: expected gloo or nccl")
         self._rank = dist.get_rank(group)
         self._size = dist.get_world_size(group)
@@ -216,7 +157,7 @@ class TorchDistTransport(Transport):
         tensors = list(tensors)
         if self._closed:
             raise TransportError("transport is closed")
-        want = _BACKEND_DEVICE[self._backend]
+        want = BACKEND_DEVICE[self._backend]
         for t in tensors:
             if t.device.type != want:
                 raise ValueError(

@@ -99,7 +99,7 @@ class HivemindTransport(Transport):
         survives_leavers=True,
         exact_mean=False,  # the mean comes back rounded to the wire dtype
         broadcast_from_any_rank=False,  # src=0 only: whoever holds the run's state
-        keys_in_any_order=True,  # an averager per key, each matchmaking on its own
+        keys_in_any_order=False,  # an averager per key, but reduces run one at a time, in call order
     )
 
     @property
