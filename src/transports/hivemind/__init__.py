@@ -4,13 +4,14 @@ Peers have no fixed ranks: whoever matchmakes within ``matchmaking_time`` forms 
 One all-reduce (``HivemindTransport.all_reduce``) runs in phases:
 
 1. matchmaking: a group forms; if none forms, the peer is alone: its own values, 1 contributor, logged.
-   Meanwhile the fp32 values are rounded to the wire dtype into a flat buffer owned by a hivemind
-   averager (one per (size, wire dtype), created on first use: hivemind fixes tensors at construction);
-2. state check (for the all-reduce ``track_state`` names: DiLoCo's rounds): groupmates' state tags
+   Meanwhile the fp32 values are encoded by the codec (element-wise: rounded to the wire dtype) into a
+   flat buffer owned by a hivemind averager (one per reduce key, size and codec, created on first use:
+   hivemind fixes tensors at construction). Reduces run one at a time, in call order;
+2. state check (for the reduces of the run state's key: DiLoCo's rounds): groupmates' state tags
    came with matchmaking; if they differ nothing is sent, peers holding the group's state retry
    without the others, and a peer that is behind takes the group's state (``StateReplaced``);
 3. butterfly all-reduce: every peer reduces one slice, summing the wire values in fp32 *in group
-   order* (``reference_mean``) and sending back the mean rounded to the wire dtype (not hivemind's
+   order* (``mean_of_payloads``) and sending back the mean rounded to the wire dtype (not hivemind's
    compressed delta ``local + fp16(avg - local)``), so every participant holds the very same bits;
 4. confirm: every peer sends (ok, digest of its result) to every groupmate. It commits only if all
    groupmates reported ok with its own digest; a lost peer or a partial all-reduce (hivemind fills a
@@ -28,8 +29,9 @@ an ulp of the wire dtype) and, for 3 or more peers, by fp32 summation order.
 ``broadcast`` has no source rank: the run's first peer (started without ``initial_peers``) keeps its
 values, a joining peer downloads them from any peer that already holds them (``src`` must be 0,
 meaning "whoever holds the run's state"). Peers serve a snapshot taken at each broadcast and at the
-start of each all-reduce (a point between rounds), plus whatever ``share_state`` adds (DiLoCo's
-outer momentum and round: ``HivemindTransport.attach``, which ``DiLoCo`` calls; ``diloco_state.py``).
+start of each all-reduce and after each round, plus the run state ``DiLoCo`` hands to
+``HivemindTransport.attach`` (``diloco_core.RunState``: outer momentum and round, opaque here; loaded
+on joining and when a round finds this peer behind its group).
 
 Only peers that know the run's ``secret`` can take part: every DHT key and RPC namespace is derived
 from HMAC-SHA256(secret, run_id). Nothing received is unpickled (protobuf and msgpack only) and every
@@ -39,7 +41,7 @@ One concept per module: ``config`` (HivemindConfig), ``transport`` (HivemindTran
 ``averager`` (phases 2 and 4), ``reducer`` (phase 3), ``state_tag`` (the state tag and the stale
 verdict), ``tracked_state`` (a peer's tag, re-sync), ``state_server`` (state for joiners), ``checks``
 (received tensors), ``handle`` (what all_reduce returns), ``resources`` (processes, close),
-``diloco_state`` (DiLoCo's outer state), ``faults`` (HivemindFaults, for tests), ``requirement``
+``faults`` (HivemindFaults, for tests), ``requirement``
 (the install hint when hivemind is missing).
 """
 

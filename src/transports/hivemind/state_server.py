@@ -1,4 +1,4 @@
-"""State for joiners: the snapshot a peer serves (its broadcast values, what ``share_state`` adds, its state
+"""State for joiners: the snapshot a peer serves (its broadcast values, the run state ``attach`` was given, its state
 tag) and the download of another peer's snapshot, on joining or when re-syncing from its group."""
 
 import logging
@@ -38,7 +38,7 @@ def broadcast_values(downloaded: State, index: int, like: list[torch.Tensor]) ->
 
 class StateServer:
     """Peers serve a snapshot taken at each broadcast and at the start of each all-reduce (a point between
-    rounds), plus whatever ``share_state`` adds; a joiner serves nothing until it holds the run's state."""
+    rounds), plus the run state ``attach`` was given; a joiner serves nothing until it holds the run's state."""
 
     def __init__(self, *, joining: bool, resources: Resources, lock: threading.RLock, tags: Callable[[], dict]) -> None:
         """``tags()``: the state tags to serve (called under ``lock``, which guards the snapshot too)."""
@@ -98,7 +98,7 @@ class StateServer:
             time.sleep(1.0)
 
     def load_state(self, timeout: float) -> State | None:
-        """What a peer shared with ``share_state`` (downloaded on joining); None on the swarm's first peer."""
+        """The run state a peer served (downloaded on joining); None on the swarm's first peer."""
         if not self.joining:
             return None
         if self.downloaded is None:

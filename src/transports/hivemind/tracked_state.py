@@ -1,6 +1,6 @@
 """The run's state as this peer holds it: its state tag, and taking its group's state when it is behind.
 
-Only the results of the tracked all-reduce (``track_state``: DiLoCo's rounds) make up the run's state;
+Only the results of the tracked all-reduce (the run state's key: DiLoCo's rounds) make up the run's state;
 groupmates compare their tags before averaging it (``state_tag.py``).
 """
 
@@ -21,7 +21,7 @@ from .state_tag import INITIAL_TAG, Tag, next_tag, valid_tag
 logger = logging.getLogger(__name__)
 
 Loader = Callable[[dict, list[torch.Tensor]], Callable[[], None]]
-"""``on_resync(extra meta, extra tensors)``: checks what ``share_state`` served, returns what loads it."""
+"""``on_resync(extra meta, extra tensors)``: checks the run state a peer served, returns what loads it."""
 
 
 def _tag_of(meta: dict, key: str) -> Tag | None:
