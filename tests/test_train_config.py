@@ -13,7 +13,7 @@ from diloco_train.config import build_config, dump_toml, load_toml, parse_overri
 def test_defaults_and_trainer_defaults() -> None:
     c = build_config()
     assert c.train.mode == "diloco" and c.train.workers == 4 and c.model.preset == "tiny"
-    assert c.diloco.inner_steps == 10 and c.diloco.outer_lr is None and c.diloco.outer_momentum == 0.5
+    assert c.diloco.inner_steps == 15 and c.diloco.outer_lr is None and c.diloco.outer_momentum == 0.5
     assert c.diloco.nesterov and c.train.ddp_warm_start == 0
     assert "outer_lr" not in c.to_dict()["diloco"]  # unset stays unset in a run's config.toml: the rule decides
     assert c.transport == {"kind": "inprocess"}
