@@ -1,6 +1,10 @@
 """The CLI end to end: a short run writes its files, resume is exact, bad input exits cleanly."""
 
 import json
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -201,3 +205,61 @@ def test_an_unset_outer_lr_is_the_rule_for_the_worker_count(tmp_path: Path) -> N
     assert main(["train", "--name", "r", "--set", f"train.runs_dir={tmp_path!s}", *FAST]) == 0
     state = torch.load(tmp_path / "r" / "checkpoints" / "step00000012-rank1.pt", weights_only=True)
     assert state["core"]["outer_optimizer"]["param_groups"][0]["lr"] == pytest.approx(outer_lr_for(2, 0.5))
+
+
+def test_version_and_the_config_keys_in_help(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as e:
+        main(["--version"])
+    assert e.value.code == 0 and capsys.readouterr().out.startswith("diloco ")
+    with pytest.raises(SystemExit):
+        main(["train", "--help"])
+    out = capsys.readouterr().out
+    for section in ("[model]", "[data]", "[train]", "[diloco]", "[transport]"):
+        assert section in out
+    # Generated from the dataclasses, with the trainer's own defaults where they differ from the core's.
+    assert "steps=600" in out and "inner_steps=15" in out and "reduce_timeout=600.0" in out
+
+
+def test_plot_of_several_runs_goes_next_to_the_first(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["train", "--name", "a", "--set", f"train.runs_dir={tmp_path!s}", *FAST]) == 0
+    capsys.readouterr()
+    assert main(["plot", str(tmp_path / "a"), str(tmp_path / "a")]) == 0
+    assert (tmp_path / "runs.png").stat().st_size > 1000
+
+
+@pytest.mark.timeout(150)
+def test_ctrl_c_ends_with_one_line_that_names_the_run(tmp_path: Path) -> None:
+    """SIGINT mid-run: exit 130 and one line with the real run name in the resume hint, no traceback."""
+    cmd = [
+        sys.executable,
+        "-m",
+        "diloco_train.cli",
+        "train",
+        "--name",
+        "cut-short",
+        "-q",
+        "--set",
+        f"train.runs_dir={str(tmp_path)!r}",
+        "--set",
+        "train.steps=5000",
+        "--set",
+        "train.workers=2",
+        "--set",
+        "model.num_layers=1",
+    ]
+    proc = subprocess.Popen(cmd, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        metrics = tmp_path / "cut-short" / "metrics.jsonl"
+        deadline = time.monotonic() + 90
+        while time.monotonic() < deadline and (not metrics.is_file() or metrics.read_text().count('"step"') < 3):
+            time.sleep(0.2)
+        assert metrics.is_file(), "the run logged no steps"
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=90)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 130, err[-2000:]
+    assert "Traceback" not in err
+    assert err.strip().splitlines()[-1] == "diloco: interrupted (resume with: diloco train --resume --name cut-short)"

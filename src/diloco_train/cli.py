@@ -18,15 +18,51 @@ __all__ = ["main"]
 _EXAMPLE = "e.g. diloco train --set train.steps=200 --set diloco.inner_steps=50"
 
 
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("diloco")
+    except PackageNotFoundError:  # run from a source tree that was never installed
+        return "unknown (not installed)"
+
+
+def _config_keys() -> str:
+    """Every config section and key with its default, read from the dataclasses (docs/trainer.md explains them)."""
+    from dataclasses import MISSING, fields
+
+    from transports import TRANSPORT_KINDS
+
+    from .config import SECTIONS, TRAINER_DEFAULTS
+
+    lines = ["config keys (--set SECTION.KEY=VALUE or a TOML table; defaults shown; docs/trainer.md):"]
+    for name, cls in SECTIONS.items():
+        keys = []
+        for f in fields(cls):
+            if not f.init:
+                continue
+            default = f.default if f.default is not MISSING else f.default_factory()  # type: ignore[misc]
+            default = TRAINER_DEFAULTS.get(name, {}).get(f.name, default)
+            keys.append(f"{f.name}={default!r}")
+        lines.append(f"  [{name}] " + ", ".join(keys))
+    kinds = ", ".join(repr(k) for k in TRANSPORT_KINDS)
+    lines.append(
+        f"  [transport] kind: one of {kinds} (default 'inprocess'), and its transport's keys (docs/lan.md, wan.md)"
+    )
+    return "\n".join(lines)
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="diloco", description="Train a language model with DiLoCo (or DDP, or one worker)."
     )
+    p.add_argument("--version", action="version", version=f"diloco {_version()}")
     sub = p.add_subparsers(dest="command", metavar="{train,plot}")
     t = sub.add_parser(
         "train",
         help="train (with no options: tiny model, 4 in-process workers, a few minutes on a CPU)",
-        epilog=_EXAMPLE,
+        epilog=f"{_EXAMPLE}\n\n{_config_keys()}",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     t.add_argument(
         "--config",
@@ -53,7 +89,11 @@ def _parser() -> argparse.ArgumentParser:
     t.add_argument("-v", "--verbose", action="store_true", help="log one line per round and worker")
     pl = sub.add_parser("plot", help="overlay the loss curves of one or more runs into a PNG")
     pl.add_argument("runs", nargs="+", metavar="RUN", help="run folders (e.g. runs/diloco-...)")
-    pl.add_argument("--out", metavar="FILE.png", help="output file (default: plot.png in the only run, else runs.png)")
+    pl.add_argument(
+        "--out",
+        metavar="FILE.png",
+        help="output file (default: plot.png in the only run, else runs.png next to the first)",
+    )
     return p
 
 
@@ -82,7 +122,11 @@ def _train(args: argparse.Namespace, argv: list[str]) -> int:
             file=sys.stderr,
         )
     command = ["diloco", "train", *argv]
-    result = train(config, run_dir, resume=args.resume, show_progress=not args.quiet, command=command)
+    try:
+        result = train(config, run_dir, resume=args.resume, show_progress=not args.quiet, command=command)
+    except KeyboardInterrupt:
+        print(f"diloco: interrupted (resume with: diloco train --resume --name {name})", file=sys.stderr)
+        return 130
     if math.isnan(result.eval_after):  # a non-zero rank of a multi-process run: rank 0 reports
         return 0
     wall = result.wall_seconds
@@ -108,7 +152,8 @@ def _train(args: argparse.Namespace, argv: list[str]) -> int:
 def _plot(args: argparse.Namespace) -> int:
     from .plot import plot_runs
 
-    out = args.out or (Path(args.runs[0]) / "plot.png" if len(args.runs) == 1 else Path("runs.png"))
+    first = Path(args.runs[0])
+    out = args.out or (first / "plot.png" if len(args.runs) == 1 else first.parent / "runs.png")
     print(plot_runs(args.runs, out))
     return 0
 
