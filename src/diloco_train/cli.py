@@ -10,6 +10,7 @@ import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import NoReturn
 
 from diloco_core import TransportError
 
@@ -126,7 +127,7 @@ def _train(args: argparse.Namespace, argv: list[str]) -> int:
         result = train(config, run_dir, resume=args.resume, show_progress=not args.quiet, command=command)
     except KeyboardInterrupt:
         print(f"diloco: interrupted (resume with: diloco train --resume --name {name})", file=sys.stderr)
-        return 130
+        _exit_now(130)
     if math.isnan(result.eval_after):  # a non-zero rank of a multi-process run: rank 0 reports
         return 0
     wall = result.wall_seconds
@@ -147,6 +148,17 @@ def _train(args: argparse.Namespace, argv: list[str]) -> int:
             "--set train.mode=ddp and --set train.mode=single (docs/results.md)"
         )
     return 0
+
+
+def _exit_now(status: int) -> NoReturn:
+    """End the process after a Ctrl+C without the interpreter's teardown. By now the run's files are
+    closed and its transports left (the launcher's ``finally`` blocks); what the teardown would add is
+    torch's C++ static destructors, which aborted 4 of 6 interrupted runs here ("terminate called
+    without an active exception", exit 134 instead of 130)."""
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)
 
 
 def _plot(args: argparse.Namespace) -> int:
