@@ -34,6 +34,16 @@ class RankError:
         return f"RankError({self.type}: {self.message})"
 
 
+def _in_threads(body: Callable[[int], None], n: int, *, timeout: float, what: str) -> None:
+    """``body(i)`` for i in range(n), each in its own thread; all must finish within ``timeout``."""
+    threads = [threading.Thread(target=body, args=(i,), daemon=True) for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout)
+    assert not any(t.is_alive() for t in threads), f"{what} still running after {timeout}s"
+
+
 class ThreadWorld:
     def __init__(self, world_size: int) -> None:
         self.world_size = world_size
@@ -52,12 +62,7 @@ class ThreadWorld:
             finally:
                 transport.close()
 
-        threads = [threading.Thread(target=body, args=(r,), daemon=True) for r in range(self.world_size)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(timeout)
-        assert not any(t.is_alive() for t in threads), f"in-process ranks still running after {timeout}s"
+        _in_threads(body, self.world_size, timeout=timeout, what="in-process ranks")
         return results
 
     def close(self) -> None:
@@ -209,12 +214,7 @@ class HivemindWorld:
             except Exception as e:  # noqa: BLE001 - every peer's failure is its result, checked by the test
                 results[i] = RankError(type(e).__name__, str(e))
 
-        threads = [threading.Thread(target=body, args=(i,), daemon=True) for i in range(self.world_size)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(timeout)
-        assert not any(t.is_alive() for t in threads), f"hivemind peers still running after {timeout}s"
+        _in_threads(body, self.world_size, timeout=timeout, what="hivemind peers")
         return results
 
     def close(self) -> None:
