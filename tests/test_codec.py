@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from diloco_core import BF16, CODECS, FP16, FP32, codec_for, mean_of_payloads, reference_mean
+from diloco_core import BF16, CODECS, FP16, FP32, INT4, INT8, codec_for, mean_of_payloads, reference_mean
 from diloco_core.codec import check_codec
 
 
@@ -35,10 +37,16 @@ def test_received_payloads_are_checked():
 
 
 def test_codecs_by_name_and_clear_errors():
-    assert {n: codec_for(n) for n in ("fp32", "fp16", "bf16")} == CODECS
-    assert codec_for(FP16) is FP16
-    with pytest.raises(ValueError, match=r"wire_dtype='int3' is invalid: expected one of \['bf16', 'fp16', 'fp32'\]"):
+    assert {n: codec_for(n) for n in ("fp32", "fp16", "bf16", "int8", "int4")} == CODECS
+    assert codec_for(FP16) is FP16 and codec_for("fp16", block=64) is FP16  # casts have no blocks
+    assert codec_for("int8", block=64).block == 64 and codec_for("int4").block == 256
+    with pytest.raises(
+        ValueError, match=r"wire_dtype='int3' is invalid: expected one of \['bf16', 'fp16', 'fp32', 'int4', 'int8'\]"
+    ):
         codec_for("int3")
+    for bad in (8, 100, 2**17, 256.0, True):
+        with pytest.raises(ValueError, match=r"block=.* is invalid: expected a power of two in \[16, 65536\]"):
+            codec_for("int4", block=bad)
     assert check_codec(BF16) is BF16
     with pytest.raises(ValueError, match="codec='fp16' is invalid: expected a Codec"):
         check_codec("fp16")
@@ -52,3 +60,109 @@ def test_reference_mean_sums_decoded_payloads_in_order_in_fp32():
     out = torch.empty(3)
     assert mean_of_payloads([FP16.encode(x) for x in xs], FP16, out=out) is out and torch.equal(out, got)
     assert torch.equal(reference_mean(xs, FP32), ((xs[0] + xs[1]) + xs[2]) / 3)
+
+
+# -- block codecs: int8 and int4 with one fp32 scale per block ---------------------------------------------
+
+BLOCK_CODECS = [codec_for(name, block=b) for name in ("int8", "int4") for b in (16, 256)]
+
+
+def _per_value_absmax(codec, x: torch.Tensor) -> torch.Tensor:
+    """Each value's block absmax (the partial last block zero-padded, as encoded)."""
+    b = codec.block
+    padded = torch.nn.functional.pad(x, (0, -x.numel() % b)).view(-1, b)
+    return padded.abs().amax(1).repeat_interleave(b)[: x.numel()]
+
+
+def _check_round_trip(codec, x: torch.Tensor) -> torch.Tensor:
+    payload = codec.encode(x)
+    n = x.numel()
+    assert (payload.numel(), payload.dtype) == codec.payload_spec(n) and payload.dtype == torch.uint8
+    codec.check(payload, n)
+    got = codec.decode(payload, torch.empty(n))
+    absmax = _per_value_absmax(codec, x)
+    # within half a step (scale = absmax / q) of each value, up to fp32 rounding: a few ulps of the absmax
+    # (and nothing below fp32's smallest normal number, where the scale itself is subnormal)
+    assert ((got - x).abs() <= absmax / codec.qmax / 2 + absmax * 2**-21 + 2**-126).all()
+    assert torch.equal(got[absmax == 0], torch.zeros_like(got[absmax == 0]))  # zero blocks: exact zeros
+    return payload
+
+
+finite = st.floats(min_value=-(2.0**122), max_value=2.0**122, width=32)  # far from fp32's max: decoded stay finite
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    values=st.lists(finite, max_size=600) | st.lists(st.sampled_from([0.0, 1e-30, -3.0, 1e30]), max_size=80),
+    codec=st.sampled_from(BLOCK_CODECS),
+    start_block=st.integers(0, 3),
+)
+def test_block_codecs_round_trip_within_half_a_step_per_block(values, codec, start_block):
+    x = torch.tensor(values, dtype=torch.float32)
+    payload = _check_round_trip(codec, x)
+    whole = codec.decode(payload, torch.empty(x.numel()))
+    # a slice that starts at a block boundary encodes as its part of the whole (transports cut there)
+    start = min(start_block * codec.block, x.numel())
+    assert torch.equal(codec.decode(codec.encode(x[start:]), torch.empty(x.numel() - start)), whole[start:])
+    into = torch.arange(x.numel(), dtype=torch.float32)
+    codec.add_decoded(payload, into)
+    assert torch.equal(into, torch.arange(x.numel(), dtype=torch.float32) + whole)
+
+
+@pytest.mark.parametrize("codec", BLOCK_CODECS, ids=lambda c: f"{c.name}-{c.block}")
+@pytest.mark.parametrize("n", [0, 1, 2, 15, 17, 255, 257, 2**20 + 300])  # the last: two chunks of work
+def test_block_codecs_take_empty_tiny_odd_and_chunk_crossing_sizes(codec, n):
+    x = torch.randn(n, generator=torch.Generator().manual_seed(n)) * 3
+    x[: min(n, codec.block)] = 0  # a block of zeros
+    _check_round_trip(codec, x)
+    blocks = -(-n // codec.block)
+    assert codec.payload_bytes(n) == blocks * (4 + codec.block * codec.bits // 8)
+
+
+def test_block_codec_payload_sizes_and_layout():
+    assert INT8.payload_spec(1000) == (4 * (4 + 256), torch.uint8)  # 4 blocks, the last one partial
+    assert INT4.payload_spec(1000) == (4 * (4 + 128), torch.uint8)
+    x = torch.tensor([7.0, -7.0, 3.0, 2.4, -0.6, 0.0, 0.0, 0.0] + [1.0] * 8 + [14.0] * 16)
+    payload = codec_for("int4", block=16).encode(x)
+    assert torch.equal(payload[:8].view(torch.float32), torch.tensor([1.0, 2.0]))  # the scales, first
+    # code + 8 per nibble: value i of a block in the low nibble of byte i, value i + 8 in its high nibble
+    low = [7 + 8, -7 + 8, 3 + 8, 2 + 8, -1 + 8, 8, 8, 8]
+    assert payload[8:16].tolist() == [lo | (1 + 8) << 4 for lo in low] and payload[16:].tolist() == [0xFF] * 8
+    assert INT8.encode(torch.tensor([1.0, -127.0, 3.0]))[4:7].view(torch.int8).tolist() == [1, -127, 3]
+
+
+def test_huge_values_stay_finite_and_non_finite_input_is_refused():
+    for codec in BLOCK_CODECS:
+        x = torch.tensor([1e30, -1e30, 3e29, 0.0, 1e-30])
+        got = codec.decode(codec.encode(x), torch.empty(5))
+        assert torch.isfinite(got).all() and got[0] == pytest.approx(1e30, rel=1e-6)
+        for bad in (float("nan"), float("inf"), float("-inf")):
+            with pytest.raises(ValueError, match=f"{codec.name} cannot encode NaN or infinite values"):
+                codec.encode(torch.tensor([1.0, bad, 2.0]))
+
+
+@pytest.mark.parametrize("codec", [INT8, INT4], ids=lambda c: c.name)
+def test_block_codecs_refuse_corrupt_payloads(codec):
+    payload = codec.encode(torch.randn(600))
+    codec.check(payload, 600)
+    with pytest.raises(ValueError, match="payload of 600 values must be"):
+        codec.check(payload[:-1], 600)
+    with pytest.raises(ValueError, match="torch.uint8"):
+        codec.check(payload.view(torch.int8), 600)
+    for bad in (float("nan"), float("inf"), -1.0):
+        corrupt = payload.clone()
+        corrupt[4:8].view(torch.float32).fill_(bad)  # the second block's scale
+        with pytest.raises(ValueError, match="NaN, infinite or negative scale"):
+            codec.check(corrupt, 600)
+        with pytest.raises(ValueError, match="NaN, infinite or negative scale"):  # never a silently wrong mean
+            mean_of_payloads([payload, corrupt], codec, out=torch.empty(600))
+
+
+@pytest.mark.parametrize("codec", BLOCK_CODECS, ids=lambda c: f"{c.name}-{c.block}")
+def test_reference_mean_with_block_codecs_sums_decoded_payloads_in_order(codec):
+    g = torch.Generator().manual_seed(0)
+    xs = [torch.randn(3, 100, generator=g) * (i + 1) for i in range(3)]
+    decoded = [codec.decode(codec.encode(x), torch.empty(300)).view(3, 100) for x in xs]
+    got = reference_mean(xs, codec)
+    assert torch.equal(got, ((decoded[0] + decoded[1]) + decoded[2]) / 3)
+    torch.testing.assert_close(got, sum(xs) / 3, atol=float(sum(x.abs().max() for x in xs)) / codec.qmax, rtol=0)

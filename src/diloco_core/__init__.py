@@ -1,6 +1,6 @@
 """diloco_core: the DiLoCo algorithm, its config and the Transport contract (torch + stdlib only)."""
 
-from .codec import BF16, CODECS, FP16, FP32, CastCodec, Codec, codec_for
+from .codec import BF16, CODECS, FP16, FP32, INT4, INT8, BlockCodec, CastCodec, Codec, codec_for
 from .config import DiLoCoConfig
 from .diloco import DiLoCo, PendingRound, RoundReport
 from .forwarding import ForwardingTransport
@@ -13,6 +13,9 @@ __all__ = [
     "CODECS",
     "FP16",
     "FP32",
+    "INT4",
+    "INT8",
+    "BlockCodec",
     "Capabilities",
     "CastCodec",
     "Codec",

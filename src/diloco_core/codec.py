@@ -3,17 +3,30 @@
 A transport moves payloads and never encodes or decodes values itself: it asks the codec for the
 payload's shape (``payload_spec``), has every contribution encoded (``encode``), and sums what it
 received with ``diloco_core.wire.mean_of_payloads``, which decodes each payload into fp32
-(``add_decoded``). The first codecs cast element by element (fp32, fp16, bf16); a compressing codec
-(int8 with a scale per block, later) implements the same four methods.
+(``add_decoded``). Cast codecs (fp32, fp16, bf16) cast element by element; block codecs (int8, int4)
+quantize blocks of values with one scale each.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Iterator
 
 import torch
 
-__all__ = ["BF16", "CODECS", "FP16", "FP32", "CastCodec", "Codec", "check_codec", "codec_for"]
+__all__ = [
+    "BF16",
+    "CODECS",
+    "FP16",
+    "FP32",
+    "INT4",
+    "INT8",
+    "BlockCodec",
+    "CastCodec",
+    "Codec",
+    "check_codec",
+    "codec_for",
+]
 
 
 class Codec(ABC):
@@ -26,6 +39,11 @@ class Codec(ABC):
     """The dtype each value is cast to when the payload is the values themselves, element by element
     (then a slice of a payload is the payload of that slice, and a backend that sums fp32 natively may
     sum an fp32 payload itself). None for codecs whose payload is not one value per element."""
+
+    block: int = 1
+    """Values encoded together. The payload of a slice that starts at a multiple of ``block`` decodes to
+    that slice of the whole's decoded values, so a transport that encodes chunks on their own cuts
+    there: every peer then decodes exactly what the contributor's own ``decode(encode(x))`` gives."""
 
     @abstractmethod
     def payload_spec(self, numel: int) -> tuple[int, torch.dtype]:
@@ -89,22 +107,109 @@ class CastCodec(Codec):
         return out.copy_(payload)
 
 
+class BlockCodec(Codec):
+    """Blockwise absmax quantization to int8 (``bits=8``) or int4 (``bits=4``), one fp32 scale per block.
+
+    Per block of ``block`` values: scale = absmax / q, code = round(value / scale) in [-q, q] (q = 127 or
+    7), decoded as code * scale: within scale / 2 of the value, up to fp32 rounding; zeros stay exact.
+    Payload, one uint8 tensor: ``ceil(numel / block)`` fp32 scales, then the codes, ``block`` bytes (int8)
+    or ``block / 2`` (int4: code + 8 per nibble, the block's first half low, its second half high) per
+    block; a partial last block is encoded zero-padded. Chunk by chunk, in a small reused buffer.
+    """
+
+    def __init__(self, name: str, bits: int, block: int = 256) -> None:
+        check_block(block)
+        self.name, self.bits, self.block, self.qmax = name, bits, block, 2 ** (bits - 1) - 1
+
+    def payload_spec(self, numel: int) -> tuple[int, torch.dtype]:
+        return -(-numel // self.block) * (4 + self.block * self.bits // 8), torch.uint8
+
+    def _parts(self, payload: torch.Tensor, numel: int) -> tuple[torch.Tensor, torch.Tensor]:
+        blocks = -(-numel // self.block)  # (scales, codes as one row of bytes per block)
+        return payload[: 4 * blocks].view(torch.float32), payload[4 * blocks :].view(
+            blocks, self.block * self.bits // 8
+        )
+
+    def _chunks(self, numel: int, device: torch.device) -> Iterator[tuple[int, int, slice, torch.Tensor]]:
+        """(blocks i:j, the slice of their values, a (j - i, block) fp32 buffer) per chunk of ~1M values."""
+        blocks, b = -(-numel // self.block), self.block
+        rows = max(1, min(blocks, 2**20 // b))
+        buf = torch.empty(rows, b, device=device)
+        for i in range(0, blocks, rows):
+            j = min(blocks, i + rows)
+            yield i, j, slice(i * b, min(numel, j * b)), buf[: j - i]
+
+    def encode(self, values: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        flat = values.reshape(-1)
+        if out is None:
+            out = torch.empty(self.payload_spec(flat.numel())[0], dtype=torch.uint8, device=flat.device)
+        scales, codes = self._parts(out, flat.numel())
+        q, half = self.qmax, self.block // 2
+        for i, j, part, x in self._chunks(flat.numel(), flat.device):
+            x.view(-1)[part.stop - part.start :].zero_()
+            x.view(-1)[: part.stop - part.start].copy_(flat[part])
+            absmax = torch.maximum(x.amax(1), x.amin(1).neg_())
+            if not bool(torch.isfinite(absmax).all()):
+                raise ValueError(
+                    f"{self.name} cannot encode NaN or infinite values (one is in [{part.start}, {part.stop}))"
+                )
+            scale = torch.div(absmax, q, out=scales[i:j])
+            x.div_(torch.where(scale > 0, scale, 1.0)[:, None]).round_().clamp_(-q, q)
+            if self.bits == 8:
+                codes[i:j].view(torch.int8).copy_(x)
+            else:
+                u = x.add_(8).to(torch.uint8)
+                torch.bitwise_left_shift(u[:, half:], 4, out=codes[i:j]).bitwise_or_(u[:, :half])
+        return out
+
+    def add_decoded(self, payload: torch.Tensor, into: torch.Tensor, scratch: torch.Tensor | None = None) -> None:
+        self.check(payload, into.numel())  # a peer's NaN or negative scale would be a silently wrong mean
+        scales, codes = self._parts(payload, into.numel())
+        half = self.block // 2
+        for i, j, part, x in self._chunks(into.numel(), into.device):  # no scratch needed: chunk by chunk
+            if self.bits == 8:
+                x.copy_(codes[i:j].view(torch.int8))
+            else:
+                x[:, :half].copy_((codes[i:j] & 15).view(torch.int8).sub_(8))
+                x[:, half:].copy_((codes[i:j] >> 4).view(torch.int8).sub_(8))
+            into[part].add_(x.mul_(scales[i:j, None]).view(-1)[: part.stop - part.start])
+
+    def check(self, payload: torch.Tensor, numel: int) -> None:
+        super().check(payload, numel)
+        scales = self._parts(payload, numel)[0]
+        if not bool(((scales >= 0) & (scales < float("inf"))).all()):  # False for NaN too
+            raise ValueError(f"{self.name} payload holds a NaN, infinite or negative scale")
+
+
+def check_block(block: object, name: str = "block") -> None:
+    """Raise ``ValueError`` unless ``block`` is a block codec's valid number of values per scale."""
+    if not (
+        isinstance(block, int) and not isinstance(block, bool) and 16 <= block <= 2**16 and block & (block - 1) == 0
+    ):
+        raise ValueError(f"{name}={block!r} is invalid: expected a power of two in [16, 65536]")
+
+
 FP32 = CastCodec("fp32", torch.float32)
 FP16 = CastCodec("fp16", torch.float16)
 BF16 = CastCodec("bf16", torch.bfloat16)
+INT8 = BlockCodec("int8", bits=8)
+INT4 = BlockCodec("int4", bits=4)
 
-CODECS: dict[str, Codec] = {c.name: c for c in (FP32, FP16, BF16)}
-"""The codecs config can name."""
+CODECS: dict[str, Codec] = {c.name: c for c in (FP32, FP16, BF16, INT8, INT4)}
+"""The codecs config can name (block codecs with the default block of 256 values)."""
 
 
-def codec_for(name: str | Codec) -> Codec:
-    """The codec called ``name`` (a ``Codec`` is returned as is)."""
+def codec_for(name: str | Codec, block: int = 256) -> Codec:
+    """The codec called ``name`` (a ``Codec`` is returned as is); a block codec with ``block`` values per scale."""
     if isinstance(name, Codec):
         return name
     try:
-        return CODECS[name]
+        codec = CODECS[name]
     except (KeyError, TypeError):
         raise ValueError(f"wire_dtype={name!r} is invalid: expected one of {sorted(CODECS)}") from None
+    if not isinstance(codec, BlockCodec) or (type(block) is int and block == codec.block):
+        return codec
+    return BlockCodec(codec.name, codec.bits, block)
 
 
 def check_codec(codec: object) -> Codec:
