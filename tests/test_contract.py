@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import time
 
 import pytest
@@ -21,9 +22,9 @@ def _contribution(rank: int) -> list[torch.Tensor]:
     return [torch.randn(s, generator=g) * (rank + 1) for s in SHAPES]
 
 
-def _reduce(transport, wire_dtype: str):
+def _reduce(transport, wire_dtype: str, block: int = 256):
     tensors = _contribution(transport.rank)
-    result = transport.all_reduce(tensors, codec=codec_for(wire_dtype)).wait(30)
+    result = transport.all_reduce(tensors, codec=codec_for(wire_dtype, block=block)).wait(30)
     return tensors, result
 
 
@@ -33,35 +34,47 @@ def _ok(results: list) -> list:
     return results
 
 
-@pytest.mark.parametrize("wire_dtype", ["fp32", "fp16", "bf16"])
+def _reference(n: int, codec) -> list[torch.Tensor]:
+    """The reference mean of every rank's contribution: its tensors travel as one payload, concatenated."""
+    flat = [torch.cat([t.reshape(-1) for t in _contribution(r)]) for r in range(n)]
+    return [m.view(s) for m, s in zip(reference_mean(flat, codec).split([math.prod(s) for s in SHAPES]), SHAPES)]
+
+
+@pytest.mark.parametrize("wire_dtype", ["fp32", "fp16", "bf16", "int8", "int4", "int8/16", "int4/16"])
 def test_mean_over_contributors_in_every_wire_dtype(world, wire_dtype):
-    results = _ok(world.run(_reduce, wire_dtype))
+    name, _, block = wire_dtype.partition("/")  # block 16: several blocks, a partial one, torch's shards
+    codec = codec_for(name, block=int(block or 256))
+    if codec.elementwise_dtype is None and not world.capabilities.block_codecs:  # refused, clearly
+        for r in world.run(_reduce, name, codec.block):
+            assert isinstance(r, RankError) and r.type == "ValueError" and f"codec=<codec {name}>" in r.message, r
+        return
+    results = _ok(world.run(_reduce, name, codec.block))
     n = world.world_size
-    expected = [reference_mean([_contribution(r)[i] for r in range(n)], wire_dtype) for i in range(len(SHAPES))]
+    expected = _reference(n, codec)
     if not world.capabilities.exact_mean:  # the mean comes back rounded to the wire once more
-        wire = codec_for(wire_dtype).elementwise_dtype
-        expected = [want.to(wire).float() for want in expected]
+        expected = [want.to(codec.elementwise_dtype).float() for want in expected]
     for tensors, result in results:
         assert result.num_contributors == n
         assert result.bytes_sent > 0 and result.seconds >= 0
         for got, want in zip(tensors, expected):
             if wire_dtype == "fp32" and n > 2:  # a ring sums in its own order: equal up to fp32 rounding
                 torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
-            else:  # 16-bit wires sum in rank order in fp32; two fp32 addends commute exactly
+            else:  # other wires sum decoded payloads in rank order in fp32; two fp32 addends commute exactly
                 assert torch.equal(got, want)
     first = results[0][0]
     for tensors, _ in results[1:]:  # every rank holds the very same bits
         assert all(torch.equal(a, b) for a, b in zip(first, tensors))
 
 
-def _bytes(transport):
+def _bytes(transport, wires: list[str]):
     x = [torch.ones(10_000)]
-    return {w: transport.all_reduce(x, codec=codec_for(w)).wait(30).bytes_sent for w in ("fp32", "fp16")}
+    return {w: transport.all_reduce(x, codec=codec_for(w)).wait(30).bytes_sent for w in wires}
 
 
-def test_sixteen_bit_wire_sends_fewer_bytes(world):
-    for sent in _ok(world.run(_bytes)):
-        assert sent["fp16"] < sent["fp32"]
+def test_narrower_wires_send_fewer_bytes(world):
+    wires = ["fp32", "fp16"] + (["int8", "int4"] if world.capabilities.block_codecs else [])
+    for sent in _ok(world.run(_bytes, wires)):
+        assert [sent[w] for w in wires] == sorted(sent.values(), reverse=True) and len(set(sent.values())) == len(wires)
 
 
 def _broadcast(transport, src: int):

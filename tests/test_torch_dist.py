@@ -13,32 +13,44 @@ from lan_job import job
 from world import GlooWorld, RankError, ThreadWorld
 
 from diloco_core import TransportError, codec_for, reference_mean
-from transports import create_transport
+from transports import TorchDistTransport, create_transport
 
 pytestmark = pytest.mark.timeout(180)
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
-def _reduce_big(transport, wire_dtype):
+def _reduce_big(transport, wire_dtype, block=256, bucket_mb=None):
+    if bucket_mb is not None:  # another transport on the same process group, with small buckets
+        transport = TorchDistTransport(bucket_mb=bucket_mb)
     g = torch.Generator().manual_seed(transport.rank)
     x = [torch.randn(1001, generator=g), torch.randn(3, 5, generator=g)]
-    transport.all_reduce(x, codec=codec_for(wire_dtype)).wait(30)
+    transport.all_reduce(x, codec=codec_for(wire_dtype, block=block)).wait(30)
     return x
 
 
-def test_four_ranks_reduce_scatter_path_matches_reference(tmp_path):
-    world = GlooWorld(4, str(tmp_path))
+def _big_reference(world_size, codec):
+    """The reference mean of ``_reduce_big``'s contributions, concatenated as they travel."""
+    flat = []
+    for r in range(world_size):
+        g = torch.Generator().manual_seed(r)
+        flat.append(torch.cat([torch.randn(1001, generator=g), torch.randn(3, 5, generator=g).view(-1)]))
+    want = reference_mean(flat, codec)
+    return [want[:1001], want[1001:].view(3, 5)]
+
+
+@pytest.mark.parametrize("world_size", [2, 4])  # payload exchange, then reduce-scatter of shards
+def test_buckets_and_shards_cut_at_codec_blocks_so_every_path_matches_reference(world_size, tmp_path):
+    world = GlooWorld(world_size, str(tmp_path))
+    cases = [(w, 256, None) for w in ("fp16", "bf16", "int8", "int4")] if world_size == 4 else []
+    # ~100-value buckets: cut at multiples of the block (96 values at block 16; one block of 256)
+    cases += [(w, b, 0.0004) for w in ("int8", "int4") for b in (16, 256)] + [("fp16", 256, 0.0004)]
     try:
-        for wire in ("fp16", "bf16"):
-            results = world.run(_reduce_big, wire)
+        for wire, block, bucket_mb in cases:
+            results = world.run(_reduce_big, wire, block, bucket_mb)
             assert not any(isinstance(r, RankError) for r in results), results
-            contribs = []
-            for r in range(4):
-                g = torch.Generator().manual_seed(r)
-                contribs.append([torch.randn(1001, generator=g), torch.randn(3, 5, generator=g)])
-            for i in range(2):
-                want = reference_mean([c[i] for c in contribs], wire)
-                assert all(torch.equal(res[i], want) for res in results)
+            want = _big_reference(world_size, codec_for(wire, block=block))
+            for res in results:
+                assert all(torch.equal(a, b) for a, b in zip(res, want)), (wire, block, bucket_mb)
     finally:
         world.close()
 
@@ -71,9 +83,10 @@ def test_a_peer_that_exits_mid_run_is_a_transport_error_within_the_timeout(tmp_p
         assert "torch.distributed all_reduce" in message
 
 
-@pytest.mark.parametrize("wire_dtype", ["fp32", "fp16"])
+@pytest.mark.parametrize("wire_dtype", ["fp32", "fp16", "int8"])  # lossy ones with error feedback
 def test_torchrun_job_agrees_across_ranks_and_with_the_in_process_oracle(wire_dtype, tmp_path):
-    env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1", "PYTHONPATH": HERE}
+    path = os.pathsep.join([HERE, os.path.join(os.path.dirname(HERE), "src")])  # this checkout's code, not an install
+    env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1", "PYTHONPATH": path}
     cmd = [
         sys.executable,
         "-m",

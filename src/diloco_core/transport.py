@@ -58,6 +58,9 @@ class Capabilities:
     keys_in_any_order: bool = False
     """Reduces with different keys may be started in a different order on each member (in-process).
     False (torch.distributed, hivemind): every member starts and waits for them in the same order."""
+    block_codecs: bool = True
+    """Moves codecs whose payload is not one value per element (int8, int4). False (hivemind): its
+    butterfly cuts payloads anywhere; ``all_reduce`` refuses them with a ``ValueError``."""
 
 
 @dataclass(frozen=True)
@@ -155,8 +158,9 @@ class Transport(ABC):
 
     @abstractmethod
     def all_reduce(self, tensors: Sequence[torch.Tensor], *, codec: Codec = FP32, key: str = "default") -> ReduceHandle:
-        """Start averaging the fp32 ``tensors`` in place across the group, each contribution travelling as
-        ``codec``'s payload (the transport moves payloads; the codec encodes and decodes them)."""
+        """Start averaging the fp32 ``tensors`` in place across the group, each contribution (the tensors'
+        concatenation) travelling as ``codec``'s payload (the transport moves payloads; the codec encodes and
+        decodes them)."""
 
     @abstractmethod
     def broadcast(self, tensors: Sequence[torch.Tensor], *, src: int = 0, timeout: float) -> None:

@@ -118,10 +118,9 @@ class InProcessGroup:
         if not self._members <= set(slot.contributions):
             return
         ranks = sorted(slot.contributions)
-        slot.result = []
-        for i, numel in enumerate(slot.numels):
-            out = torch.empty(numel, dtype=torch.float32)
-            slot.result.append(mean_of_payloads([slot.contributions[r][i] for r in ranks], slot.codec, out=out))
+        out = torch.empty(sum(slot.numels), dtype=torch.float32)
+        mean_of_payloads([slot.contributions[r][0] for r in ranks], slot.codec, out=out)
+        slot.result = list(out.split(slot.numels))
         slot.num_contributors = len(ranks)
         slot.contributions.clear()
 
@@ -178,7 +177,7 @@ class _Handle(ReduceHandle):
         torch._foreach_copy_(self._tensors, [r.view_as(t) for r, t in zip(result, self._tensors)])
         with g._cond:
             g._consume(self._op, slot, self._rank)
-        sent = sum(slot.codec.payload_bytes(n) for n in slot.numels)
+        sent = slot.codec.payload_bytes(sum(slot.numels))
         return ReduceResult(n, sent, sum(slot.numels) * 4, time.perf_counter() - self._start)
 
 
@@ -219,8 +218,12 @@ class InProcessTransport(Transport):
         for t in tensors:
             if t.dtype != torch.float32:
                 raise ValueError(f"all_reduce takes fp32 tensors, got {t.dtype}")
-        # Values travel as payloads; an fp32 payload is the values, read in place (the caller waits first).
-        payload = [codec.encode(t.reshape(-1)) for t in tensors]
+        if not tensors:
+            raise ValueError("all_reduce needs at least one tensor")
+        # The tensors travel as one payload of their concatenation (a block codec's blocks run across them);
+        # an fp32 payload of one tensor is its values, read in place (the caller waits first).
+        flat = tensors[0].reshape(-1) if len(tensors) == 1 else torch.cat([t.reshape(-1) for t in tensors])
+        payload = [codec.encode(flat)]
         numels = [t.numel() for t in tensors]
         with self._group._cond:
             op, slot = self._group._join(

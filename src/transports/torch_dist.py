@@ -13,6 +13,10 @@ order, which makes the result bit-identical on every rank and equal to
   per shard, then the fp32 shards are all-gathered ((W-1)/W·(P + 4N) bytes out per rank; fp16: 25%
   under an fp32 ring).
 
+Buckets and shards start at multiples of the codec's ``block`` (int8/int4: values per scale), so each
+piece encodes exactly as its part of the whole contribution: the mean is the reference mean, and a
+contributor's own ``decode(encode(x))`` is what its peers decoded (error feedback relies on it).
+
 Buffers are kept per reduce key; reduces with different keys may be in flight at once, started and
 waited for in the same order on every rank.
 """
@@ -109,6 +113,11 @@ def _started(bucket: Iterator[list]) -> Iterator[list]:
     return itertools.chain([next(bucket)], bucket)
 
 
+def _shard(numel: int, world_size: int, block: int) -> int:
+    """Values per rank's shard: ``numel / world_size`` rounded up to a multiple of the codec's block."""
+    return -(-numel // (world_size * block)) * block
+
+
 def _flatten(tensors: list[torch.Tensor]) -> torch.Tensor:
     if len(tensors) == 1 and tensors[0].is_contiguous():
         return tensors[0].view(-1)
@@ -186,7 +195,7 @@ class TorchDistTransport(Transport):
             bucket_fn = self._ring
         else:
             bucket_fn = functools.partial(self._gather_all if w <= 3 else self._scatter_gather, codec=codec)
-        parts = flat.split(self._bucket_numel)
+        parts = flat.split(max(codec.block, self._bucket_numel // codec.block * codec.block))
         try:
             # Start every bucket's first collective now; wait() finishes them in order.
             buckets = [_started(bucket_fn(b, buffers=buffers, index=i)) for i, b in enumerate(parts)]
@@ -210,7 +219,7 @@ class TorchDistTransport(Transport):
             return 2 * (w - 1) * numel * 4 // w
         if w <= 3:
             return (w - 1) * codec.payload_bytes(numel)
-        shard = -(-numel // w)
+        shard = _shard(numel, w, codec.block)
         return (w - 1) * (codec.payload_bytes(shard) + shard * 4)
 
     def _ring(self, bucket: torch.Tensor, *, buffers: _Buffers, index: int) -> Iterator[list]:
@@ -235,7 +244,7 @@ class TorchDistTransport(Transport):
     def _scatter_gather(self, bucket: torch.Tensor, *, codec: Codec, buffers: _Buffers, index: int) -> Iterator[list]:
         me, w, n = self._rank, self._size, bucket.numel()
         peers = [r for r in range(w) if r != me]
-        shard = -(-n // w)
+        shard = _shard(n, w, codec.block)
         size, dtype = codec.payload_spec(shard)
         send = buffers.get(("send", index), size * w, dtype)
         for r in range(w):  # each shard encoded on its own; the last one(s) padded with zeros

@@ -100,6 +100,7 @@ class HivemindTransport(Transport):
         exact_mean=False,  # the mean comes back rounded to the wire dtype
         broadcast_from_any_rank=False,  # src=0 only: whoever holds the run's state
         keys_in_any_order=False,  # an averager per key, but reduces run one at a time, in call order
+        block_codecs=False,  # its butterfly cuts payloads anywhere: element-wise codecs only
     )
 
     @property
@@ -179,8 +180,7 @@ class HivemindTransport(Transport):
         check_codec(codec)
         if codec.elementwise_dtype is None:
             raise ValueError(
-                f"codec={codec!r} is invalid here: hivemind's butterfly cuts payloads into parts anywhere, so it "
-                "moves element-wise codecs only (fp32, fp16, bf16)"
+                f"codec={codec!r} is invalid here: hivemind cuts payloads anywhere (fp32, fp16, bf16 only)"
             )
         tensors = list(tensors)
         if not tensors:
