@@ -186,7 +186,7 @@ def _train(dl: DiLoCo, opt: torch.optim.Optimizer, rank: int, steps: range) -> N
         opt.zero_grad()
 
 
-@pytest.mark.parametrize("wire_dtype", ["fp32", "bf16"])
+@pytest.mark.parametrize("wire_dtype", ["fp32", "bf16", "int8", "int4"])  # lossy ones with error feedback
 def test_resume_from_a_saved_round_is_bit_identical(wire_dtype):
     cfg = DiLoCoConfig(inner_steps=3, wire_dtype=wire_dtype)
     saved: dict[int, bytes] = {}
@@ -206,7 +206,9 @@ def test_resume_from_a_saved_round_is_bit_identical(wire_dtype):
         model = _model(seed=42)  # fresh objects; the checkpoint overrides everything
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
         dl = DiLoCo(model, opt, t, cfg)
-        dl.load_state_dict(torch.load(io.BytesIO(saved[t.rank]), weights_only=True))
+        state = torch.load(io.BytesIO(saved[t.rank]), weights_only=True)
+        assert (state["residual"] is None) == (wire_dtype == "fp32")  # a residual to resume from, where lossy
+        dl.load_state_dict(state)
         assert (dl.round, dl.inner_step) == (2, 7)
         _train(dl, opt, t.rank, range(7, 15))
         return [p.detach().clone() for p in model.parameters()], _state_digest(dl)
@@ -311,7 +313,10 @@ def test_models_with_different_shapes_are_refused_on_every_rank():
         ("outer_lr", float("nan"), "finite"),
         ("outer_momentum", 1.0, "[0, 1)"),
         ("nesterov", "yes", "true or false"),
-        ("wire_dtype", "int8", "fp16"),
+        ("wire_dtype", "int3", "int8"),
+        ("codec_block", 100, "a power of two in [16, 65536]"),
+        ("codec_block", 2**17, "a power of two in [16, 65536]"),
+        ("error_feedback", 1, "true or false"),
         ("reduce_timeout", 0, "> 0"),
         ("round_retries", -1, ">= 0"),
         ("global_device", "gpu0", "global_device"),
@@ -563,3 +568,80 @@ def test_a_reduce_timeout_shorter_than_the_transports_own_is_refused():
     with pytest.raises(ValueError, match=r"reduce_timeout=60 is shorter than the transport's own timeout \(120s\)"):
         DiLoCo(model, opt, t, DiLoCoConfig(reduce_timeout=60))
     assert DiLoCo(model, opt, t, DiLoCoConfig(reduce_timeout=120)).config.reduce_timeout == 120
+
+
+# -- error feedback: what a lossy codec drops is sent in later rounds ----------------------------------------
+
+
+def _feedback_rounds(wire_dtype: str, error_feedback: bool, rounds: int = 40):
+    """One worker, plain averaging (outer lr 1, no momentum), whose every round moves by the same kind of
+    pseudo-gradient: per block one value of 1 and the rest 0.4 quantization steps, which a lossy codec
+    alone rounds to zero every time. Returns (fp64 sum of the pseudo-gradients, fp64 sum of the updates
+    applied, the DiLoCo)."""
+    n, g = 1000, torch.Generator().manual_seed(0)
+    model = Scalar([0.0] * n)
+    opt = torch.optim.SGD(model.parameters(), lr=1.0)
+    cfg = DiLoCoConfig(
+        inner_steps=1, outer_lr=1.0, outer_momentum=0.0, wire_dtype=wire_dtype, error_feedback=error_feedback
+    )
+    dl = DiLoCo(model, opt, InProcessGroup(1).transport(0), cfg)
+    q = dl.codec.qmax
+    start, pseudo_grads = dl.global_params[0].clone(), torch.zeros(n, dtype=torch.float64)
+    for _ in range(rounds):
+        grad = (0.4 + 0.1 * torch.rand(n, generator=g)) / q * torch.randn(n, generator=g).sign()
+        grad[:: dl.codec.block] = 1.0
+        model.w.grad = grad
+        before = dl.global_params[0].clone()
+        opt.step()
+        pseudo_grads += (before - model.w.detach()).double()  # global - local, as the round computes it
+        dl.sync()
+    return pseudo_grads, (start - dl.global_params[0]).double(), dl
+
+
+@pytest.mark.parametrize("wire_dtype", ["int8", "int4"])
+def test_error_feedback_makes_the_applied_updates_track_the_sum_of_pseudo_gradients(wire_dtype):
+    pseudo_grads, applied, dl = _feedback_rounds(wire_dtype, error_feedback=True)
+    half_step = 0.5 * (1 + 1 / dl.codec.qmax) / dl.codec.qmax  # a block's absmax is at most 1 + the residual's
+    residual = dl.state_dict()["residual"].double()
+    assert residual.shape == (1000,) and 0 < residual.abs().max() <= half_step
+    # the updates applied are the pseudo-gradients minus what is still owed (up to fp32 rounding of the sums)
+    torch.testing.assert_close(applied, pseudo_grads - residual, atol=1e-5, rtol=0)
+    assert (applied - pseudo_grads).abs().max() <= half_step + 1e-5  # never more than half a step behind
+    meta, tensors = dl.run_state.snapshot()  # joiners get no residual: it is this worker's own
+    assert meta == {"round": 40, "num_momentum": 0} and tensors == []
+    dropped, applied_without, _ = _feedback_rounds(wire_dtype, error_feedback=False)
+    assert (applied_without - dropped).abs().max() > 10 * half_step  # without: rounded away every round
+
+
+def test_the_diagnostic_rms_travels_in_a_block_of_its_own_and_is_not_fed():
+    (report,) = _one_round([[0.0, 0.0, 0.0]], "int4")  # pseudo-gradient [1, 2, 2]: norm 3, int4 step 2 / 7
+    assert report.pseudo_grad_norm == pytest.approx(3.0, rel=1e-6)
+    assert report.mean_pseudo_grad_norm != pytest.approx(3.0, rel=1e-3)  # the values were rounded...
+    assert report.agreement == pytest.approx(report.mean_pseudo_grad_norm / 3.0, rel=1e-6)  # ...the RMS was not
+    model = Scalar([0.0] * 300)
+    dl = DiLoCo(
+        model,
+        torch.optim.SGD(model.parameters(), lr=1.0),
+        InProcessGroup(1).transport(0),
+        DiLoCoConfig(wire_dtype="int8", codec_block=256),
+    )
+    assert dl.reduce_numel == 512 + 1 and dl.state_dict()["residual"].shape == (300,)
+
+
+def test_a_failed_round_leaves_the_residual_for_its_retry():
+    model = Scalar([0.0] * 40)
+    opt = torch.optim.SGD(model.parameters(), lr=1.0)
+    t = FailingTransport(InProcessGroup(1).transport(0), fail_at={3})  # 1: shape check, 2: round 1, 3: round 2
+    dl = DiLoCo(model, opt, t, DiLoCoConfig(inner_steps=1, wire_dtype="int4", codec_block=16, round_retries=0))
+    for r in range(2):
+        model.w.grad = torch.linspace(-1, 1, 40) * (r + 1)
+        opt.step()
+        if r == 0:
+            dl.sync()
+            kept = dl.state_dict()["residual"].clone()
+            assert kept.abs().max() > 0
+    with pytest.raises(TransportError, match="injected"):
+        dl.sync()
+    assert torch.equal(dl.state_dict()["residual"], kept)  # the retry feeds the same residual again
+    dl.sync()
+    assert not torch.equal(dl.state_dict()["residual"], kept)

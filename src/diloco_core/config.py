@@ -7,7 +7,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any
 
-from .codec import CODECS
+from .codec import CODECS, check_block
 
 __all__ = ["DiLoCoConfig", "check_field", "from_mapping", "is_finite_number", "outer_lr_for"]
 
@@ -52,8 +52,13 @@ class DiLoCoConfig:
     nesterov: bool = True
     """Nesterov momentum for the outer SGD. With momentum 0 both forms are the same plain SGD step."""
     wire_dtype: str = "fp32"
-    """The codec the pseudo-gradients travel in (``diloco_core.codec.CODECS``): fp32, fp16 or bf16. Sums
-    are always accumulated in fp32."""
+    """The codec the pseudo-gradients travel in (``diloco_core.codec.CODECS``): fp32, fp16 or bf16 (casts),
+    int8 or int4 (``codec_block`` values per fp32 scale). Sums are always accumulated in fp32."""
+    codec_block: int = 256
+    """Values per scale of the int8 and int4 codecs: a power of two in [16, 65536]."""
+    error_feedback: bool = True
+    """Add what a lossy codec dropped of this worker's pseudo-gradients to its next one (not for fp32).
+    Saved in ``DiLoCo.state_dict()``; not served to joiners, who start from a zero residual."""
     reduce_timeout: float = 600.0
     """Seconds an outer all-reduce (or the initial broadcast) may take before TransportError."""
     round_retries: int = 2
@@ -71,6 +76,8 @@ class DiLoCoConfig:
         check_field("outer_momentum", mom, is_finite_number(mom) and 0 <= mom < 1, "a number in [0, 1)")
         check_field("nesterov", self.nesterov, isinstance(self.nesterov, bool), "true or false")
         check_field("wire_dtype", self.wire_dtype, self.wire_dtype in CODECS, f"one of {sorted(CODECS)}")
+        check_block(self.codec_block, "codec_block")
+        check_field("error_feedback", self.error_feedback, isinstance(self.error_feedback, bool), "true or false")
         t = self.reduce_timeout
         check_field("reduce_timeout", t, is_finite_number(t) and t > 0, "a finite number of seconds > 0")
         r = self.round_retries

@@ -13,6 +13,7 @@ import torch
 
 from .codec import FP32, codec_for
 from .config import DiLoCoConfig, outer_lr_for
+from .feedback import ErrorFeedback
 from .flat import FlatBuffer
 from .run_state import RunState
 from .transport import ReduceHandle, StateReplaced, Transport, TransportError
@@ -100,15 +101,18 @@ class DiLoCo:
             raise ValueError("model has no trainable parameters")
         self.inner_step = 0
         self.round = 0
-        self.codec = codec_for(config.wire_dtype)
+        self.codec = codec_for(config.wire_dtype, config.codec_block)
         """How pseudo-gradients travel (``config.wire_dtype`` names it)."""
         self.reduce_key = "diloco/round"
         """The key of every round's reduce (a transport keeps its buffers per key)."""
 
         self._global = FlatBuffer(self.params, config.global_device)
-        # One extra value after the pseudo-gradient: this worker's pseudo-gradient RMS, averaged in the same
-        # reduce (the RMS is on the scale of the values themselves, so it survives a 16-bit wire).
-        self._pseudo_grad = FlatBuffer(self.params, config.global_device, extra=1)
+        # After the pseudo-gradient, in a codec block of its own (zeros pad up to it): this worker's pseudo-
+        # gradient RMS, averaged in the same reduce (on the scale of the values, so it survives the wire).
+        pad = -self._global.flat.numel() % self.codec.block
+        self._pseudo_grad = FlatBuffer(self.params, config.global_device, extra=pad + 1)
+        fed, on = self._global.flat.numel(), config.error_feedback
+        self._feedback = ErrorFeedback(self.codec, self._pseudo_grad.flat, fed=fed, on=on)
         self._global_param = torch.nn.Parameter(self._global.flat, requires_grad=False)
         self._global_param.grad = self._pseudo_grad.body
         momentum = config.outer_momentum
@@ -141,7 +145,7 @@ class DiLoCo:
 
     @property
     def reduce_numel(self) -> int:
-        """Values in one round's all-reduce: the pseudo-gradient, then one diagnostic value."""
+        """Values in one round's all-reduce: the pseudo-gradient, zeros up to a codec block, one diagnostic value."""
         return self._pseudo_grad.flat.numel()
 
     @property
@@ -184,11 +188,12 @@ class DiLoCo:
         train on meanwhile (the reduce reads a copy), though ``finish_round`` then sets it to the new global
         params; nothing else changes until ``finish_round``."""
         start = time.perf_counter()
-        pg, rms = self._pseudo_grad.body, self._pseudo_grad.tail
+        pg, rms = self._pseudo_grad.body, self._pseudo_grad.tail[-1:]
         self._pseudo_grad.copy_from(self.params)
         torch.sub(self._global.flat, pg, out=pg)
         local_norm = torch.linalg.vector_norm(pg).item()
         rms.fill_(local_norm / math.sqrt(pg.numel()))
+        self._feedback.feed(self._pseudo_grad.flat)  # the norm is the pseudo-gradient's own, without it
         handle = self.transport.all_reduce([self._pseudo_grad.flat], codec=self.codec, key=self.reduce_key)
         return PendingRound(round=self.round + 1, handle=handle, pseudo_grad_norm=local_norm, started=start)
 
@@ -199,7 +204,8 @@ class DiLoCo:
         if pending.round != self.round + 1:
             raise ValueError(f"pending round {pending.round} cannot finish: this worker is at round {self.round}")
         result = pending.handle.wait(self.config.reduce_timeout)
-        pg, rms = self._pseudo_grad.body, self._pseudo_grad.tail
+        self._feedback.commit()
+        pg, rms = self._pseudo_grad.body, self._pseudo_grad.tail[-1:]
         mean_norm = torch.linalg.vector_norm(pg).item()
         contributors_norm = rms.item() * math.sqrt(pg.numel())  # contributors' mean pseudo-gradient norm
         self.outer_optimizer.step()
@@ -235,7 +241,7 @@ class DiLoCo:
 
     def state_dict(self) -> dict[str, Any]:
         """Everything needed to continue bit-identically: model, global copy, both optimizers, counters,
-        and what the transport keeps about the run's state."""
+        the error-feedback residual (None without) and what the transport keeps about the run's state."""
         return {
             "model": [p.detach() for p in self.params],
             "global": self._global.flat,
@@ -243,6 +249,7 @@ class DiLoCo:
             "inner_optimizer": self.inner_optimizer.state_dict(),
             "inner_step": self.inner_step,
             "round": self.round,
+            "residual": self._feedback.residual,
             "transport": self.transport.state_dict(),
         }
 
@@ -264,6 +271,7 @@ class DiLoCo:
         self.inner_optimizer.load_state_dict(state["inner_optimizer"])
         self.inner_step = int(state["inner_step"])
         self.round = int(state["round"])
+        self._feedback.load(state.get("residual"))  # absent (older checkpoints) or None: zero
         if "transport" in state:  # absent from checkpoints written before it existed
             self.transport.load_state_dict(state["transport"])
 

@@ -45,7 +45,8 @@ class Sync:
         self.device = device
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.timeout = config.diloco.reduce_timeout
-        self.wire = codec_for(config.diloco.wire_dtype)  # DDP's gradients travel as DiLoCo's pseudo-gradients would
+        # DDP's gradients travel as DiLoCo's pseudo-gradients would (without error feedback: each step's are new)
+        self.wire = codec_for(config.diloco.wire_dtype, block=config.diloco.codec_block)
         mode = config.train.mode
         self.warm = config.train.ddp_warm_start if mode == "diloco" else 0  # DDP steps before DiLoCo takes over
         self.diloco: DiLoCo | None = None
