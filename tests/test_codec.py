@@ -166,3 +166,9 @@ def test_reference_mean_with_block_codecs_sums_decoded_payloads_in_order(codec):
     got = reference_mean(xs, codec)
     assert torch.equal(got, ((decoded[0] + decoded[1]) + decoded[2]) / 3)
     torch.testing.assert_close(got, sum(xs) / 3, atol=float(sum(x.abs().max() for x in xs)) / codec.qmax, rtol=0)
+
+
+def test_block_codecs_meet_their_byte_targets():
+    n = 25_000_000 + 192 + 1  # a 25M-parameter round: pseudo-gradient, zeros up to a block, the RMS
+    assert INT8.payload_bytes(n) / FP32.payload_bytes(n) <= 0.27  # 0.254 (bench/codec_bytes.py)
+    assert INT4.payload_bytes(n) / FP32.payload_bytes(n) <= 0.15  # 0.129

@@ -1,0 +1,76 @@
+"""Bytes on the wire and codec speed for a 25M-parameter flat model:
+
+    python bench/codec_bytes.py
+
+Prints ``RoundReport.bytes_sent`` of one DiLoCo round between 2 in-process workers for each wire
+(and its ratio to fp32), then, on one thread, the time to encode 25M values, to add one payload's
+decoded values into an fp32 sum (what a transport does per contributor), and error feedback's own
+cost per round (``ErrorFeedback.feed``: add the residual, encode, decode, subtract).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import torch
+
+from diloco_core import DiLoCo, DiLoCoConfig, codec_for
+from diloco_core.feedback import ErrorFeedback
+from transports import InProcessGroup
+
+N, WIRES = 25_000_000, ("fp32", "fp16", "int8", "int4")
+
+
+def _bytes_sent(wire: str) -> int:
+    group, sent = InProcessGroup(2), {}
+
+    def worker(rank: int) -> None:
+        model = torch.nn.Linear(N // 5, 5, bias=False)  # 25M trainable values
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        dl = DiLoCo(model, opt, group.transport(rank), DiLoCoConfig(inner_steps=1, wire_dtype=wire))
+        model.weight.grad = torch.full_like(model.weight, 1e-3 * (rank + 1))
+        sent[rank] = dl.step().bytes_sent
+
+    threads = [threading.Thread(target=worker, args=(r,)) for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert sent[0] == sent[1]
+    return sent[0]
+
+
+def _best_ms(fn, repeat: int = 5) -> float:
+    best = float("inf")
+    for _ in range(repeat):
+        start = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - start)
+    return best * 1e3
+
+
+def _times(codec) -> tuple[float, float, float]:
+    x, total = torch.randn(N), torch.zeros(N)
+    size, dtype = codec.payload_spec(N)
+    payload, scratch = torch.empty(size, dtype=dtype), torch.empty(N)
+    encode = _best_ms(lambda: codec.encode(x, out=payload))
+    add = _best_ms(lambda: codec.add_decoded(payload, total, scratch))
+    feedback = ErrorFeedback(codec, x, fed=N - 1, on=True)
+    return encode, add, _best_ms(lambda: feedback.feed(x))
+
+
+def main() -> None:
+    sent = {w: _bytes_sent(w) for w in WIRES}
+    for w in WIRES:
+        print(f"{w}: bytes_sent {sent[w]:,} = {sent[w] / sent['fp32']:.4f} x fp32")
+    torch.set_num_threads(1)
+    for w in WIRES[1:]:
+        encode, add, feed = _times(codec_for(w))
+        print(
+            f"{w}, 1 thread, 25M values: encode {encode:.0f} ms, add_decoded {add:.0f} ms, error feedback {feed:.0f} ms"
+        )
+
+
+if __name__ == "__main__":
+    main()
