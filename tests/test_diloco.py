@@ -584,7 +584,7 @@ def _feedback_rounds(wire_dtype: str, error_feedback: bool, rounds: int = 40):
     cfg = DiLoCoConfig(
         inner_steps=1, outer_lr=1.0, outer_momentum=0.0, wire_dtype=wire_dtype, error_feedback=error_feedback
     )
-    dl = DiLoCo(model, opt, InProcessGroup(1).transport(0), cfg)
+    dl = DiLoCo(model, opt, transport=InProcessGroup(1).transport(0), config=cfg)
     q = dl.codec.qmax
     start, pseudo_grads = dl.global_params[0].clone(), torch.zeros(n, dtype=torch.float64)
     for _ in range(rounds):
@@ -619,12 +619,8 @@ def test_the_diagnostic_rms_travels_in_a_block_of_its_own_and_is_not_fed():
     assert report.mean_pseudo_grad_norm != pytest.approx(3.0, rel=1e-3)  # the values were rounded...
     assert report.agreement == pytest.approx(report.mean_pseudo_grad_norm / 3.0, rel=1e-6)  # ...the RMS was not
     model = Scalar([0.0] * 300)
-    dl = DiLoCo(
-        model,
-        torch.optim.SGD(model.parameters(), lr=1.0),
-        InProcessGroup(1).transport(0),
-        DiLoCoConfig(wire_dtype="int8", codec_block=256),
-    )
+    opt, t = torch.optim.SGD(model.parameters(), lr=1.0), InProcessGroup(1).transport(0)
+    dl = DiLoCo(model, opt, transport=t, config=DiLoCoConfig(wire_dtype="int8", codec_block=256))
     assert dl.reduce_numel == 512 + 1 and dl.state_dict()["residual"].shape == (300,)
 
 
@@ -632,7 +628,8 @@ def test_a_failed_round_leaves_the_residual_for_its_retry():
     model = Scalar([0.0] * 40)
     opt = torch.optim.SGD(model.parameters(), lr=1.0)
     t = FailingTransport(InProcessGroup(1).transport(0), fail_at={3})  # 1: shape check, 2: round 1, 3: round 2
-    dl = DiLoCo(model, opt, t, DiLoCoConfig(inner_steps=1, wire_dtype="int4", codec_block=16, round_retries=0))
+    cfg = DiLoCoConfig(inner_steps=1, wire_dtype="int4", codec_block=16, round_retries=0)
+    dl = DiLoCo(model, opt, transport=t, config=cfg)
     for r in range(2):
         model.w.grad = torch.linspace(-1, 1, 40) * (r + 1)
         opt.step()

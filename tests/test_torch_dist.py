@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 import subprocess
 import sys
@@ -46,7 +47,7 @@ def test_buckets_and_shards_cut_at_codec_blocks_so_every_path_matches_reference(
     cases += [(w, b, 0.0004) for w in ("int8", "int4") for b in (16, 256)] + [("fp16", 256, 0.0004)]
     try:
         for wire, block, bucket_mb in cases:
-            results = world.run(_reduce_big, wire, block, bucket_mb)
+            results = world.run(functools.partial(_reduce_big, wire_dtype=wire, block=block, bucket_mb=bucket_mb))
             assert not any(isinstance(r, RankError) for r in results), results
             want = _big_reference(world_size, codec_for(wire, block=block))
             for res in results:
