@@ -10,7 +10,7 @@ import sys
 import pytest
 
 SRC = pathlib.Path(__file__).resolve().parents[1] / "src"
-CORE_BUDGET = 1000
+CORE_BUDGET = 1200  # 1000 until the lossy block codecs and error feedback (issue 11) joined the core
 FILE_BUDGET = 300  # lines per .py file under src/: a longer file holds more than one concept
 
 
