@@ -1,0 +1,127 @@
+"""The codec ablation: DiLoCo x4 of the convergence benchmark with each wire, error feedback on and off.
+
+Same protocol, seeds and settings as ``bench/convergence.py``'s ``diloco-4`` row (its defaults: 1100
+steps, H = 10, 100 DDP warm-start steps, batch 16, seq 64); only ``[diloco] wire_dtype`` and
+``error_feedback`` change. The wire also carries the warm start's DDP gradients (as the trainer does
+for any run that names a wire). The fp32 row and DDP's traffic are read from the convergence
+benchmark's folder (``--baseline``; ``diloco-4-sSEED`` and ``ddp-4-sSEED``), or run here if absent.
+A run already finished in ``--out`` is read back, not rerun.
+
+    python bench/codec_ablation.py --out runs/codecs --baseline runs/convergence
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from convergence import Outcome, run_one
+
+# name -> [diloco] overrides
+CODECS: dict[str, list[str]] = {
+    "fp32": [],
+    "int8-ef": ["diloco.wire_dtype=int8", "diloco.error_feedback=true"],
+    "int8-noef": ["diloco.wire_dtype=int8", "diloco.error_feedback=false"],
+    "int4-ef": ["diloco.wire_dtype=int4", "diloco.error_feedback=true"],
+    "int4-noef": ["diloco.wire_dtype=int4", "diloco.error_feedback=false"],
+}
+
+
+def _protocol(args: argparse.Namespace) -> list[str]:
+    return [
+        f"train.steps={args.steps}",
+        f"diloco.inner_steps={args.inner_steps}",
+        f"data.seq_len={args.seq_len}",
+        f"train.batch_size={args.batch_size}",
+        f"train.eval_every={max(args.steps // 10, 1)}",
+        "train.eval_batches=32",
+    ]
+
+
+def _outcome(*, name: str, mode: str, workers: int, seed: int, args: argparse.Namespace, extra: list[str]) -> Outcome:
+    """Read from the baseline folder when it holds this run (fp32 and DDP rows), else train it in --out."""
+    common = _protocol(args)
+    if mode == "diloco":
+        common.append(f"train.ddp_warm_start={args.warm_start}")
+    base = Path(args.baseline)
+    baseline_name = {"fp32": "diloco-4", "ddp-4": "ddp-4"}.get(name)
+    if baseline_name and (base / f"{baseline_name}-s{seed}" / "metrics.jsonl").is_file():
+        o = run_one(name=baseline_name, mode=mode, workers=workers, seed=seed, out=base, overrides=common)
+        return Outcome(**{**o.__dict__, "name": name})
+    run = name if mode == "ddp" else f"diloco-4-{name}"
+    return run_one(name=run, mode=mode, workers=workers, seed=seed, out=Path(args.out), overrides=common + extra)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", default="runs/codecs", help="folder for the codec runs and table.md / results.json")
+    p.add_argument("--baseline", default="runs/convergence", help="the convergence benchmark's folder")
+    p.add_argument("--codecs", default=",".join(CODECS), help=f"comma-separated subset of {list(CODECS)}")
+    p.add_argument("--seeds", default="0,1,2", help="comma-separated seeds")
+    p.add_argument("--steps", type=int, default=1100)
+    p.add_argument("--inner-steps", type=int, default=10)
+    p.add_argument("--seq-len", type=int, default=64)
+    p.add_argument("--batch-size", type=int, default=16)
+    p.add_argument("--warm-start", type=int, default=100)
+    args = p.parse_args(argv)
+    names = args.codecs.split(",")
+    unknown = sorted(set(names) - set(CODECS))
+    if unknown:
+        p.error(f"unknown codec row(s) {unknown}; valid: {list(CODECS)}")
+    seeds = [int(s) for s in args.seeds.split(",")]
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    start = time.perf_counter()
+    outcomes: dict[str, list[Outcome]] = {n: [] for n in ["ddp-4", *names]}
+    for seed in seeds:  # seed-major: every row has a first seed early
+        for name in ["ddp-4", *names]:
+            mode, workers = ("ddp", 4) if name == "ddp-4" else ("diloco", 4)
+            extra = CODECS.get(name, [])
+            outcomes[name].append(_outcome(name=name, mode=mode, workers=workers, seed=seed, args=args, extra=extra))
+    ddp = statistics.fmean(o.bytes_sent for o in outcomes["ddp-4"])
+    fp32 = statistics.fmean(o.eval_loss for o in outcomes["fp32"]) if "fp32" in outcomes else float("nan")
+    lines = [
+        "| wire | error feedback | seeds | eval loss (mean) | spread | vs fp32 | MB sent / worker | traffic vs DDP |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    results = {}
+    for name in names:
+        mine = outcomes[name]
+        loss = statistics.fmean(o.eval_loss for o in mine)
+        spread = max(o.eval_loss for o in mine) - min(o.eval_loss for o in mine)
+        sent = statistics.fmean(o.bytes_sent for o in mine)
+        wire, _, ef = name.partition("-")
+        results[name] = {
+            "eval_loss": loss,
+            "spread": spread,
+            "bytes": sent,
+            "vs_fp32": loss / fp32 - 1,
+            "seeds": len(mine),
+        }
+        lines.append(
+            f"| {wire} | {'-' if not ef else ef == 'ef'} | {len(mine)} | {loss:.4f} | {spread:.4f} "
+            f"| {100 * (loss / fp32 - 1):+.2f}% | {sent / 1e6:.1f} | 1/{ddp / sent:.1f} |"
+        )
+    text = "\n".join(lines) + "\n"
+    within = [n for n in names if n != "fp32" and results[n]["vs_fp32"] <= 0.01]
+    if within:
+        best = min(within, key=lambda n: results[n]["bytes"])
+        text += (
+            f"\nLargest traffic reduction within 1% of fp32: {best} ({100 * results[best]['vs_fp32']:+.2f}%), "
+            f"{ddp / results[best]['bytes']:.1f}x less than DDP ({ddp / 1e6:.1f} MB per worker).\n"
+        )
+    print(text)
+    Path(args.out, "table.md").write_text(text)
+    Path(args.out, "results.json").write_text(
+        json.dumps({"args": vars(args), "ddp_bytes": ddp, "rows": results}, indent=1)
+    )
+    print(f"total {time.perf_counter() - start:.0f} s", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
