@@ -78,22 +78,27 @@ def _check_round_trip(codec, x: torch.Tensor) -> torch.Tensor:
     payload = codec.encode(x)
     n = x.numel()
     assert (payload.numel(), payload.dtype) == codec.payload_spec(n) and payload.dtype == torch.uint8
-    codec.check(payload, n)
+    codec.check(payload, n)  # finite, non-negative scales that decode to finite values
     got = codec.decode(payload, torch.empty(n))
-    absmax = _per_value_absmax(codec, x)
+    assert torch.isfinite(got).all()
+    absmax = _per_value_absmax(codec, x).double()
     # within half a step (scale = absmax / q) of each value, up to fp32 rounding: a few ulps of the absmax
-    # (and nothing below fp32's smallest normal number, where the scale itself is subnormal)
-    assert ((got - x).abs() <= absmax / codec.qmax / 2 + absmax * 2**-21 + 2**-126).all()
+    # (and nothing below fp32's smallest normal number, where the scale itself is subnormal); in fp64, so
+    # that the bound itself cannot overflow next to fp32's max
+    assert ((got.double() - x.double()).abs() <= absmax / codec.qmax / 2 + absmax * 2**-21 + 2**-126).all()
     assert torch.equal(got[absmax == 0], torch.zeros_like(got[absmax == 0]))  # zero blocks: exact zeros
+    assert torch.equal(got[x == 0], torch.zeros_like(got[x == 0]))  # zeros in any block: exact zeros
     return payload
 
 
-finite = st.floats(min_value=-(2.0**122), max_value=2.0**122, width=32)  # far from fp32's max: decoded stay finite
+FP32_MAX = torch.finfo(torch.float32).max
+finite = st.floats(allow_nan=False, allow_infinity=False, width=32)  # up to fp32's max, subnormals too
+extremes = st.sampled_from([0.0, 1e-45, -1e-38, 1e-30, -3.0, 1e30, 1e38, -1e38, FP32_MAX, -FP32_MAX])
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=100, deadline=None, derandomize=True)
 @given(
-    values=st.lists(finite, max_size=600) | st.lists(st.sampled_from([0.0, 1e-30, -3.0, 1e30]), max_size=80),
+    values=st.lists(finite, max_size=600) | st.lists(extremes, max_size=80),
     codec=st.sampled_from(BLOCK_CODECS),
     start_block=st.integers(0, 3),
 )
@@ -131,14 +136,46 @@ def test_block_codec_payload_sizes_and_layout():
     assert INT8.encode(torch.tensor([1.0, -127.0, 3.0]))[4:7].view(torch.int8).tolist() == [1, -127, 3]
 
 
-def test_huge_values_stay_finite_and_non_finite_input_is_refused():
-    for codec in BLOCK_CODECS:
-        x = torch.tensor([1e30, -1e30, 3e29, 0.0, 1e-30])
-        got = codec.decode(codec.encode(x), torch.empty(5))
-        assert torch.isfinite(got).all() and got[0] == pytest.approx(1e30, rel=1e-6)
-        for bad in (float("nan"), float("inf"), float("-inf")):
-            with pytest.raises(ValueError, match=f"{codec.name} cannot encode NaN or infinite values"):
-                codec.encode(torch.tensor([1.0, bad, 2.0]))
+@pytest.mark.parametrize("codec", BLOCK_CODECS, ids=lambda c: f"{c.name}-{c.block}")
+@pytest.mark.parametrize("huge", [1e30, 1e38, FP32_MAX])
+def test_huge_values_next_to_tiny_ones_stay_finite_and_within_half_a_step(codec, huge):
+    # huge and tiny values in one block, a block of tiny values, a block of zeros, a partial block of both signs
+    b = codec.block
+    x = torch.zeros(3 * b + 5)
+    x[:b] = torch.linspace(-1e-30, 1e-30, b)
+    x[0], x[1], x[2] = huge, -huge, huge / 3
+    x[b : 2 * b] = torch.linspace(-1e-38, 1e-38, b)
+    x[3 * b :] = torch.tensor([-huge, huge, 1e-45, 0.0, -7.0])
+    payload = _check_round_trip(codec, x)
+    got = codec.decode(payload, torch.empty(x.numel()))
+    assert got[0] == pytest.approx(huge, rel=1e-5) and got[1] == pytest.approx(-huge, rel=1e-5)
+    assert (got[b : 2 * b].double() - x[b : 2 * b].double()).abs().max() <= 1e-38 / codec.qmax  # own scale
+    mean = mean_of_payloads([payload], codec, out=torch.empty(x.numel()))
+    assert torch.equal(mean, got)  # one contributor: its decoded values, finite
+
+
+@pytest.mark.parametrize("codec", BLOCK_CODECS, ids=lambda c: f"{c.name}-{c.block}")
+def test_non_finite_input_is_a_clear_error_naming_where(codec):
+    for bad in (float("nan"), float("inf"), float("-inf")):
+        with pytest.raises(ValueError, match=f"{codec.name} cannot encode NaN or infinite values"):
+            codec.encode(torch.tensor([1.0, bad, 2.0]))
+
+
+@settings(max_examples=50, deadline=None, derandomize=True)
+@given(
+    values=st.lists(finite, min_size=1, max_size=600),
+    bad=st.sampled_from([float("nan"), float("inf"), float("-inf")]),
+    where=st.integers(0, 599),
+    codec=st.sampled_from(BLOCK_CODECS),
+)
+def test_one_non_finite_value_anywhere_is_refused(values, bad, where, codec):
+    x = torch.tensor(values, dtype=torch.float32)
+    i = where % x.numel()
+    x[i] = bad
+    with pytest.raises(ValueError, match=f"{codec.name} cannot encode NaN or infinite values") as e:
+        codec.encode(x)
+    start, stop = (int(v) for v in e.value.args[0].rsplit("[", 1)[1].rstrip(")").split(", "))
+    assert start <= i < stop  # the message names a range that holds it
 
 
 @pytest.mark.parametrize("codec", [INT8, INT4], ids=lambda c: c.name)
@@ -149,13 +186,18 @@ def test_block_codecs_refuse_corrupt_payloads(codec):
         codec.check(payload[:-1], 600)
     with pytest.raises(ValueError, match="torch.uint8"):
         codec.check(payload.view(torch.int8), 600)
-    for bad in (float("nan"), float("inf"), -1.0):
+    # NaN, inf, negative, and finite but so large that the block's codes would decode to inf
+    for bad in (float("nan"), float("inf"), -1.0, FP32_MAX / codec.qmax * 1.01):
         corrupt = payload.clone()
         corrupt[4:8].view(torch.float32).fill_(bad)  # the second block's scale
         with pytest.raises(ValueError, match="NaN, infinite or negative scale"):
             codec.check(corrupt, 600)
         with pytest.raises(ValueError, match="NaN, infinite or negative scale"):  # never a silently wrong mean
             mean_of_payloads([payload, corrupt], codec, out=torch.empty(600))
+        into = torch.ones(600)
+        with pytest.raises(ValueError, match="NaN, infinite or negative scale"):
+            codec.add_decoded(corrupt, into)
+        assert torch.equal(into, torch.ones(600))  # refused before anything was added
 
 
 @pytest.mark.parametrize("codec", BLOCK_CODECS, ids=lambda c: f"{c.name}-{c.block}")

@@ -9,7 +9,17 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from diloco_core import FP32, DiLoCo, DiLoCoConfig, ReduceHandle, RunState, Transport, TransportError
+from diloco_core import (
+    FP32,
+    DiLoCo,
+    DiLoCoConfig,
+    ReduceHandle,
+    RunState,
+    Transport,
+    TransportError,
+    codec_for,
+    reference_mean,
+)
 from diloco_core.config import outer_lr_for
 from transports import InProcessGroup
 
@@ -186,9 +196,11 @@ def _train(dl: DiLoCo, opt: torch.optim.Optimizer, rank: int, steps: range) -> N
         opt.zero_grad()
 
 
-@pytest.mark.parametrize("wire_dtype", ["fp32", "bf16", "int8", "int4"])  # lossy ones with error feedback
+# lossy ones with error feedback; block 16: the 74 parameters in five blocks, the last one partial
+@pytest.mark.parametrize("wire_dtype", ["fp32", "bf16", "int8", "int4", "int8/16", "int4/16"])
 def test_resume_from_a_saved_round_is_bit_identical(wire_dtype):
-    cfg = DiLoCoConfig(inner_steps=3, wire_dtype=wire_dtype)
+    wire_dtype, _, block = wire_dtype.partition("/")
+    cfg = DiLoCoConfig(inner_steps=3, wire_dtype=wire_dtype, codec_block=int(block or 256))
     saved: dict[int, bytes] = {}
 
     def uninterrupted(t: Transport):
@@ -642,3 +654,46 @@ def test_a_failed_round_leaves_the_residual_for_its_retry():
     assert torch.equal(dl.state_dict()["residual"], kept)  # the retry feeds the same residual again
     dl.sync()
     assert not torch.equal(dl.state_dict()["residual"], kept)
+
+
+# -- a worker whose pseudo-gradient is not finite: a clear error there, left out of the mean elsewhere ----------
+
+
+@pytest.mark.parametrize(
+    ("wire_dtype", "error_feedback"),
+    [("int8", True), ("int8", False), ("int4", True), ("fp32", True), ("fp16", True)],
+)
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_a_non_finite_pseudo_gradient_is_a_clear_error_and_never_part_of_the_mean(wire_dtype, error_feedback, bad):
+    start, targets = [1.0, 2.0, 2.0], [[0.0, 0.0, 0.0], [1.0, 1.0, 1.0], [0.5, bad, 0.5]]
+    cfg = DiLoCoConfig(
+        inner_steps=1, outer_lr=1.0, outer_momentum=0.0, wire_dtype=wire_dtype, error_feedback=error_feedback
+    )
+
+    def worker(t: Transport):
+        model = Scalar(start)
+        opt = torch.optim.SGD(model.parameters(), lr=1.0)
+        dl = DiLoCo(model, opt, t, cfg)
+        move_to(model, opt, targets[t.rank])
+        if t.rank < 2:
+            return dl.step(), dl.global_params[0].clone()
+        with pytest.raises(ValueError, match="NaN or infinite"):
+            dl.step()
+        assert torch.equal(dl.global_params[0], torch.tensor(start)) and dl.round == 0  # nothing changed
+        t.close()  # as a crashed worker leaves: the others' round completes without it
+        return None, None
+
+    results = run_threads(3, worker)
+    pseudo_grads = [torch.tensor(start) - torch.tensor(x) for x in targets[:2]]
+    want = torch.tensor(start) - reference_mean(pseudo_grads, codec_for(wire_dtype, cfg.codec_block))
+    for report, params in results[:2]:
+        assert report.num_contributors == 2 and torch.equal(params, want)
+
+
+@pytest.mark.parametrize("wire_dtype", ["fp32", "int8", "int4"])
+def test_a_huge_finite_pseudo_gradient_is_sent_and_its_norm_reported(wire_dtype):
+    # its sum of squares overflows fp32 (1e60): the norm, and the RMS that travels with it, must not be inf
+    (report,) = _one_round([[-1e30, -2e30, -2e30]], wire_dtype)  # start [1, 2, 2]: pseudo-gradient ~[1, 2, 2] e30
+    assert report.pseudo_grad_norm == pytest.approx(3e30, rel=1e-6) and report.num_contributors == 1
+    assert report.mean_pseudo_grad_norm == pytest.approx(3e30, rel=0.05)  # int4 rounds 1 to 8/7 here
+    assert report.agreement == pytest.approx(1.0, rel=0.05)

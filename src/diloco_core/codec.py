@@ -154,6 +154,8 @@ class BlockCodec(Codec):
                     f"{self.name} cannot encode NaN or infinite values (one is in [{part.start}, {part.stop}))"
                 )
             scale = torch.div(absmax, q, out=scales[i:j])
+            # absmax / q rounds up for absmax = fp32's max at q = 127: q * scale would decode to inf
+            torch.where(torch.isinf(scale * q), scale.nextafter(scale.new_zeros(())), scale, out=scale)
             x.div_(torch.where(scale > 0, scale, 1.0)[:, None]).round_().clamp_(-q, q)
             if self.bits == 8:
                 codes[i:j].view(torch.int8).copy_(x)
@@ -177,8 +179,8 @@ class BlockCodec(Codec):
     def check(self, payload: torch.Tensor, numel: int) -> None:
         super().check(payload, numel)
         scales = self._parts(payload, numel)[0]
-        if not bool(((scales >= 0) & (scales < float("inf"))).all()):  # False for NaN too
-            raise ValueError(f"{self.name} payload holds a NaN, infinite or negative scale")
+        if not bool(((scales >= 0) & (scales * self.qmax < float("inf"))).all()):  # False for NaN too
+            raise ValueError(f"{self.name} payload holds a NaN, infinite or negative scale, or one that decodes to inf")
 
 
 def check_block(block: object, name: str = "block") -> None:

@@ -57,6 +57,12 @@ class RoundReport:
     own all-reduce (one extra value), so reading it costs no extra round trip."""
 
 
+def _norm(t: torch.Tensor) -> float:
+    """The L2 norm of fp32 ``t``; summed in fp64 where the fp32 sum of squares overflows (values past ~1e19)."""
+    norm = torch.linalg.vector_norm(t).item()
+    return norm if math.isfinite(norm) else torch.linalg.vector_norm(t, dtype=torch.float64).item()
+
+
 class DiLoCo:
     """Wraps a model and its inner optimizer; every ``inner_steps``-th ``step()`` runs an outer round.
 
@@ -191,7 +197,12 @@ class DiLoCo:
         pg, rms = self._pseudo_grad.body, self._pseudo_grad.tail[-1:]
         self._pseudo_grad.copy_from(self.params)
         torch.sub(self._global.flat, pg, out=pg)
-        local_norm = torch.linalg.vector_norm(pg).item()
+        local_norm = _norm(pg)
+        if not math.isfinite(local_norm):  # on any wire the mean would be NaN or inf on every worker
+            raise ValueError(
+                f"round {self.round + 1}: this worker's pseudo-gradient holds NaN or infinite values "
+                "(its local training diverged); it was not sent and nothing changed"
+            )
         rms.fill_(local_norm / math.sqrt(pg.numel()))
         self._feedback.feed(self._pseudo_grad.flat)  # the norm is the pseudo-gradient's own, without it
         handle = self.transport.all_reduce([self._pseudo_grad.flat], codec=self.codec, key=self.reduce_key)
@@ -206,7 +217,7 @@ class DiLoCo:
         result = pending.handle.wait(self.config.reduce_timeout)
         self._feedback.commit()
         pg, rms = self._pseudo_grad.body, self._pseudo_grad.tail[-1:]
-        mean_norm = torch.linalg.vector_norm(pg).item()
+        mean_norm = _norm(pg)
         contributors_norm = rms.item() * math.sqrt(pg.numel())  # contributors' mean pseudo-gradient norm
         self.outer_optimizer.step()
         self._global.copy_to(self.params)
