@@ -14,7 +14,7 @@ import torch
 from .codec import FP32, codec_for
 from .config import DiLoCoConfig, outer_lr_for
 from .feedback import ErrorFeedback
-from .flat import FlatBuffer
+from .flat import FlatBuffer, norm_of
 from .run_state import RunState
 from .transport import ReduceHandle, StateReplaced, Transport, TransportError
 
@@ -57,12 +57,6 @@ class RoundReport:
     own all-reduce (one extra value), so reading it costs no extra round trip."""
 
 
-def _norm(t: torch.Tensor) -> float:
-    """The L2 norm of fp32 ``t``; summed in fp64 where the fp32 sum of squares overflows (values past ~1e19)."""
-    norm = torch.linalg.vector_norm(t).item()
-    return norm if math.isfinite(norm) else torch.linalg.vector_norm(t, dtype=torch.float64).item()
-
-
 class DiLoCo:
     """Wraps a model and its inner optimizer; every ``inner_steps``-th ``step()`` runs an outer round.
 
@@ -91,10 +85,7 @@ class DiLoCo:
         transport: Transport,
         config: DiLoCoConfig,
     ) -> None:
-        self.model = model
-        self.inner_optimizer = inner_optimizer
-        self.transport = transport
-        self.config = config
+        self.model, self.inner_optimizer, self.transport, self.config = model, inner_optimizer, transport, config
         own = transport.own_timeout
         if own is not None and own > config.reduce_timeout:
             raise ValueError(
@@ -105,8 +96,7 @@ class DiLoCo:
         self.params = [p for p in model.parameters() if p.requires_grad]
         if not self.params:
             raise ValueError("model has no trainable parameters")
-        self.inner_step = 0
-        self.round = 0
+        self.inner_step, self.round = 0, 0
         self.codec = codec_for(config.wire_dtype, config.codec_block)
         """How pseudo-gradients travel (``config.wire_dtype`` names it)."""
         self.reduce_key = "diloco/round"
@@ -197,12 +187,12 @@ class DiLoCo:
         pg, rms = self._pseudo_grad.body, self._pseudo_grad.tail[-1:]
         self._pseudo_grad.copy_from(self.params)
         torch.sub(self._global.flat, pg, out=pg)
-        local_norm = _norm(pg)
+        local_norm = norm_of(pg)
         if not math.isfinite(local_norm):  # on any wire the mean would be NaN or inf on every worker
-            raise ValueError(
-                f"round {self.round + 1}: this worker's pseudo-gradient holds NaN or infinite values "
-                "(its local training diverged); it was not sent and nothing changed"
+            msg = (
+                "pseudo-gradient holds NaN or infinite values (its local training diverged); not sent, nothing changed"
             )
+            raise ValueError(f"round {self.round + 1}: this worker's {msg}")
         rms.fill_(local_norm / math.sqrt(pg.numel()))
         self._feedback.feed(self._pseudo_grad.flat)  # the norm is the pseudo-gradient's own, without it
         handle = self.transport.all_reduce([self._pseudo_grad.flat], codec=self.codec, key=self.reduce_key)
@@ -217,7 +207,7 @@ class DiLoCo:
         result = pending.handle.wait(self.config.reduce_timeout)
         self._feedback.commit()
         pg, rms = self._pseudo_grad.body, self._pseudo_grad.tail[-1:]
-        mean_norm = _norm(pg)
+        mean_norm = norm_of(pg)
         contributors_norm = rms.item() * math.sqrt(pg.numel())  # contributors' mean pseudo-gradient norm
         self.outer_optimizer.step()
         self._global.copy_to(self.params)

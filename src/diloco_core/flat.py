@@ -6,7 +6,13 @@ from collections.abc import Sequence
 
 import torch
 
-__all__ = ["FlatBuffer"]
+__all__ = ["FlatBuffer", "norm_of"]
+
+
+def norm_of(t: torch.Tensor) -> float:
+    """The L2 norm of fp32 ``t``; summed in fp64 where the fp32 sum of squares overflows (values past ~1e19)."""
+    norm = torch.linalg.vector_norm(t).item()
+    return norm if norm < float("inf") else torch.linalg.vector_norm(t, dtype=torch.float64).item()
 
 
 class FlatBuffer:
