@@ -164,17 +164,27 @@ class BlockCodec(Codec):
                 torch.bitwise_left_shift(u[:, half:], 4, out=codes[i:j]).bitwise_or_(u[:, :half])
         return out
 
-    def add_decoded(self, payload: torch.Tensor, into: torch.Tensor, scratch: torch.Tensor | None = None) -> None:
-        self.check(payload, into.numel())  # a peer's NaN or negative scale would be a silently wrong mean
-        scales, codes = self._parts(payload, into.numel())
+    def _decoded(self, payload: torch.Tensor, numel: int, device: torch.device) -> Iterator[tuple[slice, torch.Tensor]]:
+        """(slice, its decoded values) chunk by chunk, in a small reused buffer: no scratch needed."""
+        self.check(payload, numel)  # a peer's NaN or negative scale would be a silently wrong mean
+        scales, codes = self._parts(payload, numel)
         half = self.block // 2
-        for i, j, part, x in self._chunks(into.numel(), into.device):  # no scratch needed: chunk by chunk
+        for i, j, part, x in self._chunks(numel, device):
             if self.bits == 8:
                 x.copy_(codes[i:j].view(torch.int8))
             else:
                 x[:, :half].copy_((codes[i:j] & 15).view(torch.int8).sub_(8))
                 x[:, half:].copy_((codes[i:j] >> 4).view(torch.int8).sub_(8))
-            into[part].add_(x.mul_(scales[i:j, None]).view(-1)[: part.stop - part.start])
+            yield part, x.mul_(scales[i:j, None]).view(-1)[: part.stop - part.start]
+
+    def add_decoded(self, payload: torch.Tensor, into: torch.Tensor, scratch: torch.Tensor | None = None) -> None:
+        for part, values in self._decoded(payload, into.numel(), into.device):
+            into[part].add_(values)
+
+    def decode(self, payload: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        for part, values in self._decoded(payload, out.numel(), out.device):  # a copy: no zeroing, no add
+            out[part].copy_(values)
+        return out
 
     def check(self, payload: torch.Tensor, numel: int) -> None:
         super().check(payload, numel)
