@@ -12,6 +12,10 @@ whole payload); with n peers each sends n - 1 payloads, like an all-gather.
 
 Everything received is checked before use: the shape and dtype of every message, and every payload
 with ``codec.check`` (shape, dtype, finite non-negative scales).
+
+Like ``reducer.Runner`` it overrides hivemind's private ``AllReduceRunner._generate_input_for_peer``,
+``_communicate_with_peer`` and ``_accumulate_parts_streaming`` and reads private attributes of its
+``TensorPartContainer``: check them against hivemind's before widening the pin (pyproject.toml).
 """
 
 import asyncio
