@@ -161,11 +161,58 @@ def test_sixteen_bit_wire_sends_fewer_bytes(swarm):
     assert sent["fp16"] * 2 == sent["fp32"]
 
 
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("wire_dtype", ["int8", "int4"])
+def test_block_codecs_give_every_peer_the_reference_mean_in_group_order(wire_dtype):
+    """Parts of a few blocks each (part_size_bytes=512, block 16) spread over 3 owners, a partial last block:
+    every peer holds the very same bits, the fp32 mean of the decoded payloads summed in group order."""
+    codec = codec_for(wire_dtype, block=16)
+    cfg = dict(run_id=f"blocks-{wire_dtype}", secret="q", target_group_size=3, **FAST)
+    peers = [HivemindTransport(HivemindConfig(**cfg), part_size_bytes=512)]
+    try:
+        for _ in range(2):
+            joiner = HivemindConfig(**cfg, initial_peers=peers[0].join_addresses)
+            peers.append(HivemindTransport(joiner, part_size_bytes=512))
+        sizes = [(37, 41), (1003,)]  # 2520 values: 158 blocks of 16, the last one partial
+        contributions = [[torch.randn(s, generator=torch.Generator().manual_seed(i)) for s in sizes] for i in range(3)]
+        tensors = [[t.clone() for t in c] for c in contributions]
+        results = _together([lambda t=t, x=x: t.all_reduce(x, codec=codec).wait(30) for t, x in zip(peers, tensors)])
+        assert _contributors(results) == [3, 3, 3]
+        by_rank = sorted(range(3), key=lambda i: peers[i].rank)  # the group's order
+        flat = [torch.cat([t.reshape(-1) for t in contributions[i]]) for i in by_rank]
+        want = reference_mean(flat, codec).split([37 * 41, 1003])
+        for x in tensors:
+            assert torch.equal(x[0].reshape(-1), want[0]) and torch.equal(x[1], want[1])
+    finally:
+        for p in peers:
+            p.close()
+
+
+@pytest.mark.timeout(60)
+def test_block_codecs_send_a_quarter_and_an_eighth_of_fp32s_bytes(swarm):
+    """Two peers: each sends its whole payload once (its parts to the other's slice, its own slice's payloads
+    back), exactly the codec's payload bytes: int8 0.254x, int4 0.129x of fp32 at block 256. 1.1M values
+    and a partial last block: several parts of 512 KB, so both peers own some."""
+    numel, sent = 1_100_001, {}
+    for wire in ("fp32", "int8", "int4"):
+        values, codec = [[torch.randn(numel)] for _ in range(2)], codec_for(wire)
+        results = _together(
+            [lambda t=t, x=x, c=codec: t.all_reduce(x, codec=c).wait(30) for t, x in zip(swarm, values)]
+        )
+        assert _contributors(results) == [2, 2]
+        assert all(r.bytes_sent == r.bytes_received == codec.payload_bytes(numel) for r in results), results
+        sent[wire] = results[0].bytes_sent
+    assert sent["int8"] <= 0.27 * sent["fp32"] and sent["int4"] <= 0.15 * sent["fp32"], sent
+
+
 @pytest.mark.timeout(60)
 def test_alone_a_peer_keeps_its_own_values_with_one_contributor(swarm):
     x = [torch.tensor([1.0, 2.5])]
     result = swarm[2].all_reduce(x).wait(30)
     assert result.num_contributors == 1 and torch.equal(x[0], torch.tensor([1.0, 2.5]))
+    x, int4 = [torch.tensor([1.0, 2.4, -0.3])], codec_for("int4", block=16)
+    assert swarm[2].all_reduce(x, codec=int4).wait(30).num_contributors == 1
+    assert torch.equal(x[0], reference_mean([torch.tensor([1.0, 2.4, -0.3])], int4))  # as it travels
 
 
 @pytest.mark.timeout(60)
@@ -194,18 +241,25 @@ def test_a_full_group_starts_without_waiting_out_matchmaking_time():
 
 
 @pytest.mark.timeout(90)
-def test_a_reducer_that_sends_its_groupmates_a_different_mean_commits_nowhere():
+@pytest.mark.parametrize("wire_dtype", ["fp32", "int8", "int8-nan-scale"])
+def test_a_reducer_that_sends_its_groupmates_a_different_mean_commits_nowhere(wire_dtype):
     """Each reducer keeps its slice's true mean but sends groupmates a changed one (a fault given to the
-    averager processes forked below): the digests differ, so no peer commits and every input is untouched."""
+    averager processes forked below; int8: one code of the other contributors' payloads it sends back, or a
+    NaN scale, which the receiver's check refuses): no peer commits and every input is untouched."""
 
     def corrupt(mean: torch.Tensor) -> torch.Tensor:
         out = mean.clone()
-        out.view(-1)[0] = torch.nextafter(out.view(-1)[0], torch.tensor(float("inf"), dtype=out.dtype))  # one ulp
+        if wire_dtype == "int8-nan-scale":  # int8 payloads of 64 values (one block): its scale first
+            out[:4] = torch.tensor([float("nan")]).view(torch.uint8)
+        elif wire_dtype == "int8":  # then its codes: the first value's, one step
+            out[4] ^= 1
+        else:
+            out.view(-1)[0] = torch.nextafter(out.view(-1)[0], torch.tensor(float("inf"), dtype=out.dtype))  # 1 ulp
         return out
 
     faults = HivemindFaults(reducer_sends_mean=corrupt)
     cfg = {
-        "run_id": "corrupt",
+        "run_id": f"corrupt-{wire_dtype}",
         "secret": "c",
         "host_maddrs": LOCAL,
         "matchmaking_time": 2.0,
@@ -216,9 +270,12 @@ def test_a_reducer_that_sends_its_groupmates_a_different_mean_commits_nowhere():
     try:
         peers.append(HivemindTransport(HivemindConfig(**cfg, initial_peers=peers[0].join_addresses), faults=faults))
         tensors = [[torch.full((64,), float(i + 1))] for i in range(2)]
-        results = _together([lambda t=t, x=x: t.all_reduce(x).wait(60) for t, x in zip(peers, tensors)])
-        for r in results:
-            assert isinstance(r, TransportError) and "different result" in str(r), results
+        codec = codec_for(wire_dtype.split("-")[0])
+        results = _together([lambda t=t, x=x: t.all_reduce(x, codec=codec).wait(60) for t, x in zip(peers, tensors)])
+        for r in results:  # the receiver of a NaN scale refuses it; its groupmate then sees it fail
+            assert isinstance(r, TransportError), results
+            assert "different result" in str(r) or "negative scale" in str(r), results
+        assert wire_dtype != "int8-nan-scale" or any("negative scale" in str(r) for r in results), results
         assert all(torch.equal(x[0], torch.full((64,), float(i + 1))) for i, x in enumerate(tensors))
     finally:
         for p in peers:

@@ -4,15 +4,20 @@ Peers have no fixed ranks: whoever matchmakes within ``matchmaking_time`` forms 
 One all-reduce (``HivemindTransport.all_reduce``) runs in phases:
 
 1. matchmaking: a group forms; if none forms, the peer is alone: its own values, 1 contributor, logged.
-   Meanwhile the fp32 values are encoded by the codec (element-wise: rounded to the wire dtype) into a
-   flat buffer owned by a hivemind averager (one per reduce key, size and codec, created on first use:
-   hivemind fixes tensors at construction). Reduces run one at a time, in call order;
+   Meanwhile the fp32 values are copied into a flat buffer owned by a hivemind averager (one per reduce
+   key, size and codec, created on first use: hivemind fixes tensors at construction), rounded to the
+   wire dtype for casts, kept in fp32 for block codecs (encoded per part in phase 3). Reduces run one at
+   a time, in call order;
 2. state check (for the reduces of the run state's key: DiLoCo's rounds): groupmates' state tags
    came with matchmaking; if they differ nothing is sent, peers holding the group's state retry
    without the others, and a peer that is behind takes the group's state (``StateReplaced``);
-3. butterfly all-reduce: every peer reduces one slice, summing the wire values in fp32 *in group
-   order* (``mean_of_payloads``) and sending back the mean rounded to the wire dtype (not hivemind's
-   compressed delta ``local + fp16(avg - local)``), so every participant holds the very same bits;
+3. butterfly all-reduce: every peer owns one slice of the values. Casts: the owner sums the wire
+   values in fp32 *in group order* (``mean_of_payloads``) and sends back the mean rounded to the wire
+   dtype (not hivemind's compressed delta ``local + fp16(avg - local)``). Block codecs (int8, int4):
+   parts are cut at codec blocks, every contributor sends the owner its payload of each part, the owner
+   sends each groupmate the *other* contributors' payloads, and every peer sums all of a part's
+   payloads in group order itself (``block_runner``): the mean is never re-quantized. Either way every
+   participant holds the very same bits;
 4. confirm: every peer sends (ok, digest of its result) to every groupmate. It commits only if all
    groupmates reported ok with its own digest; a lost peer or a partial all-reduce (hivemind fills a
    dead reducer's slice with local values) fails the attempt on every survivor, and the round is
@@ -21,10 +26,16 @@ One all-reduce (``HivemindTransport.all_reduce``) runs in phases:
 5. on commit the mean is copied into the caller's tensors and the state tag advances; otherwise they
    are untouched and ``TransportError`` is raised, so DiLoCo keeps its state and the caller may retry.
 
-Exact guarantee: the result is ``to_wire(sum_in_group_order(to_wire(x_i)) / n)`` widened to fp32 (for
-fp32 the rounding is the identity), bit-identical on every contributor. Against
+Exact guarantee, casts: the result is ``to_wire(sum_in_group_order(to_wire(x_i)) / n)`` widened to
+fp32 (for fp32 the rounding is the identity), bit-identical on every contributor. Against
 ``diloco_core.wire.reference_mean`` it differs by the final rounding to the wire dtype (at most half
-an ulp of the wire dtype) and, for 3 or more peers, by fp32 summation order.
+an ulp of the wire dtype) and, for 3 or more peers, by fp32 summation order. Block codecs: the result
+is ``sum_in_group_order(decode(encode(x_i))) / n`` in fp32, never rounded again, bit-identical on every
+contributor: ``reference_mean`` of the contributions in group order, exactly (so for 2 peers in any
+order). Bytes sent per peer, counted as they go (payload bytes, not framing): for 2 peers one whole
+payload of its values, like the butterfly (int8 0.254x, int4 0.129x of fp32 at block 256); for n
+peers n - 1 payloads (casts: the butterfly's about 2(n - 1)/n). Alone, a peer gets its own values as
+they travel (``decode(encode(x))``).
 
 ``broadcast`` has no source rank: the run's first peer (started without ``initial_peers``) keeps its
 values, a joining peer downloads them from any peer that already holds them (``src`` must be 0,
@@ -35,13 +46,14 @@ on joining and when a round finds this peer behind its group).
 
 Only peers that know the run's ``secret`` can take part: every DHT key and RPC namespace is derived
 from HMAC-SHA256(secret, run_id). Nothing received is unpickled (protobuf and msgpack only) and every
-received tensor is checked for shape, dtype and finite values before use.
+received tensor is checked for shape, dtype and finite values before use (a block codec's payloads
+with ``codec.check``: shape, dtype, finite non-negative scales).
 
 One concept per module: ``config`` (HivemindConfig), ``transport`` (HivemindTransport, phases 1 and 5),
-``averager`` (phases 2 and 4), ``reducer`` (phase 3), ``state_tag`` (the state tag and the stale
-verdict), ``tracked_state`` (a peer's tag, re-sync), ``state_server`` (state for joiners), ``checks``
-(received tensors), ``handle`` (what all_reduce returns), ``resources`` (processes, close),
-``faults`` (HivemindFaults, for tests), ``requirement``
+``averager`` (phases 2 and 4), ``reducer`` (phase 3), ``block_runner`` (phase 3 for block codecs),
+``state_tag`` (the state tag and the stale verdict), ``tracked_state`` (a peer's tag, re-sync),
+``state_server`` (state for joiners), ``checks`` (received tensors), ``handle`` (what all_reduce
+returns), ``resources`` (processes, close), ``faults`` (HivemindFaults, for tests), ``requirement``
 (the install hint when hivemind is missing).
 """
 

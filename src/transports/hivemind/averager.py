@@ -1,8 +1,9 @@
 """``Averager``: hivemind's ``DecentralizedAverager`` with the state check and the confirmation of a round.
 
 Phase 2 (state check): groupmates' state tags came with matchmaking; if they differ nobody sends anything.
-Phase 3 runs ``reducer.Runner``. Phase 4 (confirm): every peer sends (ok, digest of its result) to every
-groupmate and commits only if all of them reported ok with its own digest.
+Phase 3 runs ``reducer.Runner`` (casts) or ``block_runner.BlockRunner`` (block codecs). Phase 4
+(confirm): every peer sends (ok, digest of its result) to every groupmate and commits only if all of
+them reported ok with its own digest.
 
 It overrides hivemind's private ``DecentralizedAverager._aggregate_with_group``,
 ``DecentralizedAverager._run_allreduce_inplace_`` and ``DecentralizedAverager._shutdown``, and uses private
@@ -27,6 +28,7 @@ from hivemind.proto import averaging_pb2, runtime_pb2
 
 from diloco_core.codec import Codec
 
+from .block_runner import BlockRunner
 from .faults import HivemindFaults
 from .reducer import Runner
 from .state_tag import StaleStateError, stale_verdict, tag_or_none
@@ -90,7 +92,8 @@ class Averager(DecentralizedAverager):
         try:
             await super()._aggregate_with_group(group_info, min_vector_size, **kwargs)
             peers = [p.to_bytes() for p in group_info.peer_ids]
-            return {"peers": peers, "digest": self._groups[group_id]["digest"]}
+            done = self._groups[group_id]
+            return {"peers": peers, "digest": done["digest"], "sent": done["sent"], "received": done["received"]}
         finally:
             self._groups.pop(group_id, None)
 
@@ -98,7 +101,9 @@ class Averager(DecentralizedAverager):
         self, tensors: Sequence[torch.Tensor], group_info: Any, group_id: bytes | None = None, **kwargs: Any
     ) -> None:
         group_id = group_info.group_id if group_id is None else group_id
-        runner = Runner(
+        # Block codecs: payloads gathered per block-aligned part (block_runner); casts: the butterfly (reducer).
+        runner_type = Runner if self.codec.elementwise_dtype is not None else BlockRunner
+        runner = runner_type(
             p2p=self._p2p,
             servicer_type=type(self),
             prefix=self.prefix,
@@ -122,7 +127,7 @@ class Averager(DecentralizedAverager):
             error = f"{type(e).__name__}: {e}"
         digest = b"" if error else runner.digest()
         await self._confirm(group_info.peer_ids, group_id, error=error, digest=digest)
-        self._groups[group_id]["digest"] = digest
+        self._groups[group_id].update(digest=digest, sent=runner.bytes_sent, received=runner.bytes_received)
 
     async def _confirm(self, peer_ids: Sequence[Any], group_id: bytes, *, error: str | None, digest: bytes) -> None:
         others = [p for p in peer_ids if p != self.peer_id]

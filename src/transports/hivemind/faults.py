@@ -16,4 +16,5 @@ class HivemindFaults:
     reducer_received_part: Callable[[], None] | None = None
     """Called each time this peer, as a reducer, has received (and checked) a part of a groupmate's values."""
     reducer_sends_mean: Callable[[torch.Tensor], torch.Tensor] | None = None
-    """Replaces the mean part this peer, as a reducer, sends back to a groupmate (it keeps the true one)."""
+    """Replaces the mean part this peer, as a reducer, sends back to a groupmate (it keeps the true one); with a
+    block codec, the other contributors' payloads of the part it sends back (uint8)."""

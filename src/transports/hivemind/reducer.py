@@ -53,7 +53,7 @@ class OrderedReducer(TensorPartReducer):
 
     async def accumulate_part(
         self, sender_index: int, part_index: int, tensor_part: torch.Tensor, weight: float = 1.0
-    ) -> torch.Tensor:
+    ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
         self.num_parts_received[sender_index] += 1
         while part_index > self.current_part_index:
             finished = asyncio.create_task(self.finished.wait())
@@ -70,9 +70,12 @@ class OrderedReducer(TensorPartReducer):
         return await future
 
     def check_current_part_finished(self) -> None:
+        """Once every sender's part is in: the future's result is (mean, the parts by sender index)."""
         if self.current_part_accumulated_from == self.num_current_senders:
-            parts = [self.received[i] for i in sorted(self.received)]
-            self.current_part_future.set_result(mean_of_payloads(parts, self.codec, out=self.accumulator))
+            received = self.received
+            parts = [received[i] for i in sorted(received)]
+            mean = mean_of_payloads(parts, self.codec, out=self.accumulator)
+            self.current_part_future.set_result((mean, received))
             self.reset_accumulators()
 
 
@@ -92,6 +95,7 @@ class Runner(AllReduceRunner):
         self.inputs = [[p for p, _ in parts] for parts in container._input_parts_by_peer]  # views of the tensors
         self.expected = [[p.shape for p in parts] for parts in self.inputs]
         self.part_sums: dict[tuple[int, int], int] = {}
+        self.bytes_sent = self.bytes_received = 0  # the values' payloads this peer sent and received
         container.iterate_output_tensors = self._outputs_in_place
 
     def _register(self, where: tuple[int, int], mean: torch.Tensor, sum_: int) -> None:
@@ -101,7 +105,8 @@ class Runner(AllReduceRunner):
         self.part_sums[where] = sum_
         index, part_index = where
         part = self.inputs[index][part_index]
-        part.copy_(mean)
+        if mean is not part:  # a block codec's mean is summed into the part itself
+            part.copy_(mean)
         self.tensor_part_container.register_processed_part(index, part_index, part)
 
     async def _outputs_in_place(self) -> Any:
@@ -125,6 +130,11 @@ class Runner(AllReduceRunner):
         sums = [self.part_sums[k] for k in sorted(self.part_sums)]
         return hashlib.sha256(repr(sums).encode()).digest()[:16]
 
+    async def _generate_input_for_peer(self, peer_index: int) -> Any:
+        async for msg in super()._generate_input_for_peer(peer_index):
+            self.bytes_sent += len(msg.tensor_part.buffer)
+            yield msg
+
     async def _ban_sender(self, peer_id: Any) -> None:
         if peer_id not in self.banned_senders:
             self.failures.append(f"sender {peer_id} failed")
@@ -136,7 +146,7 @@ class Runner(AllReduceRunner):
         if peer_id == self.peer_id:
             me = self.sender_peer_ids.index(peer_id)
             for part_index, part in enumerate(self.parts_for_local_averaging):
-                mean = await self.tensor_part_reducer.accumulate_part(me, part_index, part)
+                mean, _ = await self.tensor_part_reducer.accumulate_part(me, part_index, part)
                 mean = mean.to(self.wire)
                 self._register((index, part_index), mean, part_sum(mean))
             return
@@ -158,6 +168,7 @@ class Runner(AllReduceRunner):
                     raise AllreduceException(f"{peer_id} sent more parts than expected")
                 what = f"mean part from {peer_id}"
                 check_tensor(mean, shape=expected[part_index], dtype=self.wire, what=what, finite=False)
+                self.bytes_received += mean.numel() * mean.element_size()
                 self._register((index, part_index), mean, sum_)
                 part_index += 1
             if part_index != container.num_parts_by_peer[index]:
@@ -184,10 +195,11 @@ class Runner(AllReduceRunner):
                 if part_index >= len(shapes):
                     raise AllreduceException("sender sent more parts than expected")
                 check_tensor(part, shape=shapes[part_index], dtype=self.wire, what=what, finite=False)
+                self.bytes_received += part.numel() * part.element_size()
                 if faults.reducer_received_part is not None:
                     faults.reducer_received_part()
                 try:
-                    mean = await self.tensor_part_reducer.accumulate_part(sender_index, part_index, part)
+                    mean, _ = await self.tensor_part_reducer.accumulate_part(sender_index, part_index, part)
                     part_index += 1
                 except BannedException:
                     break
@@ -196,6 +208,7 @@ class Runner(AllReduceRunner):
                     out = faults.reducer_sends_mean(out)
                 serialize = functools.partial(serialize_torch_tensor, out, runtime_pb2.CompressionType.NONE)
                 serialized = await loop.run_in_executor(None, serialize)
+                self.bytes_sent += len(serialized.buffer)
                 yield averaging_pb2.AveragingData(code=averaging_pb2.AVERAGED_PART, tensor_part=serialized)
         finally:
             if part_index != self.tensor_part_reducer.num_parts:

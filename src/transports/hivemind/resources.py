@@ -59,10 +59,11 @@ class Resources:
         _wait_until_ready(self.dht, "DHT")
 
     def start_averager(self, size: int, codec: Codec, *, prefix: str, share: bool = False) -> Averager:
-        """An averager of ``size`` values travelling as ``codec`` (a process), serving state to joiners if ``share``."""
+        """An averager of ``size`` values travelling as ``codec`` (a process), serving state to joiners if ``share``.
+        Its buffer holds the values in the wire dtype (casts) or in fp32 (block codecs: encoded per part)."""
         cfg = self.config
         averager = Averager(
-            averaged_tensors=[torch.zeros(size, dtype=codec.elementwise_dtype)],
+            averaged_tensors=[torch.zeros(size, dtype=codec.elementwise_dtype or torch.float32)],
             dht=self.dht,
             start=False,
             prefix=prefix,

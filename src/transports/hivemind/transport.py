@@ -97,10 +97,10 @@ class HivemindTransport(Transport):
     capabilities = Capabilities(
         fixed_ranks=False,  # whoever matchmakes in time forms a round's group; alone, a peer averages alone
         survives_leavers=True,
-        exact_mean=False,  # the mean comes back rounded to the wire dtype
+        exact_mean=False,  # casts: the mean comes back rounded to the wire dtype (block codecs: never)
         broadcast_from_any_rank=False,  # src=0 only: whoever holds the run's state
         keys_in_any_order=False,  # an averager per key, but reduces run one at a time, in call order
-        block_codecs=False,  # its butterfly cuts payloads anywhere: element-wise codecs only
+        block_codecs=True,  # parts cut at blocks, payloads gathered: every peer sums them (block_runner)
     )
 
     @property
@@ -169,19 +169,16 @@ class HivemindTransport(Transport):
 
     def _averager(self, key: str, size: int, codec: Codec) -> Averager:
         """The averager of ``key`` (hivemind fixes an averager's tensors when it starts: one per size and codec)."""
-        ident = (key, size, codec.name)
+        wire = codec.name if codec.elementwise_dtype is not None else f"{codec.name}b{codec.block}"
+        ident = (key, size, wire)  # peers meet only with the same wire (and block size)
         if ident not in self._averagers:
             name = hashlib.sha256(key.encode()).hexdigest()[:12]  # any key, in names the DHT and p2p accept
-            prefix = f"{self._ns}_{name}_{codec.name}_{size}"
+            prefix = f"{self._ns}_{name}_{wire}_{size}"
             self._averagers[ident] = self._res.start_averager(size, codec, prefix=prefix)
         return self._averagers[ident]
 
     def all_reduce(self, tensors: Sequence[torch.Tensor], *, codec: Codec = FP32, key: str = "default") -> ReduceHandle:
         check_codec(codec)
-        if codec.elementwise_dtype is None:
-            raise ValueError(
-                f"codec={codec!r} is invalid here: hivemind cuts payloads anywhere (fp32, fp16, bf16 only)"
-            )
         tensors = list(tensors)
         if not tensors:
             raise ValueError("all_reduce needs at least one tensor")
@@ -208,7 +205,6 @@ class HivemindTransport(Transport):
         tracked = key == self._state.key  # DiLoCo's rounds: groupmates compare state tags
         # Room for one failed attempt (up to averaging_timeout after matchmaking) and a regroup.
         deadline = time.monotonic() + cfg.averaging_timeout + 4 * cfg.matchmaking_time
-        n_bytes = codec.payload_bytes(sum(numels))
         attempt = 0
         failed: Exception | None = None  # set once a group attempt failed
         while True:
@@ -226,7 +222,7 @@ class HivemindTransport(Transport):
                     require_trigger=True,
                 )
                 try:
-                    with averager.get_tensors() as (buf,):  # rounded to the wire dtype on the way in
+                    with averager.get_tensors() as (buf,):  # casts: rounded to the wire dtype on the way in
                         for v, t in zip(buf.split(numels), tensors):  # plain copies: foreach_copy_ is 5x slower on CPU
                             v.copy_(t.detach().reshape(-1))
                     control.allow_allreduce()
@@ -264,21 +260,25 @@ class HivemindTransport(Transport):
                 logger.warning(
                     "hivemind all_reduce: no group formed within %.1fs; averaging alone", 2 * cfg.matchmaking_time
                 )
-                n, sent, self._last_group = 1, 0, []
-            else:
+                n, sent, received, self._last_group = 1, 0, 0, []
+            else:  # the payload bytes this peer really sent and received in the round (its runner counted)
                 n, self._last_group = len(out["peers"]), list(out["peers"])
-                sent = 2 * (n - 1) * n_bytes // n  # butterfly: my parts out, my slice's means back
-            # Alone, the buffer holds my own values rounded to the wire, like every contributor's.
+                sent, received = out["sent"], out["received"]
+            # Alone, the buffer holds my own values as they travel, like every contributor's.
             with self._lock, averager.get_tensors() as (buf,):
                 if outcome.abandoned:  # the caller timed out and may be retrying with these tensors
                     raise TransportError("hivemind all_reduce finished after its caller had given up")
+                if out is None and codec.elementwise_dtype is None:  # a block codec's buffer holds fp32 values
+                    codec.decode(codec.encode(buf), buf)
                 for r, t in zip(buf.split(numels), tensors):
                     t.copy_(r.view_as(t))
                 if tracked:  # alone, my state leaves the group's: my own mark, never equal to theirs
                     me = self._res.dht.peer_id.to_bytes()
                     self._state.commit(out["digest"] if out is not None else b"alone:" + me)
-                seconds = time.perf_counter() - start
-                outcome.result = ReduceResult(num_contributors=n, bytes_sent=sent, bytes_received=sent, seconds=seconds)
+                took = time.perf_counter() - start
+                outcome.result = ReduceResult(
+                    num_contributors=n, bytes_sent=sent, bytes_received=received, seconds=took
+                )
             return outcome.result
 
     # -- state for joiners ---------------------------------------------------------------------------
