@@ -1,7 +1,9 @@
 """One round of averaging 25M fp32 values between 2 peers on 127.0.0.1: our transport vs hivemind's
-``DecentralizedAverager`` used directly with the same settings (OpenDiLoCo's path), fp32 and fp16 wire.
+``DecentralizedAverager`` used directly with the same settings (OpenDiLoCo's path), fp32 and fp16 wire;
+and our int8 / int4 wires against our fp32 one.
 
     python -m pytest bench/test_bench_hivemind.py --benchmark-only
+    bench/shaped_link.sh 1gbit python -m pytest bench/test_bench_hivemind.py --benchmark-only -k wires
 
 Both include the same matchmaking wait (MATCHMAKING seconds); compare the medians side by side.
 """
@@ -38,15 +40,14 @@ def _both(fns):
     return out
 
 
-@pytest.mark.timeout(600)
-@pytest.mark.parametrize("wire", ["fp32", "fp16"])
-def test_ours(benchmark, wire):
+def _ours(benchmark, wire: str, *, group: str, **extra) -> None:
     cfg = {
-        "run_id": f"bench-{wire}",
+        "run_id": f"bench-{wire}-{len(extra)}",
         "host_maddrs": LOCAL,
         "matchmaking_time": MATCHMAKING,
         "averaging_timeout": TIMEOUT,
         "secret": "b",
+        **extra,
     }
     a = HivemindTransport(HivemindConfig(**cfg))
     b = HivemindTransport(HivemindConfig(**cfg, initial_peers=a.join_addresses))
@@ -59,11 +60,25 @@ def test_ours(benchmark, wire):
             )
             assert [r.num_contributors for r in results] == [2, 2]
 
-        benchmark.group = f"25M values, 2 peers, {wire} wire"
+        benchmark.group = group
         benchmark.pedantic(one_round, rounds=5, warmup_rounds=1)
     finally:
         a.close()
         b.close()
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("wire", ["fp32", "fp16"])
+def test_ours(benchmark, wire):
+    _ours(benchmark, wire, group=f"25M values, 2 peers, {wire} wire")
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("wire", ["fp32", "int8", "int4"])
+def test_ours_wires(benchmark, wire):
+    """Our wires against our fp32 round; a group forms as soon as both peers are in (target_group_size=2),
+    so rounds do not wait out matchmaking_time and the ratio is the wire's."""
+    _ours(benchmark, wire, group="25M values, 2 peers, our wires, target_group_size=2", target_group_size=2)
 
 
 @pytest.mark.timeout(600)
