@@ -214,3 +214,19 @@ def test_block_codecs_meet_their_byte_targets():
     n = 25_000_000 + 192 + 1  # a 25M-parameter round: pseudo-gradient, zeros up to a block, the RMS
     assert INT8.payload_bytes(n) / FP32.payload_bytes(n) <= 0.27  # 0.254 (bench/codec_bytes.py)
     assert INT4.payload_bytes(n) / FP32.payload_bytes(n) <= 0.15  # 0.129
+
+
+@pytest.mark.parametrize(
+    ("name", "ok", "bad"),
+    [("fp16", 65519.0, 65520.0), ("bf16", 3.38e38, float(torch.finfo(torch.float32).max))],
+)
+def test_cast_codecs_refuse_values_their_dtype_would_turn_into_inf(name, ok, bad):
+    """fp16 rounds |x| >= 65520 to inf: a silently infinite mean on every peer unless refused here."""
+    codec = codec_for(name)
+    assert torch.isfinite(codec.encode(torch.tensor([1.0, -ok]))).all()
+    big = torch.ones(2**19 + 3)  # the bad value in a later chunk than the first
+    for value in (bad, -bad, float("nan"), float("inf")):
+        big[-2] = value
+        with pytest.raises(ValueError, match=f"{name} cannot encode NaN, infinite or out-of-range values"):
+            codec.encode(big)
+    assert codec.encode(torch.zeros(0)).numel() == 0

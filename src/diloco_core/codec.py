@@ -83,6 +83,11 @@ class Codec(ABC):
         return f"<codec {self.name}>"
 
 
+def _absmax(values: torch.Tensor) -> torch.Tensor:
+    """max |x| of a flat tensor (NaN if it holds one) without the temporary of ``abs()``."""
+    return torch.maximum(values.amax(), values.amin().neg())
+
+
 class CastCodec(Codec):
     """Each value cast to ``dtype`` (round to nearest); decoded by widening back to fp32."""
 
@@ -94,9 +99,22 @@ class CastCodec(Codec):
         return numel, self.elementwise_dtype
 
     def encode(self, values: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-        if out is not None:
-            return out.copy_(values)
-        return values if values.dtype == self.elementwise_dtype else values.to(self.elementwise_dtype)
+        dtype = self.elementwise_dtype
+        if dtype == torch.float32:
+            return values if out is None else out.copy_(values)
+        flat = values.reshape(-1)
+        out = torch.empty(flat.numel(), dtype=dtype, device=flat.device) if out is None else out
+        peaks = []  # chunk by chunk: the max |x| read while the chunk is still in cache
+        for src, dst in zip(flat.split(2**18), out.view(-1).split(2**18)):
+            if src.numel():  # an empty tensor splits into one empty chunk, which has no max
+                dst.copy_(src)
+                peaks.append(_absmax(src))
+        # fp16 turns |x| >= 65520 into inf: the largest magnitude, cast alone, rounds as every value did
+        if peaks and not bool(torch.stack(peaks).amax().to(dtype).isfinite()):
+            raise ValueError(
+                f"{self.name} cannot encode NaN, infinite or out-of-range values (|x| > {torch.finfo(dtype).max:g})"
+            )
+        return out
 
     def add_decoded(self, payload: torch.Tensor, into: torch.Tensor, scratch: torch.Tensor | None = None) -> None:
         if payload.dtype != torch.float32:  # a widening copy, then an fp32 add: far faster than a mixed-dtype add
