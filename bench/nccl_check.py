@@ -27,7 +27,7 @@ def main() -> None:
         g = torch.Generator().manual_seed(r)
         return [torch.randn(1001, generator=g).to(dev), torch.randn(7, 3, generator=g).to(dev)]
 
-    for wire in ("fp32", "fp16", "bf16"):
+    for wire in ("fp32", "fp16", "bf16", "int8", "int4"):
         x = contribution(rank)
         result = transport.all_reduce(x, codec=codec_for(wire)).wait(60)
         assert result.num_contributors == world
@@ -40,7 +40,8 @@ def main() -> None:
 
     model = torch.nn.Linear(64, 64).to(dev)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    dl = DiLoCo(model, opt, transport, DiLoCoConfig(inner_steps=2, global_device="cuda"))
+    config = DiLoCoConfig(inner_steps=2, global_device="cuda", wire_dtype="int8", error_feedback=True)
+    dl = DiLoCo(model, opt, transport, config)
     for _ in range(4):
         model(torch.randn(8, 64, device=dev)).square().mean().backward()
         dl.step()
@@ -50,7 +51,7 @@ def main() -> None:
     assert all(torch.equal(gathered[0], g) for g in gathered)
 
     big = torch.randn(25_000_000, device=dev)
-    for wire in ("raw", "fp32", "fp16", "bf16"):
+    for wire in ("raw", "fp32", "fp16", "bf16", "int8", "int4"):
         times = []
         for _ in range(6):
             torch.cuda.synchronize()
@@ -58,6 +59,7 @@ def main() -> None:
             start = time.perf_counter()
             if wire == "raw":
                 dist.all_reduce(big)
+                big.div_(world)  # the mean, as the transport's: a bare sum grows big toward inf
             else:
                 transport.all_reduce([big], codec=codec_for(wire)).wait(60)
             torch.cuda.synchronize()
