@@ -262,4 +262,6 @@ def test_ctrl_c_ends_with_one_line_that_names_the_run(tmp_path: Path) -> None:
             proc.wait()
     assert proc.returncode == 130, err[-2000:]
     assert "Traceback" not in err
-    assert err.strip().splitlines()[-1] == "diloco: interrupted (resume with: diloco train --resume --name cut-short)"
+    # The hint is the whole command: this run's runs_dir is not the default.
+    hint = f"diloco train --resume --name cut-short --set 'train.runs_dir=\"{tmp_path}\"'"
+    assert err.strip().splitlines()[-1] == f"diloco: interrupted (resume with: {hint})"
