@@ -250,3 +250,19 @@ def test_an_interrupted_run_names_its_resume_command(tmp_path: Path) -> None:
         f"diloco train --resume --name r --set 'train.runs_dir=\"{tmp_path}\"' --set 'transport.secret=\"...\"'"
     )
     assert resume_command("r", build_config((), [])) == "diloco train --resume --name r"
+
+
+@pytest.mark.timeout(60)
+def test_in_process_workers_save_the_shared_state_once(tmp_path: Path) -> None:
+    """Before: every worker's file held the same global copy and outer momentum."""
+    import torch
+
+    assert main(["train", "--name", "r", "--set", f"train.runs_dir={tmp_path!s}", *FAST]) == 0
+    folder = tmp_path / "r" / "checkpoints"
+    lead, other = (torch.load(folder / f"step00000012-rank{r}.pt", weights_only=True) for r in (0, 1))
+    assert {"global", "outer_optimizer"} <= set(lead["core"])
+    assert not {"global", "outer_optimizer"} & set(other["core"]) and other["from_rank0"] == [
+        "global",
+        "outer_optimizer",
+    ]
+    assert (folder / "step00000012-rank1.pt").stat().st_size < 0.7 * (folder / "step00000012-rank0.pt").stat().st_size

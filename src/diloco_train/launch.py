@@ -101,7 +101,14 @@ def train(
                 run_dir = agree_run_dir(first, run_dir, timeout=timeout)
             owner.callback(RunOwner(run_dir, [first.rank]).release)
         lead = first is None or first.rank == 0  # rank 0 is in this process
-        job = Job(config=config, corpus=corpus, run_dir=run_dir, resume=resume, secret_keys=spec.secret_keys)
+        job = Job(
+            config=config,
+            corpus=corpus,
+            run_dir=run_dir,
+            resume=resume,
+            same_disk=spec.threads,
+            secret_keys=spec.secret_keys,
+        )
         stack.callback(job.close)
         check_data(config, corpus, world)
         if lead:

@@ -138,11 +138,27 @@ def checkpoint_due(step: int, *, end: int, inner_steps: int, every: int) -> bool
     return step == end or (every > 0 and step % inner_steps == 0 and (step // inner_steps) % every == 0)
 
 
+_SHARED = ("global", "outer_optimizer")
+"""DiLoCo's state that is the same on every worker: the global copy and the outer optimizer (its momentum)."""
+
+
 def save_worker(
-    run_dir: Path, *, step: int, rank: int, world_size: int, config: RunConfig, core: dict[str, Any], data: Any
+    run_dir: Path,
+    *,
+    step: int,
+    rank: int,
+    world_size: int,
+    config: RunConfig,
+    core: dict[str, Any],
+    data: Any,
+    same_disk: bool = False,
 ) -> None:
-    """Write ``rank``'s checkpoint of ``step``: its mode's state (``core``) and its data position (``data``)."""
+    """Write ``rank``'s checkpoint of ``step``: its mode's state (``core``) and its data position (``data``).
+    ``same_disk``: every worker's files are in this folder (in-process workers), so ranks but 0 leave out
+    the state that every worker holds the same, and take rank 0's of the same step when they load."""
     t = config.train
+    shared = [k for k in _SHARED if k in core] if same_disk and rank > 0 else []
+    core = {k: v for k, v in core.items() if k not in shared}
     state = {
         "format": _CHECKPOINT_FORMAT,
         "mode": t.mode,
@@ -151,6 +167,7 @@ def save_worker(
         "step": step,
         "core": core,
         "data": data,
+        "from_rank0": shared,
     }
     save_checkpoint(run_dir / "checkpoints", step=step, rank=rank, state=state, keep=t.keep_checkpoints)
 
@@ -169,4 +186,7 @@ def load_worker(
             f"the checkpoint is of a {state['mode']} run with {state['world_size']} worker(s); "
             f"this run is {mode} with {world_size}"
         )
+    if state.get("from_rank0"):
+        lead = load_checkpoint(checkpoint_path(run_dir / "checkpoints", step, 0))["core"]
+        state["core"].update({k: lead[k] for k in state["from_rank0"]})
     return state

@@ -39,6 +39,8 @@ class Job:
     corpus: Corpus
     run_dir: Path
     resume: bool
+    same_disk: bool = False
+    """Every worker's checkpoints are in this process's run folder (in-process workers): saved once there."""
     secret_keys: frozenset[str] = frozenset()
     """Keys of [transport] never written to config.toml."""
     stop: threading.Event = field(default_factory=threading.Event)
@@ -173,4 +175,5 @@ class Worker:
             config=self.config,
             core=sync.state_dict(),
             data=sampler.state_dict(),
+            same_disk=self.job.same_disk,
         )
