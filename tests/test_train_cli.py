@@ -203,7 +203,8 @@ def test_an_unset_outer_lr_is_the_rule_for_the_worker_count(tmp_path: Path) -> N
     from diloco_core.config import outer_lr_for
 
     assert main(["train", "--name", "r", "--set", f"train.runs_dir={tmp_path!s}", *FAST]) == 0
-    state = torch.load(tmp_path / "r" / "checkpoints" / "step00000012-rank1.pt", weights_only=True)
+    # The outer optimizer is saved once, in rank 0's file (in-process workers share it).
+    state = torch.load(tmp_path / "r" / "checkpoints" / "step00000012-rank0.pt", weights_only=True)
     assert state["core"]["outer_optimizer"]["param_groups"][0]["lr"] == pytest.approx(outer_lr_for(2, 0.5))
 
 
@@ -262,4 +263,6 @@ def test_ctrl_c_ends_with_one_line_that_names_the_run(tmp_path: Path) -> None:
             proc.wait()
     assert proc.returncode == 130, err[-2000:]
     assert "Traceback" not in err
-    assert err.strip().splitlines()[-1] == "diloco: interrupted (resume with: diloco train --resume --name cut-short)"
+    # The hint is the whole command: this run's runs_dir is not the default.
+    hint = f"diloco train --resume --name cut-short --set 'train.runs_dir=\"{tmp_path}\"'"
+    assert err.strip().splitlines()[-1] == f"diloco: interrupted (resume with: {hint})"

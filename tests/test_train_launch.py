@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -53,6 +55,26 @@ def test_torchrun_two_workers_end_with_identical_global_params(tmp_path):
 
 
 @pytest.mark.timeout(240)
+def test_torchrun_ranks_without_a_name_share_rank_0s(tmp_path):
+    """Each rank makes up a name from the time; ranks started in different seconds (made so here by
+    clock_skew.py) used to split the run across two folders. Rank 0's name is the run's."""
+    env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
+    cmd += [str(Path(__file__).with_name("clock_skew.py")), "train", "-q", "--set", "transport.kind=torch"]
+    for key in ("train.steps=4", "diloco.inner_steps=2", "train.eval_batches=1", "model.num_layers=1"):
+        cmd += ["--set", key]
+    cmd += ["--set", f"train.runs_dir={str(tmp_path)!r}"]
+    out = subprocess.run(cmd, check=False, env=env, capture_output=True, text=True, timeout=220, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-3000:]
+    runs = [p for p in tmp_path.iterdir() if p.is_dir()]
+    assert len(runs) == 1 and runs[0].name.startswith("diloco-") and runs[0].name.endswith("-0"), runs
+    assert sorted(p.name for p in (runs[0] / "checkpoints").iterdir()) == [
+        "step00000004-rank0.pt",
+        "step00000004-rank1.pt",
+    ]
+
+
+@pytest.mark.timeout(240)
 def test_two_hivemind_peers_on_loopback_end_with_identical_global_params(tmp_path):
     pytest.importorskip("hivemind")
     common = [
@@ -83,39 +105,47 @@ def test_two_hivemind_peers_on_loopback_end_with_identical_global_params(tmp_pat
         "-q",
     ]
     cli = [sys.executable, "-m", "diloco_train.cli", "train"]
+    with socket.socket() as probe:  # a fixed port, as on a machine behind a firewall (docs/wan.md)
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    fixed = ["--set", f'transport.host_maddrs=["/ip4/127.0.0.1/tcp/{port}"]']
     first = subprocess.Popen(
-        cli + ["--name", "p1", "--set", "train.shard=0", *common],
+        cli + ["--name", "p1", "--set", "train.shard=0", *common, *fixed],
         cwd=tmp_path,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
     )
-    second = None
+    second = twin = None
     try:
         join = None
         for line in first.stderr:  # the first peer prints the command the others run
             if "transport.initial_peers=" in line:
-                join = line.split("transport.initial_peers=", 1)[1].strip().strip("'")
-                assert line.strip().startswith("diloco train ")
+                join = shlex.split(line)
                 break
-        assert join, "the first peer printed no join command"
-        second = subprocess.run(
-            cli + ["--name", "p2", "--set", "train.shard=1", "--set", f"transport.initial_peers={join}", *common],
-            check=False,
+        assert join and join[:2] == ["diloco", "train"], "the first peer printed no join command"
+        # The same name again, while the first peer runs: refused before it joins anything.
+        twin = subprocess.Popen(
+            cli + ["--name", "p1", "--set", "train.shard=1", *common, *fixed],
             cwd=tmp_path,
-            capture_output=True,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
             text=True,
-            timeout=200,
         )
+        # The printed command, pasted as is on this machine: its own name, shard and a free port.
+        second = subprocess.run(cli + join[2:], check=False, cwd=tmp_path, capture_output=True, text=True, timeout=200)
+        _, twin_err = twin.communicate(timeout=60)
         assert second.returncode == 0, second.stderr[-3000:]
         assert first.wait(timeout=60) == 0
+        assert twin.returncode == 2 and f"is in use by process {first.pid}" in twin_err, twin_err[-2000:]
     finally:
-        if first.poll() is None:
-            first.kill()
-            first.wait()
+        for proc in (first, twin):
+            if proc is not None and proc.poll() is None:
+                proc.kill()
+                proc.wait()
     cores = [
         torch.load(tmp_path / p / "checkpoints" / "step00000020-rank0.pt", weights_only=True)["core"]
-        for p in ("p1", "p2")
+        for p in ("p1", "p1-shard1")
     ]
     assert cores[0]["round"] == cores[1]["round"] == 2
     assert torch.equal(cores[0]["global"], cores[1]["global"])

@@ -16,7 +16,14 @@ from typing import Any
 
 import torch
 
-__all__ = ["atomic_save", "checkpoint_path", "list_checkpoints", "load_checkpoint", "save_checkpoint"]
+__all__ = [
+    "atomic_save",
+    "checkpoint_path",
+    "checkpoint_ranks",
+    "list_checkpoints",
+    "load_checkpoint",
+    "save_checkpoint",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -69,6 +76,13 @@ def list_checkpoints(folder: str | Path, rank: int) -> list[int]:
         if m and int(m.group(2)) == rank:
             steps.append(int(m.group(1)))
     return sorted(steps)
+
+
+def checkpoint_ranks(folder: str | Path) -> list[int]:
+    """The ranks that have a checkpoint in ``folder``, in order."""
+    folder = Path(folder)
+    names = (_NAME.match(p.name) for p in folder.iterdir()) if folder.is_dir() else ()
+    return sorted({int(m.group(2)) for m in names if m})
 
 
 def save_checkpoint(folder: str | Path, step: int, rank: int, state: dict[str, Any], keep: int) -> Path:

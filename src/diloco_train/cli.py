@@ -7,12 +7,13 @@ import logging
 import math
 import os
 import sys
-import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import NoReturn
 
 from diloco_core import TransportError
+
+from .log_tag import configure_logging
 
 __all__ = ["main"]
 
@@ -101,6 +102,7 @@ def _parser() -> argparse.ArgumentParser:
 def _train(args: argparse.Namespace, argv: list[str]) -> int:
     from .config import build_config, load_toml, parse_override
     from .launch import describe_workers, train
+    from .run_name import default_name, resume_command
 
     base = None
     if args.resume:
@@ -113,7 +115,7 @@ def _train(args: argparse.Namespace, argv: list[str]) -> int:
         if not args.config and saved.is_file():  # else nothing to resume yet: start the run as configured
             base = load_toml(saved)
     config = build_config(args.config, args.overrides, base=base)
-    name = args.name or f"{config.train.mode}-{time.strftime('%Y%m%d-%H%M%S')}"
+    name = args.name or default_name(config.train.mode)  # torchrun's ranks take rank 0's (launch)
     run_dir = Path(config.train.runs_dir) / name
     t = config.train
     if os.environ.get("RANK", "0") == "0":  # under torchrun, rank 0 speaks for the run
@@ -123,10 +125,13 @@ def _train(args: argparse.Namespace, argv: list[str]) -> int:
             file=sys.stderr,
         )
     command = ["diloco", "train", *argv]
+    again = resume_command(name, config)
     try:
-        result = train(config, run_dir, resume=args.resume, show_progress=not args.quiet, command=command)
+        result = train(
+            config, run_dir, resume=args.resume, show_progress=not args.quiet, command=command, named=bool(args.name)
+        )
     except KeyboardInterrupt:
-        print(f"diloco: interrupted (resume with: diloco train --resume --name {name})", file=sys.stderr)
+        print(f"diloco: interrupted (resume with: {again})", file=sys.stderr)
         _exit_now(130)
     if math.isnan(result.eval_after):  # a non-zero rank of a multi-process run: rank 0 reports
         return 0
@@ -139,6 +144,8 @@ def _train(args: argparse.Namespace, argv: list[str]) -> int:
         f"{result.bytes_sent / 1e6:.1f} MB sent by rank 0\n"
         f"files: {run_dir}/metrics.jsonl, config.toml, plot.png, checkpoints/",
     )
+    if result.steps < t.steps:
+        print(f"stopped at step {result.steps} of {t.steps} (train.stop_after); resume with: {again}")
     if result.rounds:
         # DDP all-reduces the gradient, as many values as a round's pseudo-gradient, at every step.
         ddp = result.round_bytes / result.rounds * result.steps_run
@@ -180,7 +187,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         _parser().print_help(sys.stderr)
         return 2
     level = logging.INFO if getattr(args, "verbose", False) else logging.WARNING
-    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    configure_logging(level)
     try:
         if args.command == "train":
             return _train(args, argv[1:])

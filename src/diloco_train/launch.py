@@ -7,14 +7,12 @@ peer). The trainer never names a transport kind.
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import os
-import shlex
-import sys
 import threading
 from collections.abc import Sequence
+from contextlib import ExitStack
 from dataclasses import replace
 from pathlib import Path
 
@@ -25,8 +23,11 @@ from transports import TransportSpec, transport_spec
 
 from .config import RunConfig
 from .data import Corpus, load_corpus
+from .join import check_ports, print_join
 from .metrics import TrainResult
+from .ownership import RunOwner
 from .resume import check_resume_workers, prepare_run_dir
+from .run_name import agree_run_dir
 from .shards import check_data, check_shards
 from .worker import Job, Worker
 
@@ -53,11 +54,15 @@ def train(
     resume: bool = False,
     show_progress: bool = True,
     command: list[str] | None = None,
+    named: bool = True,
 ) -> TrainResult:
     """Train as ``config`` says, writing into ``run_dir``. ``command``: argv shown to peers that join by address.
+    ``named=False``: ``run_dir``'s name was made up here (not given), and ranks of a multi-process run take
+    rank 0's.
 
     Workers run as threads of this process where the transport's spec says so; else this process is one
-    worker. Only rank 0 writes files (metrics, config, plot); another rank's result holds NaN losses.
+    worker. Only rank 0 writes files (metrics, config, plot); every rank its own checkpoints; another
+    rank's result holds NaN losses. This process owns the ranks it writes for (``RunOwner``) while it runs.
     """
     run_dir = Path(run_dir)
     t = config.train
@@ -74,23 +79,44 @@ def train(
     torch.set_num_threads(t.threads or max(1, (os.cpu_count() or 1) // (local * spec.processes_on_machine)))
     check_shards(t, spec)
 
-    job = Job(config=config, corpus=corpus, run_dir=run_dir, resume=resume)
-    # [diloco] reduce_timeout also bounds the transport's own collectives unless [transport] sets them.
-    timeout = config.diloco.reduce_timeout
-    transports: Sequence[Transport | None] = (
-        [None] if t.mode == "single" else spec.connect(local, reduce_timeout=timeout)
-    )
-    first = transports[0]
-    lead = first is None or first.rank == 0  # rank 0 is in this process
-    try:
+    with ExitStack() as owner, ExitStack() as stack:
+        # Claim the folder before connecting where this process's ranks are known (threads: all of them; a
+        # peer without fixed ranks writes as rank 0); else (torchrun) once the transport has said the rank.
+        if spec.threads or not spec.fixed_ranks:
+            owner.callback(RunOwner(run_dir, range(local) if spec.threads else [0]).release)
+        if not spec.threads:
+            check_ports(spec.section)  # a port taken by a peer here: said so, before the transport starts
+        # [diloco] reduce_timeout also bounds the transport's own collectives unless [transport] sets them.
+        timeout = config.diloco.reduce_timeout
+        transports: Sequence[Transport | None] = (
+            [None] if t.mode == "single" else spec.connect(local, reduce_timeout=timeout)
+        )
+        for transport in transports:
+            if transport is not None:
+                stack.callback(transport.close)
+        first = transports[0]
         world = 1 if first is None else first.world_size
+        if first is not None and not spec.threads and spec.fixed_ranks:
+            if not named and world > 1:
+                run_dir = agree_run_dir(first, run_dir, timeout=timeout)
+            owner.callback(RunOwner(run_dir, [first.rank]).release)
+        lead = first is None or first.rank == 0  # rank 0 is in this process
+        job = Job(
+            config=config,
+            corpus=corpus,
+            run_dir=run_dir,
+            resume=resume,
+            same_disk=spec.threads,
+            secret_keys=spec.secret_keys,
+        )
+        stack.callback(job.close)
         check_data(config, corpus, world)
         if lead:
             prepare_run_dir(run_dir, config, resume=resume, secret_keys=spec.secret_keys)
             if resume and spec.threads:  # every worker's checkpoint is on this disk
                 check_resume_workers(run_dir, world)
             if first is not None:
-                _print_join(first, spec=spec, command=command)
+                print_join(first, spec=spec, train=t, command=command, run_name=run_dir.name)
         if len(transports) == 1:
             Worker(
                 job,
@@ -101,12 +127,9 @@ def train(
             ).run()
         else:
             _run_threads(job, transports=transports, show=show_progress)
-    finally:
-        for transport in transports:
-            if transport is not None:
-                transport.close()
-        if job.reporter is not None:
-            job.reporter.close()
+        stack.close()  # the transports are left and metrics.jsonl closed; the folder is still this process's
+        if lead:
+            _plot(run_dir)
     if not lead:
         nan = math.nan
         return TrainResult(
@@ -119,7 +142,6 @@ def train(
             bytes_sent=0,
         )
     assert job.result is not None
-    _plot(run_dir)
     return job.result
 
 
@@ -162,20 +184,6 @@ def _run_threads(job: Job, *, transports: Sequence[Transport | None], show: bool
     if job.errors:
         # The first error is the cause; the others are usually transports failing because of it.
         raise next((e for e in job.errors if not isinstance(e, TransportError)), job.errors[0])
-
-
-def _print_join(transport: Transport, *, spec: TransportSpec, command: list[str] | None) -> None:
-    """Where peers join by address, show the command that joins another one to this run."""
-    if not transport.join_addresses or spec.join_key is None:
-        return
-    argv = list(command or ["diloco", "train"])
-    argv += ["--set", f"transport.{spec.join_key}={json.dumps(list(transport.join_addresses))}"]
-    print(
-        "other peers join with (each with its own train.shard=K and train.num_shards=N for a disjoint data shard):\n  "
-        + shlex.join(argv),
-        file=sys.stderr,
-        flush=True,
-    )
 
 
 def _plot(run_dir: Path) -> None:

@@ -10,6 +10,7 @@ import logging
 import math
 import os
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
@@ -35,15 +36,15 @@ class TrainResult:
     eval_after: float
     """Validation loss at the end."""
     wall_seconds: float
-    """Seconds of this invocation's training loop (rank 0)."""
+    """Seconds of the run's training loop (rank 0), summed over the invocations of a resumed run."""
     compute_seconds: float
     """Of which rank 0 computed (forward, backward, optimizer steps) rather than communicated."""
     bytes_sent: int
-    """Bytes rank 0 put on the wire in this invocation."""
+    """Bytes rank 0 put on the wire in the run (every invocation of a resumed one)."""
     steps_run: int = 0
-    """Steps trained in this invocation (fewer than ``steps`` after a resume)."""
+    """Steps whose records metrics.jsonl holds: the run's, across resumes (``steps`` unless logs were lost)."""
     rounds: int = 0
-    """DiLoCo outer rounds in this invocation."""
+    """DiLoCo outer rounds in the run."""
     round_bytes: int = 0
     """Of ``bytes_sent``, what rank 0 sent in outer rounds (the rest: DDP steps of a warm start)."""
 
@@ -77,6 +78,17 @@ def truncate_metrics(run_dir: Path, step: int) -> None:
     os.replace(tmp, path)
 
 
+def _logged_wall(records: list[dict[str, Any]]) -> float:
+    """The training-loop seconds that records with a ``time_s`` account for. It counts from the run's start; in
+    logs written before resumes carried it on, it restarted at each resume: a drop ends a segment."""
+    total = last = 0.0
+    for r in records:
+        if r["time_s"] < last:
+            total += last
+        last = r["time_s"]
+    return total + last
+
+
 def _perplexity(loss: float) -> float:
     return math.exp(min(loss, 80.0))
 
@@ -86,13 +98,21 @@ class Reporter:
 
     def __init__(self, *, run_dir: Path, world_size: int, start_step: int, end_step: int, show: bool) -> None:
         self.run_dir = run_dir
+        # A resumed run's totals start from what its earlier invocations logged (up to the resume step).
+        history = read_metrics(run_dir, missing_ok=True) if start_step else []
+        steps = [r for r in history if r.get("type") == "step"]
+        timed = [r for r in history if r.get("type") in ("step", "eval") and "time_s" in r]
+        rounds = [r for r in history if r.get("type") == "round"]
+        self.compute = sum(r["compute_s"] for r in steps)
+        self.comm = sum(r["comm_s"] for r in steps)
+        self.bytes_sent = sum(r["bytes_sent"] for r in steps)
+        self.steps = len(steps)
+        self.rounds = len(rounds)
+        self.round_bytes = sum(r["bytes_sent"] for r in rounds)
+        self.offset = _logged_wall(timed)
+        """Seconds of training loop before this invocation: its records' ``time_s`` continue from there."""
+        self.started: float | None = None
         self.file: TextIO = (run_dir / METRICS).open("a", encoding="utf-8")
-        self.compute = 0.0
-        self.comm = 0.0
-        self.bytes_sent = 0
-        self.steps = 0
-        self.rounds = 0
-        self.round_bytes = 0
         self.contributors = world_size
         self.bar = None
         self._rate: float | None = None
@@ -103,6 +123,14 @@ class Reporter:
             show = False
         if show:
             self.bar = tqdm(total=end_step, initial=start_step, unit="step", dynamic_ncols=True, file=sys.stderr)
+
+    def start_clock(self) -> None:
+        """The training loop starts now (after the first eval of a new run)."""
+        self.started = time.perf_counter()
+
+    def clock(self) -> float:
+        """Seconds of the run's training loop so far, earlier invocations' included (0 before it started)."""
+        return self.offset + (time.perf_counter() - self.started if self.started is not None else 0.0)
 
     def write(self, record: dict[str, Any]) -> None:
         self.file.write(json.dumps(record) + "\n")
@@ -147,14 +175,18 @@ class Reporter:
         )
 
     def eval(self, step: int, loss: float) -> None:
-        self.write({"type": "eval", "step": step, "loss": loss, "perplexity": _perplexity(loss)})
+        self.write(
+            {"type": "eval", "step": step, "loss": loss, "perplexity": _perplexity(loss), "time_s": self.clock()}
+        )
         if self.bar is not None:
             self.bar.write(f"step {step}: eval loss {loss:.4f} (perplexity {_perplexity(loss):.2f})")
 
-    def finish(self, *, step: int, eval_after: float, wall: float) -> TrainResult:
-        """Write the summary record; the run's result (its first eval, of a resumed run too, is read back)."""
+    def finish(self, *, step: int, eval_after: float) -> TrainResult:
+        """Write the summary record of the whole run (its wall: ``clock()``, earlier invocations' included), and
+        return the run's result (its first eval, of a resumed run too, is read back)."""
         history = [r for r in read_metrics(self.run_dir) if r.get("type") == "eval"]
         before = history[0]["loss"] if history else math.nan
+        wall = self.clock()
         self.write(
             {
                 "type": "summary",

@@ -1,10 +1,14 @@
 """Resuming a run: its folder, each worker's checkpoint (what it holds, which step all ranks resume from).
 
-Every rank writes its own checkpoint file, because each holds its own inner optimizer and data order.
+Every rank writes its own checkpoint file, because each holds its own inner optimizer and data order. A
+resume changes nothing in the run folder (config.toml, metrics.jsonl) until every worker has loaded its
+checkpoint: then rank 0 commits it (``commit_resume``).
 """
 
 from __future__ import annotations
 
+import logging
+import sys
 from collections.abc import Collection
 from pathlib import Path
 from typing import Any
@@ -13,49 +17,95 @@ import torch
 
 from diloco_core import Transport
 
-from .checkpoint import checkpoint_path, list_checkpoints, load_checkpoint, save_checkpoint
+from .checkpoint import checkpoint_path, checkpoint_ranks, list_checkpoints, load_checkpoint, save_checkpoint
 from .config import RunConfig, dump_toml
-from .metrics import METRICS
+from .metrics import METRICS, truncate_metrics
 
 __all__ = [
     "check_resume_workers",
     "checkpoint_due",
+    "commit_resume",
+    "confirm_loaded",
     "load_worker",
     "prepare_run_dir",
     "resume_step",
     "save_worker",
+    "write_config",
 ]
 
 _CHECKPOINT_FORMAT = 1
 
+logger = logging.getLogger(__name__)
+
 
 def prepare_run_dir(run_dir: Path, config: RunConfig, *, resume: bool, secret_keys: Collection[str]) -> None:
-    """Refuse to overwrite a run unless resuming; write its config.toml, ``secret_keys`` of [transport] left out."""
-    metrics = run_dir / METRICS
-    if resume:
-        if not list_checkpoints(run_dir / "checkpoints", 0):
-            metrics.unlink(missing_ok=True)  # nothing to resume: what was logged is from a run that starts over
-    elif metrics.exists() or (run_dir / "checkpoints").exists():
+    """Refuse to overwrite a run unless resuming; a new run's config.toml is written here, a resumed run's
+    once its resume succeeded (``commit_resume``)."""
+    if not resume and ((run_dir / METRICS).exists() or (run_dir / "checkpoints").exists()):
         raise ValueError(f"run {str(run_dir)!r} already exists: pass --resume to continue it, or another --name")
     run_dir.mkdir(parents=True, exist_ok=True)
+    if not resume:
+        write_config(run_dir, config, secret_keys=secret_keys)
+
+
+def write_config(run_dir: Path, config: RunConfig, *, secret_keys: Collection[str]) -> None:
+    """The run's config.toml, ``secret_keys`` of [transport] left out."""
     tables = config.to_dict()
     tables["transport"] = {k: v for k, v in tables["transport"].items() if k not in secret_keys}  # never on disk
     (run_dir / "config.toml").write_text(dump_toml(tables), encoding="utf-8")
 
 
 def check_resume_workers(run_dir: Path, world_size: int) -> None:
-    """Where every worker's checkpoint is on this disk, a changed worker count is caught up front."""
+    """Where every worker's checkpoint is on this disk, a changed worker count (by the checkpoints' own record
+    of it) or a worker without checkpoints is caught up front."""
     folder = run_dir / "checkpoints"
-    if not list_checkpoints(folder, 0):
+    ranks = checkpoint_ranks(folder)
+    if not ranks:
         return  # nothing to resume
-    have = 0
-    while list_checkpoints(folder, have):
-        have += 1
-    if have != world_size:
+    newest = list_checkpoints(folder, ranks[0])[-1]
+    state = torch.load(checkpoint_path(folder, newest, ranks[0]), map_location="cpu", weights_only=True, mmap=True)
+    recorded = int(state.get("world_size", len(ranks)))
+    if recorded != world_size:
         raise ValueError(
-            f"run {str(run_dir)!r} was checkpointed with {have} worker(s); "
-            f"this run has {world_size} (set train.workers={have}, or start a new run)"
+            f"run {str(run_dir)!r} was checkpointed with {recorded} worker(s); "
+            f"this run has {world_size} (set train.workers={recorded}, or start a new run)"
         )
+    missing = [r for r in range(recorded) if r not in ranks]
+    if missing:
+        raise ValueError(
+            f"run {str(run_dir)!r} has no checkpoint of worker(s) {missing} of its {recorded} in {str(folder)!r} "
+            "(deleted, or never written): every worker needs its own to resume; start a new run"
+        )
+
+
+def _from_every_rank(transport: Transport, value: int, timeout: float) -> list[int]:
+    """Each rank's ``value``, on every rank (collective). A rank that fails before it gets here fails it."""
+    everyone = []
+    for src in range(transport.world_size):
+        buf = torch.tensor([value], dtype=torch.int64)
+        transport.broadcast([buf], src=src, timeout=timeout)
+        everyone.append(int(buf.item()))
+    return everyone
+
+
+def confirm_loaded(transport: Transport | None, timeout: float) -> None:
+    """Return once every rank of a fixed-ranks run has loaded its checkpoint (collective); where ranks come
+    and go, each peer is on its own."""
+    if transport is not None and transport.fixed_ranks and transport.world_size > 1:
+        _from_every_rank(transport, 1, timeout)
+
+
+def commit_resume(run_dir: Path, *, step: int, config: RunConfig, secret_keys: Collection[str]) -> None:
+    """Rank 0, once every worker has loaded the checkpoint of ``step`` (-1: there was none): drop what was
+    logged after it (everything, with none), write the config the run continues with, tell the user."""
+    if step < 0:
+        logger.warning("run %s has no checkpoint yet: starting it from step 0", run_dir)
+        (run_dir / METRICS).unlink(missing_ok=True)  # what was logged is from a run that starts over
+    else:
+        truncate_metrics(run_dir, step)
+        end = min(config.train.stop_after or config.train.steps, config.train.steps)
+        print(f"run {run_dir}: resumed from step {step} of {config.train.steps}, to step {end}", file=sys.stderr)
+    write_config(run_dir, config, secret_keys=secret_keys)
 
 
 def _common_step(transport: Transport | None, steps: list[int], timeout: float) -> int:
@@ -64,11 +114,7 @@ def _common_step(transport: Transport | None, steps: list[int], timeout: float) 
     latest = steps[-1] if steps else -1
     if transport is None or transport.world_size == 1:
         return latest
-    everyone = []
-    for src in range(transport.world_size):
-        value = torch.tensor([latest], dtype=torch.int64)
-        transport.broadcast([value], src=src, timeout=timeout)
-        everyone.append(int(value.item()))
+    everyone = _from_every_rank(transport, latest, timeout)
     common = min(everyone)
     if common >= 0 and common not in steps:
         raise ValueError(
@@ -92,11 +138,27 @@ def checkpoint_due(step: int, *, end: int, inner_steps: int, every: int) -> bool
     return step == end or (every > 0 and step % inner_steps == 0 and (step // inner_steps) % every == 0)
 
 
+_SHARED = ("global", "outer_optimizer")
+"""DiLoCo's state that is the same on every worker: the global copy and the outer optimizer (its momentum)."""
+
+
 def save_worker(
-    run_dir: Path, *, step: int, rank: int, world_size: int, config: RunConfig, core: dict[str, Any], data: Any
+    run_dir: Path,
+    *,
+    step: int,
+    rank: int,
+    world_size: int,
+    config: RunConfig,
+    core: dict[str, Any],
+    data: Any,
+    same_disk: bool = False,
 ) -> None:
-    """Write ``rank``'s checkpoint of ``step``: its mode's state (``core``) and its data position (``data``)."""
+    """Write ``rank``'s checkpoint of ``step``: its mode's state (``core``) and its data position (``data``).
+    ``same_disk``: every worker's files are in this folder (in-process workers), so ranks but 0 leave out
+    the state that every worker holds the same, and take rank 0's of the same step when they load."""
     t = config.train
+    shared = [k for k in _SHARED if k in core] if same_disk and rank > 0 else []
+    core = {k: v for k, v in core.items() if k not in shared}
     state = {
         "format": _CHECKPOINT_FORMAT,
         "mode": t.mode,
@@ -105,6 +167,7 @@ def save_worker(
         "step": step,
         "core": core,
         "data": data,
+        "from_rank0": shared,
     }
     save_checkpoint(run_dir / "checkpoints", step=step, rank=rank, state=state, keep=t.keep_checkpoints)
 
@@ -123,4 +186,7 @@ def load_worker(
             f"the checkpoint is of a {state['mode']} run with {state['world_size']} worker(s); "
             f"this run is {mode} with {world_size}"
         )
+    if state.get("from_rank0"):
+        lead = load_checkpoint(checkpoint_path(run_dir / "checkpoints", step, 0))["core"]
+        state["core"].update({k: lead[k] for k in state["from_rank0"]})
     return state

@@ -18,10 +18,11 @@ from diloco_core import Transport
 from .compute import autocast, device_for, evaluate, loss_of
 from .config import RunConfig
 from .data import BatchSampler, Corpus
-from .metrics import Reporter, TrainResult, truncate_metrics
+from .log_tag import set_worker
+from .metrics import Reporter, TrainResult
 from .model import Llama
 from .modes import Sync
-from .resume import checkpoint_due, load_worker, resume_step, save_worker
+from .resume import checkpoint_due, commit_resume, confirm_loaded, load_worker, resume_step, save_worker
 from .schedule import lr_at
 from .shards import shard_of
 
@@ -38,6 +39,10 @@ class Job:
     corpus: Corpus
     run_dir: Path
     resume: bool
+    same_disk: bool = False
+    """Every worker's checkpoints are in this process's run folder (in-process workers): saved once there."""
+    secret_keys: frozenset[str] = frozenset()
+    """Keys of [transport] never written to config.toml."""
     stop: threading.Event = field(default_factory=threading.Event)
     """Set when a worker thread fails or the run is interrupted: the others leave their loop."""
     errors: list[BaseException] = field(default_factory=list)
@@ -46,6 +51,10 @@ class Job:
     """Rank 0's, once it has started (the launcher closes it)."""
     result: TrainResult | None = None
     """Rank 0's, once it has finished."""
+
+    def close(self) -> None:
+        if self.reporter is not None:
+            self.reporter.close()
 
 
 class Worker:
@@ -62,6 +71,8 @@ class Worker:
         groups = [{"params": decay, "weight_decay": t.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
         optimizer = torch.optim.AdamW(groups, lr=t.lr, betas=(t.beta1, t.beta2))
         shard, num_shards = shard_of(t, rank=self.rank, world_size=self.world_size)
+        fixed = self.transport is None or self.transport.fixed_ranks
+        set_worker(f"worker {self.rank}" if fixed else f"peer shard {shard}")
         sampler = BatchSampler(
             job.corpus.shard(shard, num_shards),
             seq_len=c.data.seq_len,
@@ -84,7 +95,8 @@ class Worker:
             if step == 0:
                 reporter.eval(0, evaluate(model, val=job.corpus.val, config=c, device=self.device))
         tokens = t.batch_size * c.data.seq_len
-        wall_start = time.perf_counter()
+        if reporter is not None:
+            reporter.start_clock()
         last_eval = math.nan
         model.train()
         while step < end and not job.stop.is_set():
@@ -116,7 +128,7 @@ class Worker:
                         "comm_s": comm.seconds,
                         "bytes_sent": comm.bytes_sent,
                         "bytes_received": comm.bytes_received,
-                        "time_s": time.perf_counter() - wall_start,
+                        "time_s": reporter.clock(),
                     }
                 )
                 if step % eval_every == 0 or step == end:
@@ -128,26 +140,31 @@ class Worker:
             return
         if math.isnan(last_eval):  # resumed at the very end: nothing trained, still report where it stands
             last_eval = evaluate(model, val=job.corpus.val, config=c, device=self.device)
-        job.result = reporter.finish(step=step, eval_after=last_eval, wall=time.perf_counter() - wall_start)
+        job.result = reporter.finish(step=step, eval_after=last_eval)
 
     def _resume(self, sync: Sync, sampler: BatchSampler) -> int:
-        """Load this worker's checkpoint of the step all ranks resume from; that step (0: none yet)."""
-        run_dir = self.job.run_dir
-        step = resume_step(run_dir, rank=self.rank, transport=self.transport, timeout=self.config.diloco.reduce_timeout)
+        """Load this worker's checkpoint of the step all ranks resume from; that step (0: none yet). Rank 0
+        changes the run folder only once every rank has loaded its checkpoint."""
+        job, timeout = self.job, self.config.diloco.reduce_timeout
+        step = resume_step(job.run_dir, rank=self.rank, transport=self.transport, timeout=timeout)
         sync.resumed_at(step)
-        if step < 0:  # crashed (or restarted by torchrun) before its first checkpoint: start over
-            logger.warning("rank %d: run %s has no checkpoint yet; starting from step 0", self.rank, run_dir)
-            return 0
-        if self.rank == 0:  # drop what was logged after the checkpoint all ranks resume from
-            truncate_metrics(run_dir, step)
-        fixed = self.transport is None or self.transport.fixed_ranks  # else group sizes change from round to round
-        state = load_worker(
-            run_dir, step=step, rank=self.rank, world_size=self.world_size, config=self.config, fixed_ranks=fixed
-        )
-        sync.load_state_dict(state["core"])
-        sampler.load_state_dict(state["data"])
-        logger.info("rank %d: resumed from step %d", self.rank, step)
-        return step
+        if step >= 0:
+            fixed = self.transport is None or self.transport.fixed_ranks  # else group sizes change every round
+            state = load_worker(
+                job.run_dir,
+                step=step,
+                rank=self.rank,
+                world_size=self.world_size,
+                config=self.config,
+                fixed_ranks=fixed,
+            )
+            sync.load_state_dict(state["core"])
+            sampler.load_state_dict(state["data"])
+            logger.info("rank %d: resumed from step %d", self.rank, step)
+        confirm_loaded(self.transport, timeout)
+        if self.rank == 0:
+            commit_resume(job.run_dir, step=step, config=self.config, secret_keys=job.secret_keys)
+        return max(step, 0)  # -1: crashed (or restarted by torchrun) before its first checkpoint: start over
 
     def _save(self, step: int, sync: Sync, sampler: BatchSampler) -> None:
         save_worker(
@@ -158,4 +175,5 @@ class Worker:
             config=self.config,
             core=sync.state_dict(),
             data=sampler.state_dict(),
+            same_disk=self.job.same_disk,
         )

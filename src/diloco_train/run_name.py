@@ -1,0 +1,48 @@
+"""A run's name: the one given, else one made of the mode and the time, which every rank of a run shares."""
+
+from __future__ import annotations
+
+import json
+import shlex
+import time
+from pathlib import Path
+
+import torch
+
+from diloco_core import Transport
+from transports import transport_spec
+
+from .config import RunConfig, TrainConfig
+
+__all__ = ["agree_run_dir", "default_name", "resume_command"]
+
+_MAX_BYTES = 255  # a file name's limit on common file systems
+
+
+def default_name(mode: str) -> str:
+    """``<mode>-<date>-<time>``, to the second: processes started apart pick different names."""
+    return f"{mode}-{time.strftime('%Y%m%d-%H%M%S')}"
+
+
+def agree_run_dir(transport: Transport, run_dir: Path, *, timeout: float) -> Path:
+    """Rank 0's run folder name, for every rank of ``transport`` (its ranks' own picks may be a second apart).
+    Collective: every rank calls it."""
+    raw = run_dir.name.encode("utf-8")
+    if len(raw) > _MAX_BYTES:
+        raise ValueError(f"run name {run_dir.name!r} is longer than {_MAX_BYTES} bytes")
+    buf = torch.zeros(_MAX_BYTES, dtype=torch.uint8)
+    buf[: len(raw)] = torch.tensor(list(raw), dtype=torch.uint8)
+    transport.broadcast([buf], src=0, timeout=timeout)
+    name = bytes(buf.tolist()).rstrip(b"\0").decode("utf-8")
+    return run_dir.with_name(name)
+
+
+def resume_command(name: str, config: RunConfig) -> str:
+    """The command line that continues run ``name``: its runs_dir where not the default, and a placeholder
+    for each [transport] secret (never saved with the run)."""
+    argv = ["diloco", "train", "--resume", "--name", name]
+    if config.train.runs_dir != TrainConfig.runs_dir:
+        argv += ["--set", f"train.runs_dir={json.dumps(config.train.runs_dir)}"]
+    spec = transport_spec(config.transport)
+    secrets = [f'transport.{k}="..."' for k in sorted(spec.secret_keys) if k in spec.section]
+    return shlex.join(argv) + "".join(f" --set '{s}'" for s in secrets)
