@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from convergence import Outcome, run_one
+from convergence import Outcome, protocol, run_one
 
 # name -> [diloco] overrides
 CODECS: dict[str, list[str]] = {
@@ -32,20 +32,9 @@ CODECS: dict[str, list[str]] = {
 }
 
 
-def _protocol(args: argparse.Namespace) -> list[str]:
-    return [
-        f"train.steps={args.steps}",
-        f"diloco.inner_steps={args.inner_steps}",
-        f"data.seq_len={args.seq_len}",
-        f"train.batch_size={args.batch_size}",
-        f"train.eval_every={max(args.steps // 10, 1)}",
-        "train.eval_batches=32",
-    ]
-
-
 def _outcome(*, name: str, mode: str, workers: int, seed: int, args: argparse.Namespace, extra: list[str]) -> Outcome:
     """Read from the baseline folder when it holds this run (fp32 and DDP rows), else train it in --out."""
-    common = _protocol(args)
+    common = protocol(steps=args.steps, inner_steps=args.inner_steps, seq_len=args.seq_len, batch=args.batch_size)
     if mode == "diloco":
         common.append(f"train.ddp_warm_start={args.warm_start}")
     base = Path(args.baseline)

@@ -29,7 +29,7 @@ from diloco_train.config import build_config
 from diloco_train.plot import read_metrics
 from diloco_train.train import train
 
-__all__ = ["RUNS", "Outcome", "main", "run_one", "table", "verdicts"]
+__all__ = ["RUNS", "Outcome", "main", "protocol", "run_one", "table", "verdicts"]
 
 # name -> (mode, workers)
 RUNS: dict[str, tuple[str, int]] = {
@@ -91,6 +91,18 @@ def run_one(
         rounds=len(rounds),
         agreement=agreement,
     )
+
+
+def protocol(*, steps: int, inner_steps: int, seq_len: int, batch: int) -> list[str]:
+    """The trainer overrides every run of the protocol shares (eval every tenth of the run, 32 batches)."""
+    return [
+        f"train.steps={steps}",
+        f"diloco.inner_steps={inner_steps}",
+        f"data.seq_len={seq_len}",
+        f"train.batch_size={batch}",
+        f"train.eval_every={max(steps // 10, 1)}",
+        "train.eval_batches=32",
+    ]
 
 
 def _stats(values: list[float]) -> tuple[float, float]:
@@ -241,15 +253,8 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"unknown run(s) {unknown}; valid: {list(RUNS)}")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    common = [
-        f"train.steps={args.steps}",
-        f"diloco.inner_steps={args.inner_steps}",
-        f"data.seq_len={args.seq_len}",
-        f"train.batch_size={args.batch_size}",
-        f"train.eval_every={max(args.steps // 10, 1)}",
-        "train.eval_batches=32",
-        *args.overrides,
-    ]
+    common = [*protocol(steps=args.steps, inner_steps=args.inner_steps, seq_len=args.seq_len, batch=args.batch_size)]
+    common += args.overrides
     start = time.perf_counter()
     outcomes = []
     for seed in seeds:  # seed-major: after the first pass every run has one seed, for an early look

@@ -138,8 +138,7 @@ class BlockRunner(Runner):
             if done != want:
                 raise AllreduceException(f"{peer_id} sent {done} parts, expected {want}")
         except BaseException as e:
-            self.failures.append(f"reducer {peer_id} failed: {type(e).__name__}: {e}")
-            container.register_failed_reducer(index)  # fills its slice with local values: never committed
+            self._reducer_failed(peer_id, index, e)
             raise
 
     async def _accumulate_parts_streaming(self, stream: Any, sender_index: int) -> Any:

@@ -175,9 +175,14 @@ class Runner(AllReduceRunner):
                 want = container.num_parts_by_peer[index]
                 raise AllreduceException(f"{peer_id} sent {part_index} parts, expected {want}")
         except BaseException as e:
-            self.failures.append(f"reducer {peer_id} failed: {type(e).__name__}: {e}")
-            container.register_failed_reducer(index)  # fills its slice with local values: never committed
+            self._reducer_failed(peer_id, index, e)
             raise
+
+    def _reducer_failed(self, peer_id: Any, index: int, e: BaseException) -> None:
+        """Record that the reducer of slice ``index`` failed; hivemind fills the slice with local values,
+        which the confirmation phase then never commits."""
+        self.failures.append(f"reducer {peer_id} failed: {type(e).__name__}: {e}")
+        self.tensor_part_container.register_failed_reducer(index)
 
     async def _accumulate_parts_streaming(self, stream: Any, sender_index: int) -> Any:
         part_index = 0
