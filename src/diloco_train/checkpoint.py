@@ -2,17 +2,20 @@
 
 A file is first written to a temporary name in the same folder, flushed to disk, then renamed over
 its final name (``os.replace`` is atomic on POSIX and Windows): a crash mid-write leaves the previous
-checkpoint as it was and, at worst, a stray ``.tmp`` file that the next save removes.
+checkpoint as it was and, at worst, a stray ``.tmp`` file that the rank's next start removes. A write that
+fails (a full disk) is an OSError naming the file and the OS's reason; a file that cannot be read, a
+ValueError saying why in one line (never torch's advice to load it unsafely).
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import pickle
 import re
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import torch
 
@@ -22,6 +25,8 @@ __all__ = [
     "checkpoint_ranks",
     "list_checkpoints",
     "load_checkpoint",
+    "open_temp",
+    "remove_stray_temp",
     "save_checkpoint",
 ]
 
@@ -30,21 +35,63 @@ logger = logging.getLogger(__name__)
 _NAME = re.compile(r"^step(\d{8})-rank(\d+)\.pt$")
 
 
+def open_temp(fd: int) -> BinaryIO:
+    """The temporary file a checkpoint is written to (a seam: tests make its writes fail)."""
+    return os.fdopen(fd, "wb")
+
+
+class _Recording:
+    """The file as ``torch.save`` sees it: the first OSError of a write is kept, because torch reports a
+    failed write as a RuntimeError of its own ("unexpected pos ...") that does not say why."""
+
+    def __init__(self, f: BinaryIO) -> None:
+        self.f, self.error = f, None
+
+    def write(self, data: bytes) -> int:
+        try:
+            return self.f.write(data)
+        except OSError as e:
+            self.error = self.error or e
+            raise
+
+    def flush(self) -> None:
+        self.f.flush()
+
+
 def atomic_save(obj: Any, path: str | Path) -> None:
-    """``torch.save(obj)`` to ``path`` so that ``path`` holds either the old or the whole new file."""
+    """``torch.save(obj)`` to ``path`` so that ``path`` holds either the old or the whole new file. A failed
+    write is an OSError naming ``path`` and why; ``path`` is left as it was and no temporary file stays."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    tmp: str | None = None
+    recording = None
     try:
-        with os.fdopen(fd, "wb") as f:
-            torch.save(obj, f)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+        with open_temp(fd) as f:
+            recording = _Recording(f)
+            torch.save(obj, recording)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
+    except Exception as e:  # noqa: BLE001 - whatever failed (torch, the OS), the user gets the OS's reason
+        if tmp is not None:
+            Path(tmp).unlink(missing_ok=True)
+        cause = recording.error if recording is not None and recording.error is not None else e
+        raise OSError(f"cannot write checkpoint {str(path)!r}: {_first_sentence(cause)}") from None
     except BaseException:
-        Path(tmp).unlink(missing_ok=True)
+        if tmp is not None:
+            Path(tmp).unlink(missing_ok=True)
         raise
     _fsync_dir(path.parent)
+
+
+def _first_sentence(e: BaseException) -> str:
+    """An exception's message, its first sentence of its first line (torch's go on for a paragraph)."""
+    if isinstance(e, OSError) and e.errno is not None:
+        return f"[Errno {e.errno}] {e.strerror}"
+    lines = [line.strip() for line in str(e).splitlines() if line.strip()]
+    text = lines[0] if lines else type(e).__name__
+    return text.split(". ")[0].rstrip(".")
 
 
 def _fsync_dir(folder: Path) -> None:
@@ -91,10 +138,25 @@ def save_checkpoint(folder: str | Path, step: int, rank: int, state: dict[str, A
     atomic_save(state, path)
     for old in list_checkpoints(folder, rank)[:-keep]:
         checkpoint_path(folder, old, rank).unlink(missing_ok=True)
-    for stray in Path(folder).glob(f".step*-rank{rank}.pt.*.tmp"):
-        stray.unlink(missing_ok=True)
     logger.debug("rank %d: checkpoint of step %d written to %s", rank, step, path)
     return path
+
+
+def remove_stray_temp(folder: str | Path, rank: int) -> None:
+    """Delete the temporary files of ``rank``'s checkpoint writes that were interrupted (a killed process).
+    Only the process that owns ``rank`` calls this, before it writes: no write of it is under way."""
+    for stray in Path(folder).glob(f".step*-rank{rank}.pt.*.tmp"):
+        stray.unlink(missing_ok=True)
+        logger.debug("rank %d: removed %s, left by an interrupted checkpoint write", rank, stray)
+
+
+def _unreadable(e: BaseException) -> str:
+    """Why a checkpoint could not be read, in one line. torch's own message of a refused file advises
+    loading it with ``weights_only=False`` (which can run any code): only its reason is kept."""
+    if isinstance(e, pickle.UnpicklingError):
+        reason = str(e).split("WeightsUnpickler error:")[-1]
+        return f"not a file of tensors and plain containers ({_first_sentence(Exception(reason))})"
+    return f"truncated or not a checkpoint ({_first_sentence(e)})"
 
 
 def load_checkpoint(path: str | Path) -> dict[str, Any]:
@@ -102,7 +164,7 @@ def load_checkpoint(path: str | Path) -> dict[str, Any]:
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:  # noqa: BLE001 - whatever the reader raises, the user gets one clear ValueError
-        raise ValueError(f"checkpoint {str(path)!r} cannot be read: {type(e).__name__}: {e}") from None
+        raise ValueError(f"checkpoint {str(path)!r} cannot be read: {_unreadable(e)}") from None
     if not isinstance(state, dict):
         raise ValueError(f"checkpoint {str(path)!r} holds a {type(state).__name__}, not a dict")
     return state

@@ -102,6 +102,7 @@ def _parser() -> argparse.ArgumentParser:
 def _train(args: argparse.Namespace, argv: list[str]) -> int:
     from .config import build_config, load_toml, parse_override
     from .launch import describe_workers, train
+    from .metrics import perplexity
     from .run_name import default_name, resume_command
 
     base = None
@@ -133,17 +134,19 @@ def _train(args: argparse.Namespace, argv: list[str]) -> int:
     except KeyboardInterrupt:
         print(f"diloco: interrupted (resume with: {again})", file=sys.stderr)
         _exit_now(130)
-    if math.isnan(result.eval_after):  # a non-zero rank of a multi-process run: rank 0 reports
+    if not result.rank0:  # a process of a multi-process run without rank 0, which reports
         return 0
     wall = result.wall_seconds
     util = result.compute_seconds / wall if wall else 0.0
     print(
-        f"eval loss {result.eval_before:.4f} (perplexity {math.exp(result.eval_before):.2f}) -> "
-        f"{result.eval_after:.4f} (perplexity {math.exp(result.eval_after):.2f}) after {result.steps} steps\n"
+        f"eval loss {result.eval_before:.4f} (perplexity {perplexity(result.eval_before):.2f}) -> "
+        f"{result.eval_after:.4f} (perplexity {perplexity(result.eval_after):.2f}) after {result.steps} steps\n"
         f"wall {wall:.1f}s, compute utilization {100 * util:.1f}% (rank 0: compute / wall), "
         f"{result.bytes_sent / 1e6:.1f} MB sent by rank 0\n"
         f"files: {run_dir}/metrics.jsonl, config.toml, plot.png, checkpoints/",
     )
+    if not math.isfinite(result.eval_after):
+        print("the eval loss is not finite: training diverged (states that were not finite were not checkpointed)")
     if result.steps < t.steps:
         print(f"stopped at step {result.steps} of {t.steps} (train.stop_after); resume with: {again}")
     if result.rounds:

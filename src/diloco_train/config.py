@@ -72,6 +72,9 @@ class TrainConfig:
     """Checkpoint every this many rounds (of diloco.inner_steps steps, in every mode) and at the end; 0: only at the end."""
     keep_checkpoints: int = 2
     """Checkpoints kept per worker; older ones are deleted."""
+    max_nonfinite_losses: int = 3
+    """Stop with an error once a worker's loss is NaN or infinite at this many steps in a row (its weights then
+    are too: nothing trains on). A state that is not finite is never checkpointed."""
     stop_after: int = 0
     """Stop (after a checkpoint) once this many steps are done, schedule unchanged; resume later. 0: run all steps."""
     shard: int = -1
@@ -89,7 +92,7 @@ class TrainConfig:
 
     def __post_init__(self) -> None:
         check_field("mode", self.mode, self.mode in MODES, f"one of {list(MODES)}")
-        for name in ("workers", "steps", "batch_size", "eval_batches", "keep_checkpoints"):
+        for name in ("workers", "steps", "batch_size", "eval_batches", "keep_checkpoints", "max_nonfinite_losses"):
             check_field(name, getattr(self, name), _int(getattr(self, name), 1), "an integer >= 1")
         for name in (
             "warmup_steps",

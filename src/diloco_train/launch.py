@@ -140,6 +140,7 @@ def train(
             wall_seconds=0.0,
             compute_seconds=0.0,
             bytes_sent=0,
+            rank0=False,
         )
     assert job.result is not None
     return job.result

@@ -17,7 +17,7 @@ from typing import Any, TextIO
 
 from diloco_core import RoundReport
 
-__all__ = ["METRICS", "Reporter", "TrainResult", "read_metrics", "truncate_metrics"]
+__all__ = ["METRICS", "Reporter", "TrainResult", "perplexity", "read_metrics", "truncate_metrics"]
 
 logger = logging.getLogger(__name__)
 
@@ -47,6 +47,8 @@ class TrainResult:
     """DiLoCo outer rounds in the run."""
     round_bytes: int = 0
     """Of ``bytes_sent``, what rank 0 sent in outer rounds (the rest: DDP steps of a warm start)."""
+    rank0: bool = True
+    """Whether this process ran rank 0, which reports the run; another process's result holds NaN losses."""
 
 
 def read_metrics(run_dir: str | Path, *, missing_ok: bool = False) -> list[dict[str, Any]]:
@@ -89,7 +91,8 @@ def _logged_wall(records: list[dict[str, Any]]) -> float:
     return total + last
 
 
-def _perplexity(loss: float) -> float:
+def perplexity(loss: float) -> float:
+    """exp(loss), capped at exp(80) (NaN stays NaN)."""
     return math.exp(min(loss, 80.0))
 
 
@@ -133,8 +136,11 @@ class Reporter:
         return self.offset + (time.perf_counter() - self.started if self.started is not None else 0.0)
 
     def write(self, record: dict[str, Any]) -> None:
-        self.file.write(json.dumps(record) + "\n")
-        self.file.flush()
+        try:
+            self.file.write(json.dumps(record) + "\n")
+            self.file.flush()
+        except OSError as e:  # a full disk: torch's or the OS's message alone would not say which file
+            raise OSError(f"cannot write {self.run_dir / METRICS}: {e}") from None
 
     def step(self, record: dict[str, Any]) -> None:
         self.compute += record["compute_s"]
@@ -175,11 +181,9 @@ class Reporter:
         )
 
     def eval(self, step: int, loss: float) -> None:
-        self.write(
-            {"type": "eval", "step": step, "loss": loss, "perplexity": _perplexity(loss), "time_s": self.clock()}
-        )
+        self.write({"type": "eval", "step": step, "loss": loss, "perplexity": perplexity(loss), "time_s": self.clock()})
         if self.bar is not None:
-            self.bar.write(f"step {step}: eval loss {loss:.4f} (perplexity {_perplexity(loss):.2f})")
+            self.bar.write(f"step {step}: eval loss {loss:.4f} (perplexity {perplexity(loss):.2f})")
 
     def finish(self, *, step: int, eval_after: float) -> TrainResult:
         """Write the summary record of the whole run (its wall: ``clock()``, earlier invocations' included), and

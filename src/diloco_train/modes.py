@@ -113,6 +113,7 @@ class Sync:
         elif diloco is not None:
             diloco.load_state_dict(core)
         else:
+            _check_model(core["model"], self.model)
             with torch.no_grad():
                 torch._foreach_copy_(list(self.model.parameters()), [t.to(self.device) for t in core["model"]])
             self.optimizer.load_state_dict(core["inner_optimizer"])
@@ -126,3 +127,19 @@ class Sync:
             c = replace(c, outer_lr=outer_lr_for(max(self.config.train.num_shards, 1), c.outer_momentum))
         self.diloco = DiLoCo(model=self.model, inner_optimizer=self.optimizer, transport=self.transport, config=c)
         self.grads = None
+
+
+def _check_model(saved: list[torch.Tensor], model: Llama) -> None:
+    """A checkpoint of another model (a [model] key changed since it was written) is named, not torch's error."""
+    named = list(model.named_parameters())
+    advice = "resume with the [model] of the run's config.toml, or start a new run"
+    if len(saved) != len(named):
+        raise ValueError(
+            f"the checkpoint's model has {len(saved)} parameter tensors, this run's has {len(named)} "
+            f"(model.num_layers changed?): {advice}"
+        )
+    for (name, p), t in zip(named, saved):
+        if tuple(t.shape) != tuple(p.shape):
+            raise ValueError(
+                f"the checkpoint's model has {name} of shape {tuple(t.shape)}, this run's has {tuple(p.shape)}: {advice}"
+            )

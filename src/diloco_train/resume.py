@@ -1,4 +1,5 @@
-"""Resuming a run: its folder, each worker's checkpoint (what it holds, which step all ranks resume from).
+"""Resuming a run: its folder, each worker's checkpoint (what it holds; ``resume_from``: which step all
+ranks resume from).
 
 Every rank writes its own checkpoint file, because each holds its own inner optimizer and data order. A
 resume changes nothing in the run folder (config.toml, metrics.jsonl) until every worker has loaded its
@@ -20,6 +21,7 @@ from diloco_core import Transport
 from .checkpoint import checkpoint_path, checkpoint_ranks, list_checkpoints, load_checkpoint, save_checkpoint
 from .config import RunConfig, dump_toml
 from .metrics import METRICS, truncate_metrics
+from .resume_from import from_every_rank
 
 __all__ = [
     "check_resume_workers",
@@ -28,7 +30,6 @@ __all__ = [
     "confirm_loaded",
     "load_worker",
     "prepare_run_dir",
-    "resume_step",
     "save_worker",
     "write_config",
 ]
@@ -62,9 +63,7 @@ def check_resume_workers(run_dir: Path, world_size: int) -> None:
     ranks = checkpoint_ranks(folder)
     if not ranks:
         return  # nothing to resume
-    newest = list_checkpoints(folder, ranks[0])[-1]
-    state = torch.load(checkpoint_path(folder, newest, ranks[0]), map_location="cpu", weights_only=True, mmap=True)
-    recorded = int(state.get("world_size", len(ranks)))
+    recorded = _recorded_world(folder, ranks[0]) or len(ranks)
     if recorded != world_size:
         raise ValueError(
             f"run {str(run_dir)!r} was checkpointed with {recorded} worker(s); "
@@ -78,21 +77,23 @@ def check_resume_workers(run_dir: Path, world_size: int) -> None:
         )
 
 
-def _from_every_rank(transport: Transport, value: int, timeout: float) -> list[int]:
-    """Each rank's ``value``, on every rank (collective). A rank that fails before it gets here fails it."""
-    everyone = []
-    for src in range(transport.world_size):
-        buf = torch.tensor([value], dtype=torch.int64)
-        transport.broadcast([buf], src=src, timeout=timeout)
-        everyone.append(int(buf.item()))
-    return everyone
+def _recorded_world(folder: Path, rank: int) -> int | None:
+    """The worker count that ``rank``'s newest readable checkpoint records (None: none can be read, which
+    ``resume_from`` reports). Read memory-mapped: only the small entries are read."""
+    for step in reversed(list_checkpoints(folder, rank)):
+        try:
+            state = torch.load(checkpoint_path(folder, step, rank), map_location="cpu", weights_only=True, mmap=True)
+        except Exception:  # noqa: BLE001, S112 - unreadable: resume_from warns about it and tries an older one
+            continue
+        return int(state["world_size"]) if isinstance(state, dict) and "world_size" in state else None
+    return None
 
 
 def confirm_loaded(transport: Transport | None, timeout: float) -> None:
     """Return once every rank of a fixed-ranks run has loaded its checkpoint (collective); where ranks come
     and go, each peer is on its own."""
     if transport is not None and transport.fixed_ranks and transport.world_size > 1:
-        _from_every_rank(transport, 1, timeout)
+        from_every_rank(transport, 1, timeout)
 
 
 def commit_resume(run_dir: Path, *, step: int, config: RunConfig, secret_keys: Collection[str]) -> None:
@@ -106,31 +107,6 @@ def commit_resume(run_dir: Path, *, step: int, config: RunConfig, secret_keys: C
         end = min(config.train.stop_after or config.train.steps, config.train.steps)
         print(f"run {run_dir}: resumed from step {step} of {config.train.steps}, to step {end}", file=sys.stderr)
     write_config(run_dir, config, secret_keys=secret_keys)
-
-
-def _common_step(transport: Transport | None, steps: list[int], timeout: float) -> int:
-    """The newest checkpoint step every rank holds (-1: none). A worker killed mid-checkpoint leaves its
-    peers one checkpoint ahead of it; all then resume from the step they have in common."""
-    latest = steps[-1] if steps else -1
-    if transport is None or transport.world_size == 1:
-        return latest
-    everyone = _from_every_rank(transport, latest, timeout)
-    common = min(everyone)
-    if common >= 0 and common not in steps:
-        raise ValueError(
-            f"workers hold no common checkpoint: their latest steps are {everyone}, and rank {transport.rank} "
-            f"has {steps} (keep_checkpoints may be too small)"
-        )
-    return common
-
-
-def resume_step(run_dir: Path, *, rank: int, transport: Transport | None, timeout: float) -> int:
-    """The step ``rank`` resumes from (-1: no checkpoint yet). Ranks that hold for the run agree on it;
-    peers that come and go have no ranks to agree, and each takes its own newest."""
-    steps = list_checkpoints(run_dir / "checkpoints", rank)
-    if transport is None or transport.fixed_ranks:
-        return _common_step(transport, steps, timeout)
-    return steps[-1] if steps else -1
 
 
 def checkpoint_due(step: int, *, end: int, inner_steps: int, every: int) -> bool:
@@ -173,11 +149,11 @@ def save_worker(
 
 
 def load_worker(
-    run_dir: Path, *, step: int, rank: int, world_size: int, config: RunConfig, fixed_ranks: bool
+    run_dir: Path, *, state: dict[str, Any], step: int, world_size: int, config: RunConfig, fixed_ranks: bool
 ) -> dict[str, Any]:
-    """``rank``'s checkpoint of ``step``, checked against this run: same mode and, where ranks hold for the
-    run (``fixed_ranks``; else group sizes change from round to round), the same number of workers."""
-    state = load_checkpoint(checkpoint_path(run_dir / "checkpoints", step, rank))
+    """``state``, a rank's checkpoint of ``step`` (``resume_from``), checked against this run: same mode and,
+    where ranks hold for the run (``fixed_ranks``; else group sizes change from round to round), the same
+    number of workers; the state every in-process worker shares is taken from rank 0's file of ``step``."""
     if state.get("format") != _CHECKPOINT_FORMAT:
         raise ValueError(f"checkpoint format {state.get('format')!r} is not {_CHECKPOINT_FORMAT}")
     mode = config.train.mode

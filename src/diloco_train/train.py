@@ -2,7 +2,8 @@
 
 The trainer is split by concept: ``launch`` (train(): threads or one worker per process, as the
 transport's spec says), ``worker`` (the loop), ``modes`` (single, ddp, diloco and the warm start),
-``resume`` (run folder and checkpoints), ``metrics`` (metrics.jsonl, written and read), ``shards``,
+``resume`` (run folder and checkpoints), ``resume_from`` (the step a resume starts from), ``checkpoint``
+(files), ``divergence`` (non-finite losses and states), ``metrics`` (metrics.jsonl, written and read), ``shards``,
 ``compute`` (loss and evaluation) and ``schedule`` (learning rate).
 """
 

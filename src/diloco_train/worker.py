@@ -15,14 +15,17 @@ import torch
 
 from diloco_core import Transport
 
+from .checkpoint import remove_stray_temp
 from .compute import autocast, device_for, evaluate, loss_of
 from .config import RunConfig
 from .data import BatchSampler, Corpus
+from .divergence import LossWatch, all_finite, newest_checkpoint
 from .log_tag import set_worker
 from .metrics import Reporter, TrainResult
 from .model import Llama
 from .modes import Sync
-from .resume import checkpoint_due, commit_resume, confirm_loaded, load_worker, resume_step, save_worker
+from .resume import checkpoint_due, commit_resume, confirm_loaded, load_worker, save_worker
+from .resume_from import resume_step
 from .schedule import lr_at
 from .shards import shard_of
 
@@ -51,6 +54,8 @@ class Job:
     """Rank 0's, once it has started (the launcher closes it)."""
     result: TrainResult | None = None
     """Rank 0's, once it has finished."""
+    warned_nonfinite: bool = False
+    """A worker has said that a state of its was not finite, so not checkpointed (said once per process)."""
 
     def close(self) -> None:
         if self.reporter is not None:
@@ -73,6 +78,7 @@ class Worker:
         shard, num_shards = shard_of(t, rank=self.rank, world_size=self.world_size)
         fixed = self.transport is None or self.transport.fixed_ranks
         set_worker(f"worker {self.rank}" if fixed else f"peer shard {shard}")
+        remove_stray_temp(job.run_dir / "checkpoints", self.rank)  # of a write this rank's last process left
         sampler = BatchSampler(
             job.corpus.shard(shard, num_shards),
             seq_len=c.data.seq_len,
@@ -98,6 +104,7 @@ class Worker:
         if reporter is not None:
             reporter.start_clock()
         last_eval = math.nan
+        watch = LossWatch(limit=t.max_nonfinite_losses, folder=job.run_dir / "checkpoints", rank=self.rank, lr=t.lr)
         model.train()
         while step < end and not job.stop.is_set():
             sync.before(step)
@@ -134,6 +141,7 @@ class Worker:
                 if step % eval_every == 0 or step == end:
                     last_eval = evaluate(model, val=job.corpus.val, config=c, device=self.device)
                     reporter.eval(step, last_eval)
+            watch.see(step, loss_value)
             if checkpoint_due(step, end=end, inner_steps=h, every=t.checkpoint_every):
                 self._save(step, sync, sampler)
         if job.stop.is_set() or reporter is None:
@@ -146,14 +154,15 @@ class Worker:
         """Load this worker's checkpoint of the step all ranks resume from; that step (0: none yet). Rank 0
         changes the run folder only once every rank has loaded its checkpoint."""
         job, timeout = self.job, self.config.diloco.reduce_timeout
-        step = resume_step(job.run_dir, rank=self.rank, transport=self.transport, timeout=timeout)
+        found = resume_step(job.run_dir, rank=self.rank, transport=self.transport, timeout=timeout)
+        step = found.step
         sync.resumed_at(step)
-        if step >= 0:
+        if found.state is not None:
             fixed = self.transport is None or self.transport.fixed_ranks  # else group sizes change every round
             state = load_worker(
                 job.run_dir,
+                state=found.state,
                 step=step,
-                rank=self.rank,
                 world_size=self.world_size,
                 config=self.config,
                 fixed_ranks=fixed,
@@ -167,13 +176,21 @@ class Worker:
         return max(step, 0)  # -1: crashed (or restarted by torchrun) before its first checkpoint: start over
 
     def _save(self, step: int, sync: Sync, sampler: BatchSampler) -> None:
+        """Checkpoint ``step``, unless its state holds NaN or inf: then the older checkpoints stay as they are."""
+        job, core = self.job, sync.state_dict()
+        if not all_finite(core):
+            if not job.warned_nonfinite:
+                job.warned_nonfinite = True
+                newest = newest_checkpoint(job.run_dir / "checkpoints", self.rank)
+                logger.warning("step %d: the state holds NaN or infinite values: not checkpointed (%s)", step, newest)
+            return
         save_worker(
-            self.job.run_dir,
+            job.run_dir,
             step=step,
             rank=self.rank,
             world_size=self.world_size,
             config=self.config,
-            core=sync.state_dict(),
+            core=core,
             data=sampler.state_dict(),
-            same_disk=self.job.same_disk,
+            same_disk=job.same_disk,
         )

@@ -1,0 +1,66 @@
+"""A run that diverges: non-finite losses counted step by step, and states that are not finite.
+
+One NaN or infinite loss makes the gradients, then the weights and optimizer moments, non-finite: nothing
+trains on from there. The worker stops with an error after ``train.max_nonfinite_losses`` such losses in a
+row, and never checkpoints a state that is not finite, so the good checkpoints before it stay on disk.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .checkpoint import list_checkpoints
+
+__all__ = ["LossWatch", "all_finite", "newest_checkpoint"]
+
+_CHUNK = 1 << 24
+"""Values checked at a time: ``isfinite`` of a whole 1B-value tensor would allocate 1 GB of booleans."""
+
+
+def all_finite(obj: Any) -> bool:
+    """Whether every floating-point tensor in ``obj`` (tensors, dicts, lists and tuples of them) is finite."""
+    if isinstance(obj, torch.Tensor):
+        if not obj.is_floating_point():
+            return True
+        flat = obj.detach().reshape(-1)
+        return all(bool(torch.isfinite(flat[i : i + _CHUNK]).all()) for i in range(0, flat.numel(), _CHUNK))
+    if isinstance(obj, dict):
+        return all(all_finite(v) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return all(all_finite(v) for v in obj)
+    return True
+
+
+def newest_checkpoint(folder: Path, rank: int) -> str:
+    """Where a diverged run can go back to, in words."""
+    steps = list_checkpoints(folder, rank)
+    return f"the newest checkpoint is of step {steps[-1]}" if steps else "no checkpoint was written yet"
+
+
+class LossWatch:
+    """Counts one worker's non-finite losses in a row; the ``limit``-th ends the run with a ValueError."""
+
+    def __init__(self, *, limit: int, folder: Path, rank: int, lr: float) -> None:
+        self.limit, self.folder, self.rank, self.lr = limit, folder, rank, lr
+        self.first: int | None = None
+        """The first step of the current streak of non-finite losses (None: the last loss was finite)."""
+
+    def see(self, step: int, loss: float) -> None:
+        if math.isfinite(loss):
+            self.first = None
+            return
+        if self.first is None:
+            self.first = step
+        count = step - self.first + 1
+        if count < self.limit:
+            return
+        where = f"at step {step}" if count == 1 else f"at {count} steps in a row, steps {self.first} to {step}"
+        raise ValueError(
+            f"training diverged: non-finite loss ({loss}) {where} "
+            f"(train.max_nonfinite_losses={self.limit}); {newest_checkpoint(self.folder, self.rank)}: "
+            f"resume from it with --resume and a lower train.lr (now {self.lr}), or start a new run"
+        )

@@ -1,0 +1,295 @@
+"""Trusting the trainer (issue 13): a diverged run stops with a clear error and keeps its good checkpoints,
+the summary is printed whatever the losses, a resume survives a corrupt checkpoint, and I/O or shape
+problems end with one ``diloco: error:`` line."""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import logging
+import math
+import subprocess
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+from test_train_cli import FAST
+
+from diloco_train import checkpoint as ckpt
+from diloco_train import worker as worker_module
+from diloco_train.cli import main
+
+
+class Evil:
+    """Any class: a checkpoint holding one is refused (loading it would unpickle it)."""
+
+
+def _diverge_from(monkeypatch: pytest.MonkeyPatch, step: int) -> None:
+    """Every worker's loss (and so its gradients, then its weights) is NaN from its ``step``-th step on."""
+    real = worker_module.loss_of
+    calls = threading.local()
+
+    def loss_of(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        calls.n = getattr(calls, "n", 0) + 1
+        loss = real(model, x, y)
+        return loss * math.nan if calls.n >= step else loss
+
+    monkeypatch.setattr(worker_module, "loss_of", loss_of)
+
+
+def _checkpoints(run: Path) -> dict[str, bool]:
+    """Each checkpoint file's name, and whether every tensor in it is finite."""
+
+    def finite(obj: object) -> bool:
+        if isinstance(obj, torch.Tensor):
+            return not obj.is_floating_point() or bool(torch.isfinite(obj).all())
+        if isinstance(obj, dict):
+            return all(finite(v) for v in obj.values())
+        if isinstance(obj, (list, tuple)):
+            return all(finite(v) for v in obj)
+        return True
+
+    folder = run / "checkpoints"
+    return {p.name: finite(torch.load(p, weights_only=True)) for p in sorted(folder.glob("*.pt"))}
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("mode", ["single", "ddp"])
+def test_a_run_that_ends_with_nan_losses_prints_its_summary_and_keeps_its_good_checkpoints(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    caplog: pytest.LogCaptureFixture,
+    mode: str,
+) -> None:
+    """Before: exit 0 with an empty stdout (NaN read as "not rank 0"), and checkpoints 9 and 12, all NaN."""
+    _diverge_from(monkeypatch, 7)
+    common = ["--set", f"train.runs_dir={tmp_path!s}", *FAST, "--set", f"train.mode={mode}"]
+    with caplog.at_level(logging.WARNING):
+        assert main(["train", "--name", "r", *common, "--set", "train.max_nonfinite_losses=100"]) == 0
+    assert "-> nan (perplexity nan) after 12 steps" in capsys.readouterr().out
+    warnings = [r.getMessage() for r in caplog.records if "not checkpointed" in r.getMessage()]
+    assert warnings == [
+        "step 9: the state holds NaN or infinite values: not checkpointed (the newest checkpoint is of step 6)"
+    ]
+    names = ["step00000003", "step00000006"]
+    ranks = [0] if mode == "single" else [0, 1]
+    assert _checkpoints(tmp_path / "r") == {f"{n}-rank{r}.pt": True for n in names for r in ranks}
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("mode", ["single", "ddp"])
+def test_a_diverged_run_stops_after_max_nonfinite_losses(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], mode: str
+) -> None:
+    """Before: it trained on to step 12 with NaN weights and exited 0."""
+    _diverge_from(monkeypatch, 7)
+    common = ["--set", f"train.runs_dir={tmp_path!s}", *FAST, "--set", f"train.mode={mode}"]
+    assert main(["train", "--name", "r", *common]) == 2  # the default: 3 in a row
+    err = capsys.readouterr().err
+    assert "non-finite loss (nan) at 3 steps in a row, steps 7 to 9 (train.max_nonfinite_losses=3)" in err
+    assert "newest checkpoint is of step 6" in err and "Traceback" not in err
+    assert all(_checkpoints(tmp_path / "r").values())
+    # The run resumes from its last good checkpoint.
+    monkeypatch.undo()
+    assert main(["train", "--name", "r", "--resume", "--set", f"train.runs_dir={tmp_path!s}", "-q"]) == 0
+    assert "resumed from step 6 of 12" in capsys.readouterr().err
+
+
+@pytest.mark.timeout(90)
+def test_a_diverged_diloco_run_ends_with_the_cores_error_and_finite_checkpoints(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    _diverge_from(monkeypatch, 7)
+    assert main(["train", "--name", "r", "--set", f"train.runs_dir={tmp_path!s}", *FAST]) == 2
+    err = capsys.readouterr().err
+    assert "pseudo-gradient holds NaN or infinite values" in err and "Traceback" not in err
+    assert all(_checkpoints(tmp_path / "r").values())
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize(("value", "shown"), [("0", "0"), ("-1", "-1"), ("1.5", "1.5"), ("true", "True")])
+def test_max_nonfinite_losses_is_validated(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], value: str, shown: str
+) -> None:
+    args = ["train", "--set", f"train.runs_dir={tmp_path!s}", "--set", f"train.max_nonfinite_losses={value}", "-q"]
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert f"[train] max_nonfinite_losses={shown} is invalid: expected an integer >= 1" in err
+
+
+def _corrupt(path: Path, how: str) -> None:
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) // 2] if how == "truncated" else b"garbage")
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(("rank", "how"), [(0, "truncated"), (1, "garbage")])
+def test_resume_falls_back_to_the_newest_intact_checkpoint(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], caplog: pytest.LogCaptureFixture, rank: int, how: str
+) -> None:
+    """Before: a traceback (rank 0's file, read to check the worker count) or an error (rank 1's)."""
+    common = ["--set", f"train.runs_dir={tmp_path!s}", *FAST]
+    assert main(["train", "--name", "r", *common, "--set", "train.stop_after=6"]) == 0
+    bad = tmp_path / "r" / "checkpoints" / f"step00000006-rank{rank}.pt"
+    _corrupt(bad, how)
+    capsys.readouterr()
+    with caplog.at_level(logging.WARNING):
+        assert main(["train", "--name", "r", "--resume", "--set", f"train.runs_dir={tmp_path!s}", "-q"]) == 0
+    err = capsys.readouterr().err
+    assert "resumed from step 3 of 12" in err
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert any(str(bad) in w and "cannot be read" in w for w in warnings), warnings
+    assert not any("weights_only" in w for w in warnings)
+
+
+@pytest.mark.timeout(60)
+def test_no_readable_checkpoint_is_one_error_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    common = ["--set", f"train.runs_dir={tmp_path!s}", *FAST]
+    assert main(["train", "--name", "r", *common, "--set", "train.stop_after=6"]) == 0
+    for p in (tmp_path / "r" / "checkpoints").glob("*-rank1.pt"):
+        _corrupt(p, "garbage")
+    capsys.readouterr()
+    assert main(["train", "--name", "r", "--resume", "--set", f"train.runs_dir={tmp_path!s}", "-q"]) == 2
+    err = capsys.readouterr().err
+    assert "diloco: error:" in err and "none of the checkpoints of worker(s) [1]" in err and "Traceback" not in err
+
+
+def _save(folder: Path, step: int, rank: int, *, intact: bool) -> None:
+    state = {"format": 1, "step": step, "core": {"w": torch.ones(3)}}
+    ckpt.save_checkpoint(folder, step=step, rank=rank, state=state, keep=10)
+    if not intact:
+        _corrupt(ckpt.checkpoint_path(folder, step, rank), "truncated")
+
+
+@pytest.mark.timeout(60)
+def test_ranks_agree_on_the_newest_step_that_is_intact_for_every_one(tmp_path: Path) -> None:
+    """What in-process workers and torchrun ranks run: rank 0 lost step 9, rank 1 step 6; both resume from 3."""
+    from diloco_train.resume_from import resume_step
+    from transports import transport_spec
+
+    for step, broken in ((3, ()), (6, (1,)), (9, (0,))):
+        for rank in (0, 1):
+            _save(tmp_path / "checkpoints", step, rank, intact=rank not in broken)
+    transports = transport_spec({}).connect(2)
+    found: dict[int, int] = {}
+
+    def pick(rank: int) -> None:
+        found[rank] = resume_step(tmp_path, rank=rank, transport=transports[rank], timeout=30).step
+
+    threads = [threading.Thread(target=pick, args=(r,), daemon=True) for r in (0, 1)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(50)
+    for t in transports:
+        t.close()
+    assert found == {0: 3, 1: 3}
+
+
+@contextlib.contextmanager
+def _tiny_disk(where: Path) -> Iterator[Path]:
+    where.mkdir()
+    mounted = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(where)], capture_output=True, check=False
+    )
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a 1 MB tmpfs here: {mounted.stderr.decode().strip()}")
+    try:
+        yield where
+    finally:
+        subprocess.run(["umount", "-l", str(where)], check=False, timeout=30)
+
+
+@pytest.mark.timeout(90)
+def test_a_full_disk_is_one_error_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Before: torch's RuntimeError "unexpected pos" in a traceback, exit 1."""
+    with _tiny_disk(tmp_path / "disk") as disk:
+        assert main(["train", "--name", "r", "--set", f"train.runs_dir={disk!s}", *FAST]) == 2
+        err = capsys.readouterr().err
+        assert [line for line in err.splitlines() if line.startswith("diloco:")] == [
+            line for line in err.splitlines() if "No space left on device" in line
+        ]
+        assert "diloco: error: cannot write checkpoint" in err and "Traceback" not in err
+        assert not list((disk / "r" / "checkpoints").glob(".*.tmp"))
+
+
+@pytest.mark.timeout(30)
+def test_a_failed_write_names_the_file_and_keeps_the_previous_checkpoint(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    ckpt.atomic_save({"step": 1}, tmp_path / "a.pt")
+    real = ckpt.open_temp
+
+    class Full:
+        """The temp file on a disk that is full once 1000 bytes are written."""
+
+        def __init__(self, fd: int) -> None:
+            self.f, self.written = real(fd), 0
+
+        def write(self, data: bytes) -> int:
+            self.written += len(data)
+            if self.written > 1000:
+                raise OSError(errno.ENOSPC, "No space left on device")
+            return self.f.write(data)
+
+        def flush(self) -> None:
+            self.f.flush()
+
+        def fileno(self) -> int:
+            return self.f.fileno()
+
+        def __enter__(self):  # type: ignore[no-untyped-def]
+            return self
+
+        def __exit__(self, *exc: object) -> None:
+            self.f.close()
+
+    monkeypatch.setattr(ckpt, "open_temp", Full)
+    with pytest.raises(OSError, match=r"cannot write checkpoint .*a\.pt'?: \[Errno 28\] No space left on device"):
+        ckpt.atomic_save({"step": 2, "w": torch.zeros(10_000)}, tmp_path / "a.pt")
+    assert [p.name for p in tmp_path.iterdir()] == ["a.pt"]
+    assert ckpt.load_checkpoint(tmp_path / "a.pt")["step"] == 1
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("mode", ["single", "ddp", "diloco"])
+@pytest.mark.parametrize("change", ["model.num_layers=2", "model.hidden_size=64"])
+def test_a_resume_with_another_model_shape_is_one_error_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], mode: str, change: str
+) -> None:
+    """Before (single, ddp): torch's RuntimeError from copying mismatched tensors, in a traceback, exit 1."""
+    common = ["--set", f"train.runs_dir={tmp_path!s}", *FAST, "--set", f"train.mode={mode}"]
+    assert main(["train", "--name", "r", *common, "--set", "train.stop_after=3"]) == 0
+    capsys.readouterr()
+    assert main(["train", "--name", "r", "--resume", *common, "--set", change]) == 2
+    err = capsys.readouterr().err
+    assert "diloco: error:" in err and "Traceback" not in err
+    named = {
+        "model.num_layers=2": "the checkpoint's model has 10 parameter tensors, this run's has 17",
+        "model.hidden_size=64": "the checkpoint's model has embed.weight of shape (256, 128), this run's has (256, 64)",
+    }
+    assert (named[change] if mode != "diloco" else "DiLoCo state holds") in err  # the core's own message there
+
+
+@pytest.mark.timeout(30)
+def test_a_refused_file_does_not_echo_torchs_advice(tmp_path: Path) -> None:
+    torch.save({"x": Evil()}, tmp_path / "evil.pt")
+    with pytest.raises(ValueError, match="cannot be read") as e:
+        ckpt.load_checkpoint(tmp_path / "evil.pt")
+    assert "weights_only" not in str(e.value) and "\n" not in str(e.value)
+
+
+@pytest.mark.timeout(60)
+def test_stray_temp_files_are_removed_at_start(tmp_path: Path) -> None:
+    """Before: only once the same rank wrote its next checkpoint (a resume at the end writes none)."""
+    common = ["--set", f"train.runs_dir={tmp_path!s}", *FAST]
+    assert main(["train", "--name", "r", *common, "--set", "train.stop_after=6"]) == 0
+    folder = tmp_path / "r" / "checkpoints"
+    strays = [folder / f".step00000009-rank{r}.pt.x1y2.tmp" for r in (0, 1)]
+    for p in strays:
+        p.write_bytes(b"half a checkpoint")
+    assert main(["train", "--name", "r", "--resume", *common, "--set", "train.stop_after=6"]) == 0
+    assert not any(p.exists() for p in strays)
