@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import functools
 import logging
 import math
+import os
 import subprocess
 import threading
 from collections.abc import Iterator
@@ -217,11 +219,9 @@ def test_a_full_disk_is_one_error_line(tmp_path: Path, capsys: pytest.CaptureFix
 
 
 @pytest.mark.timeout(30)
-def test_a_failed_write_names_the_file_and_keeps_the_previous_checkpoint(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_a_failed_write_names_the_file_and_keeps_the_previous_checkpoint(tmp_path: Path) -> None:
     ckpt.atomic_save({"step": 1}, tmp_path / "a.pt")
-    real = ckpt.open_temp
+    real = functools.partial(os.fdopen, mode="wb")
 
     class Full:
         """The temp file on a disk that is full once 1000 bytes are written."""
@@ -247,9 +247,8 @@ def test_a_failed_write_names_the_file_and_keeps_the_previous_checkpoint(
         def __exit__(self, *exc: object) -> None:
             self.f.close()
 
-    monkeypatch.setattr(ckpt, "open_temp", Full)
     with pytest.raises(OSError, match=r"cannot write checkpoint .*a\.pt'?: \[Errno 28\] No space left on device"):
-        ckpt.atomic_save({"step": 2, "w": torch.zeros(10_000)}, tmp_path / "a.pt")
+        ckpt.atomic_save({"step": 2, "w": torch.zeros(10_000)}, tmp_path / "a.pt", opener=Full)
     assert [p.name for p in tmp_path.iterdir()] == ["a.pt"]
     assert ckpt.load_checkpoint(tmp_path / "a.pt")["step"] == 1
 

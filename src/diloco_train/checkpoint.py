@@ -14,6 +14,7 @@ import os
 import pickle
 import re
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, BinaryIO
 
@@ -25,7 +26,6 @@ __all__ = [
     "checkpoint_ranks",
     "list_checkpoints",
     "load_checkpoint",
-    "open_temp",
     "remove_stray_temp",
     "save_checkpoint",
 ]
@@ -35,8 +35,7 @@ logger = logging.getLogger(__name__)
 _NAME = re.compile(r"^step(\d{8})-rank(\d+)\.pt$")
 
 
-def open_temp(fd: int) -> BinaryIO:
-    """The temporary file a checkpoint is written to (a seam: tests make its writes fail)."""
+def _open_temp(fd: int) -> BinaryIO:
     return os.fdopen(fd, "wb")
 
 
@@ -58,16 +57,17 @@ class _Recording:
         self.f.flush()
 
 
-def atomic_save(obj: Any, path: str | Path) -> None:
+def atomic_save(obj: Any, path: str | Path, *, opener: Callable[[int], BinaryIO] = _open_temp) -> None:
     """``torch.save(obj)`` to ``path`` so that ``path`` holds either the old or the whole new file. A failed
-    write is an OSError naming ``path`` and why; ``path`` is left as it was and no temporary file stays."""
+    write is an OSError naming ``path`` and why; ``path`` is left as it was and no temporary file stays.
+    ``opener`` turns the temporary file's descriptor into the file written (tests pass one that fails)."""
     path = Path(path)
     tmp: str | None = None
     recording = None
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-        with open_temp(fd) as f:
+        with opener(fd) as f:
             recording = _Recording(f)
             torch.save(obj, recording)
             f.flush()
