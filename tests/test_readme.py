@@ -21,3 +21,22 @@ def test_library_example_runs_as_written(tmp_path: Path) -> None:
     lines = out.stdout.splitlines()
     assert [line.split()[0] for line in lines] == ["1", "2"]  # 1000 steps, a round every 500
     assert all(line.endswith("agreement 1.00") for line in lines)  # one worker agrees with itself
+
+
+@pytest.mark.timeout(60)
+def test_codec_page_examples_are_valid_config() -> None:
+    """docs/codecs.md's TOML table and Python line build the configs they show (docs cannot drift)."""
+    import tomllib
+
+    from diloco_core import DiLoCoConfig
+    from diloco_train.config import build_config
+
+    page = (README.parent / "docs" / "codecs.md").read_text(encoding="utf-8")
+    (toml,) = re.findall(r"```toml\n(.*?)```", page, flags=re.DOTALL)
+    diloco = tomllib.loads(toml)["diloco"]
+    config = build_config(overrides=[f"diloco.{k}={str(v).lower()}" for k, v in diloco.items()])
+    assert (config.diloco.wire_dtype, config.diloco.codec_block, config.diloco.error_feedback) == ("int8", 256, True)
+    (python,) = re.findall(r"```python\n(.*?)```", page, flags=re.DOTALL)
+    scope: dict = {}
+    exec(python, scope)  # noqa: S102 - our own doc's example
+    assert isinstance(scope["config"], DiLoCoConfig) and scope["config"].wire_dtype == "int4"
