@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import math
 import time
@@ -11,10 +10,11 @@ from typing import Any
 
 import torch
 
-from .codec import FP32, codec_for
+from .codec import codec_for
 from .config import DiLoCoConfig, outer_lr_for
 from .feedback import ErrorFeedback
 from .flat import FlatBuffer, norm_of
+from .model_state import ModelState
 from .run_state import RunState
 from .transport import ReduceHandle, StateReplaced, Transport, TransportError
 
@@ -33,6 +33,8 @@ class PendingRound:
     pseudo_grad_norm: float
     started: float
     """``time.perf_counter()`` when the round began."""
+    buffers: ReduceHandle | None = None
+    """The reduce of the model's floating-point buffers (``ModelState``), if it has any."""
 
 
 @dataclass(frozen=True)
@@ -60,8 +62,9 @@ class RoundReport:
 class DiLoCo:
     """Wraps a model and its inner optimizer; every ``inner_steps``-th ``step()`` runs an outer round.
 
-    All ranks construct it collectively: it checks that every rank's model has the same parameter
-    shapes, then makes every rank start from rank 0's weights. Call ``step()`` after ``backward()``;
+    All ranks construct it collectively: it checks that every rank's model has the same entries (names,
+    shapes, dtypes), then makes every rank start from rank 0's weights, frozen parameters and buffers
+    (``ModelState``: floating-point buffers are also averaged every round). Call ``step()`` after ``backward()``;
     zeroing gradients stays the caller's. An outer round has four phases:
 
     1. pseudo-gradient: ``global - local`` (old minus new), in fp32 on ``global_device``;
@@ -96,6 +99,8 @@ class DiLoCo:
         self.params = [p for p in model.parameters() if p.requires_grad]
         if not self.params:
             raise ValueError("model has no trainable parameters")
+        self.model_state = ModelState(model, self.params, config.global_device)
+        """The model's entries by name, its frozen parameters and buffers (synchronized and checkpointed)."""
         self.inner_step, self.round = 0, 0
         self.codec = codec_for(config.wire_dtype, config.codec_block)
         """How pseudo-gradients travel (``config.wire_dtype`` names it)."""
@@ -129,10 +134,12 @@ class DiLoCo:
             fused=True,  # one pass over the flat buffer instead of three (and no temporary the size of the model)
         )
         with torch.no_grad():
-            self._check_same_shapes()
+            self.model_state.check_same(transport, config.reduce_timeout)
             self._global.copy_from(self.params)
-            transport.broadcast([self._global.flat], src=0, timeout=config.reduce_timeout)
+            self.model_state.before_broadcast()
+            transport.broadcast([self._global.flat, *self.model_state.shared], src=0, timeout=config.reduce_timeout)
             self._global.copy_to(self.params)
+            self.model_state.after_broadcast()
         self.run_state = RunState(self)
         """The outer state a transport whose peers come and go serves to joiners (``Transport.attach``)."""
         self.joined = transport.attach(self.run_state, timeout=config.reduce_timeout)
@@ -184,6 +191,7 @@ class DiLoCo:
         train on meanwhile (the reduce reads a copy), though ``finish_round`` then sets it to the new global
         params; nothing else changes until ``finish_round``."""
         start = time.perf_counter()
+        self.model_state.check_trainable()
         pg, rms = self._pseudo_grad.body, self._pseudo_grad.tail[-1:]
         self._pseudo_grad.copy_from(self.params)
         torch.sub(self._global.flat, pg, out=pg)
@@ -196,7 +204,10 @@ class DiLoCo:
         rms.fill_(local_norm / math.sqrt(pg.numel()))
         self._feedback.feed(self._pseudo_grad.flat)  # the norm is the pseudo-gradient's own, without it
         handle = self.transport.all_reduce([self._pseudo_grad.flat], codec=self.codec, key=self.reduce_key)
-        return PendingRound(round=self.round + 1, handle=handle, pseudo_grad_norm=local_norm, started=start)
+        buffers = self.model_state.begin(self.transport)
+        return PendingRound(
+            round=self.round + 1, handle=handle, pseudo_grad_norm=local_norm, started=start, buffers=buffers
+        )
 
     @torch.no_grad()
     def finish_round(self, pending: PendingRound) -> RoundReport:
@@ -204,7 +215,7 @@ class DiLoCo:
         If the reduce raises ``TransportError`` nothing has changed (call ``begin_round`` again)."""
         if pending.round != self.round + 1:
             raise ValueError(f"pending round {pending.round} cannot finish: this worker is at round {self.round}")
-        result = pending.handle.wait(self.config.reduce_timeout)
+        result = self.model_state.wait(pending.handle, pending.buffers, timeout=self.config.reduce_timeout)
         self._feedback.commit()
         pg, rms = self._pseudo_grad.body, self._pseudo_grad.tail[-1:]
         mean_norm = norm_of(pg)
@@ -241,10 +252,13 @@ class DiLoCo:
         return report
 
     def state_dict(self) -> dict[str, Any]:
-        """Everything needed to continue bit-identically: model, global copy, both optimizers, counters,
-        the error-feedback residual (None without) and what the transport keeps about the run's state."""
+        """Everything needed to continue bit-identically: model (trainable parameters, their names, and by
+        name its frozen parameters and persistent buffers), global copy, both optimizers, counters, the
+        error-feedback residual (None without) and what the transport keeps about the run's state."""
         return {
             "model": [p.detach() for p in self.params],
+            "param_names": list(self.model_state.names),
+            "model_state": self.model_state.state_dict(),
             "global": self._global.flat,
             "outer_optimizer": self.outer_optimizer.state_dict(),
             "inner_optimizer": self.inner_optimizer.state_dict(),
@@ -266,8 +280,10 @@ class DiLoCo:
                 f"DiLoCo state holds {len(shapes)} tensors ({flat.numel()} values); this model has "
                 f"{len(self._global.shapes)} ({self._global.flat.numel()} values)"
             )
+        self.model_state.check_loadable(state)  # absent names and model_state (older checkpoints) pass
         torch._foreach_copy_(self.params, list(model))
         self._global.flat.copy_(flat)
+        self.model_state.load(state)
         self.outer_optimizer.load_state_dict(state["outer_optimizer"])
         self.inner_optimizer.load_state_dict(state["inner_optimizer"])
         self.inner_step = int(state["inner_step"])
@@ -275,24 +291,3 @@ class DiLoCo:
         self._feedback.load(state.get("residual"))  # absent (older checkpoints) or None: zero
         if "transport" in state:  # absent from checkpoints written before it existed
             self.transport.load_state_dict(state["transport"])
-
-    def _check_same_shapes(self) -> None:
-        """Refuse, on every rank, a group whose models differ in parameter shapes or dtypes."""
-        spec = repr([(tuple(p.shape), str(p.dtype)) for p in self.params]).encode()
-        digest = int.from_bytes(hashlib.sha256(spec).digest()[:7], "big")
-        mine = torch.tensor([len(self.params), self._global.flat.numel(), digest], dtype=torch.int64)
-        rank0 = mine.clone()
-        self.transport.broadcast([rank0], src=0, timeout=self.config.reduce_timeout)
-        differs = torch.tensor([float(not torch.equal(mine, rank0))])
-        checked = self.transport.all_reduce([differs], codec=FP32, key="diloco/check").wait(self.config.reduce_timeout)
-        if torch.equal(mine, rank0) and differs.item() == 0:
-            return
-        if not torch.equal(mine, rank0):
-            raise ValueError(
-                f"rank {self.transport.rank}'s model differs from rank 0's: {mine[0]} tensors with {mine[1]} "
-                f"values here vs {rank0[0]} tensors with {rank0[1]} values on rank 0 (or shapes/dtypes differ)"
-            )
-        raise ValueError(
-            f"{differs.item() * checked.num_contributors:.0f} rank(s) have a model whose parameter shapes "
-            "or dtypes differ from rank 0's; every rank must build the same model"
-        )
