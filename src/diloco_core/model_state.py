@@ -100,7 +100,8 @@ class ModelState:
         differs = spec != rank0
         flags = torch.zeros(len(rank0) + 2)  # [differs, one-hot of where it first differs]
         flags[0], flags[1 + first] = float(differs), float(differs)
-        result = transport.all_reduce([flags], codec=FP32, key="diloco/check").wait(timeout)
+        if transport.capabilities.fixed_ranks:  # peers that come and go each check themselves (no reduce)
+            flags.mul_(transport.all_reduce([flags], codec=FP32, key="diloco/check").wait(timeout).num_contributors)
         at = (flags[1:] > 0).nonzero()
         i = int(at[0]) if len(at) else len(rank0)
         where = f"rank 0's {_describe(rank0[i])}" if i < len(rank0) else "the end of rank 0's entries (a rank has more)"
@@ -114,8 +115,7 @@ class ModelState:
             )
         if flags[0].item() > 0:
             raise ValueError(
-                f"{flags[0].item() * result.num_contributors:.0f} rank(s) have a model that differs from "
-                f"rank 0's, first at {where}; {advice}"
+                f"{flags[0].item():.0f} rank(s) have a model that differs from rank 0's, first at {where}; {advice}"
             )
 
     def check_trainable(self) -> None:
