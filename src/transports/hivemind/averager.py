@@ -36,6 +36,13 @@ from .state_tag import StaleStateError, stale_verdict, tag_or_none
 logger = logging.getLogger(__name__)
 
 
+def _not_a_missed_group(record: logging.LogRecord) -> bool:
+    """Drops hivemind's ERROR and traceback for a step that found no group: the transport handles that
+    (its peer averages alone, one warning line)."""
+    error = record.exc_info[1] if record.exc_info else record.msg
+    return not (isinstance(error, AllreduceException) and "could not find a group" in str(error))
+
+
 class Averager(DecentralizedAverager):
     """One flat buffer; the round's result replaces it only after the group confirmed one digest."""
 
@@ -49,6 +56,7 @@ class Averager(DecentralizedAverager):
 
     def run(self) -> None:
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl+C is the parent's: it closes us cleanly
+        logging.getLogger("hivemind.averaging.averager").addFilter(_not_a_missed_group)
         # The process's torch work is per-part (512 KB): one thread runs it faster than a pool whose
         # threads wait for each other (the checks' wall time in a 25M-value round was about twice as long).
         torch.set_num_threads(1)
