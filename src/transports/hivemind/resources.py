@@ -79,7 +79,9 @@ class Resources:
             self.dht.start()
         _wait_until_ready(self.dht, "DHT")
 
-    def start_averager(self, size: int, codec: Codec, *, prefix: str, share: bool = False) -> Averager:
+    def start_averager(
+        self, size: int, codec: Codec, *, prefix: str, share: bool = False, presence_key: str | None = None
+    ) -> Averager:
         """An averager of ``size`` values travelling as ``codec`` (a process), serving state to joiners if ``share``.
         Its buffer holds the values in the wire dtype (casts) or in fp32 (block codecs: encoded per part)."""
         cfg = self.config
@@ -90,6 +92,7 @@ class Resources:
             prefix=prefix,
             codec=codec,
             faults=self.faults,
+            presence_key=presence_key,
             min_group_size=cfg.min_group_size,
             target_group_size=cfg.target_group_size,
             min_matchmaking_time=cfg.matchmaking_time,
