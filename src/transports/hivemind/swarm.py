@@ -1,12 +1,13 @@
 """The swarm as one peer sees it: which peers are alive and where they are, declared by each in the DHT.
 
 Every peer declares its *presence* (refreshed by its state averager, ``Averager.declare_presence``): the
-reduce key it is at (a hash), the rounds its run state has committed (None before ``attach``), whether it
+reduce key it is at or was last at (a hash) and whether it is in that reduce now, the rounds its run state has committed (None before ``attach``), whether it
 is joining (waiting in ``attach`` for the swarm's next round), and when it last committed a round and how
 long its last round took. From that a peer knows, without waiting:
 
 - how many peers a reduce should wait for (``expected``): a round, every live peer that runs rounds; any
-  other reduce, the live peers at that key or at none yet. That is the reduce's ``target_group_size``
+  other reduce, the live peers at that reduce now, at none yet, or last at it and running no rounds (a
+  key that peers reduce again and again, such as DDP's gradients). That is the reduce's ``target_group_size``
   (unless the config sets one): matchmaking ends as soon as they are in, ``matchmaking_time`` only bounds
   the wait for a late or lost one. Expecting only itself, a peer averages alone at once (a lone first
   peer, a joiner's start-up check that the swarm made long ago);
@@ -40,7 +41,8 @@ class Swarm:
     def __init__(self, *, resources: Resources, key: str) -> None:
         self._res, self._key = resources, key
         self.averager: Any = None  # the state averager, which declares the presence (set once it runs)
-        self._mine: dict = {"key": None, "round": None, "joining": False, "committed_at": None, "period": None}
+        self._mine: dict = {"key": None, "busy": False, "round": None, "joining": False}
+        self._mine.update(committed_at=None, period=None)
 
     def declare(self, **fields: Any) -> None:
         self._mine.update(fields)
@@ -74,14 +76,19 @@ class Swarm:
         want = key_hash(key)
         if tracked:
             n = sum(o.get("round") is not None and not o.get("joining") for o in self.others(timeout))
-        else:
-            n = sum(o.get("key") in (None, want) for o in self.others(timeout))
+        else:  # a peer that runs rounds and is past this key never comes back to it (a start-up check)
+            others = self.others(timeout)
+            n = sum(
+                o.get("key") is None or (o.get("key") == want and (o.get("busy") or o.get("round") is None))
+                for o in others
+            )
         return 1 + n
 
-    def wait_for_round(self, rounds: int, *, timeout: float, fresh: float, stop: Any) -> bool:
+    def wait_for_round(self, rounds: int, *, timeout: float, stop: Any) -> bool:
         """Wait until a live peer has committed more than ``rounds`` rounds (True): at most ``timeout``
         seconds, or twice the swarm's last round time if that is longer, or until ``stop()`` (False). A
-        swarm that committed ``rounds`` less than ``fresh`` seconds ago is in phase already (False)."""
+        swarm that has committed no round yet starts its first one with this peer (False). Even a swarm that
+        committed a moment ago is waited for: it may commit again before this peer counts as running rounds."""
         start = time.monotonic()
         self.declare(joining=True)
         try:
@@ -89,8 +96,8 @@ class Swarm:
                 running = [o for o in self.others(2.0) if isinstance(o.get("round"), int) and not o.get("joining")]
                 if any(o["round"] > rounds for o in running):
                     return True
-                just = [o.get("committed_at") for o in running if o["round"] == rounds and o.get("committed_at")]
-                if not running or (just and get_dht_time() - max(just) < fresh):
+                just = [o.get("committed_at") for o in running if o["round"] == rounds]
+                if not running or None in just:  # nobody else, or peers that start their first round with us
                     return False
                 periods = [o["period"] for o in running if isinstance(o.get("period"), (int, float))]
                 if time.monotonic() - start >= max([timeout, *(2 * p for p in periods)]):
@@ -109,7 +116,7 @@ class Swarm:
         if not valid_tag(tag):  # the peers run no rounds (no DiLoCo): nothing to be in phase with
             return
         timeout = config.averaging_timeout + 4 * config.matchmaking_time
-        if not self.wait_for_round(tag[0], timeout=timeout, fresh=config.matchmaking_time, stop=stop):
+        if not self.wait_for_round(tag[0], timeout=timeout, stop=stop):
             return
         fresh = server.download_successor((tag[0], tag[1]), timeout, stop)
         if fresh is None or fresh[0].get("prev_tag") != list(tag):

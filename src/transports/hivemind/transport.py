@@ -202,10 +202,18 @@ class HivemindTransport(Transport):
 
     def _reduce(self, tensors: list[torch.Tensor], *, codec: Codec, key: str, outcome: Outcome) -> ReduceResult:
         start = time.perf_counter()
-        cfg = self.config
         averager = self._averager(key, sum(t.numel() for t in tensors), codec)
+        self._swarm.declare(key=key_hash(key), busy=True)
+        try:
+            return self._reduce_with(averager, tensors, codec=codec, key=key, outcome=outcome, start=start)
+        finally:
+            self._swarm.declare(busy=False)
+
+    def _reduce_with(
+        self, averager: Averager, tensors: list[torch.Tensor], *, codec: Codec, key: str, outcome: Outcome, start: float
+    ) -> ReduceResult:
+        cfg = self.config
         tracked = key == self._state.key  # DiLoCo's rounds: groupmates compare state tags
-        self._swarm.declare(key=key_hash(key))
         # The peers this reduce waits for (swarm.py); nobody: alone at once, without matchmaking.
         expected = self._swarm.expected(key, tracked=tracked, timeout=min(2.0, cfg.matchmaking_time))
         target = cfg.target_group_size or max(2, expected)
@@ -218,7 +226,8 @@ class HivemindTransport(Transport):
             if self._res.closed or not averager.is_alive():  # step() would wait for a dead process forever
                 raise TransportError("hivemind all_reduce: the transport was closed (or its averager died)")
             try:
-                if expected == 1 and tries == 1:  # no other peer is at this reduce: my own values
+                # No other peer is at this reduce: my own values (a round with target_group_size waits for it).
+                if expected == 1 and tries == 1 and not (tracked and cfg.target_group_size):
                     fill(averager, tensors)
                     logger.info("hivemind all_reduce: no other peer of the run is at %r; averaging alone", key)
                     out = None
