@@ -6,8 +6,10 @@ Phase 3 runs ``reducer.Runner`` (casts) or ``block_runner.BlockRunner`` (block c
 them reported ok with its own digest.
 
 It overrides hivemind's private ``DecentralizedAverager._aggregate_with_group``,
-``DecentralizedAverager._run_allreduce_inplace_`` and ``DecentralizedAverager._shutdown``, and uses private
-attributes (``_p2p``, ``_allreduce_timeout``, ``_running_groups``): this is why pyproject.toml pins
+``DecentralizedAverager._run_allreduce_inplace_``, ``DecentralizedAverager._shutdown`` and
+``DecentralizedAverager._declare_for_download_periodically`` (to declare the peer's presence too), and uses
+private attributes (``_p2p``, ``_allreduce_timeout``, ``_running_groups``, ``_outer_pipe``, ``_matchmaking``:
+a step's own ``target_group_size``): this is why pyproject.toml pins
 hivemind to the versions tested (``>=1.1.10,<1.2``). Check these overrides against hivemind's before
 widening the pin.
 """
