@@ -5,7 +5,7 @@
 Prints one JSON line per event on stdout: {"addr": [...]} once up, {"ready": ...} once DiLoCo is built
 (state loaded from peers when joining), then one {"round": ...} or {"error": ...} per "round" command.
 "exit" closes the transport. With ``die_flag``: once that file exists, the peer kills its whole process
-group (itself, its DHT, its averagers, its p2pd) with SIGKILL as soon as, acting as a reducer, it has
+group (itself, its DHT, its averagers) and its p2pd (in a group of its own) with SIGKILL as soon as, acting as a reducer, it has
 received a part of someone's tensors — a peer lost in the middle of an all-reduce.
 """
 
@@ -17,6 +17,7 @@ import os
 import signal
 import sys
 
+import procs
 import torch
 
 from diloco_core import DiLoCo, DiLoCoConfig, TransportError
@@ -45,6 +46,9 @@ def main() -> None:
 
     def die() -> None:
         if os.path.exists(flag):
+            for p in procs.descendants(os.getpid()):
+                if p.name.startswith("p2pd"):
+                    os.kill(p.pid, signal.SIGKILL)
             os.killpg(os.getpgid(0), signal.SIGKILL)
 
     faults = HivemindFaults(reducer_received_part=die if flag else None)

@@ -622,8 +622,14 @@ def test_an_exception_without_close_leaves_nothing_behind():
         )
         assert set(glob.glob("/tmp/hivemind-*.sock")) - sockets_before == set()
     finally:
+        _kill_session(proc.pid)
+
+
+def _kill_session(session: int) -> None:
+    """SIGKILL every process of a peer started in a session of its own (p2pd runs in a group of its own)."""
+    for pid in procs.live_in_session(session):
         try:
-            os.killpg(proc.pid, signal.SIGKILL)
+            os.kill(pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
 
@@ -666,10 +672,7 @@ class _Peer:
         self.proc.stdin.flush()
 
     def kill(self) -> None:
-        try:
-            os.killpg(self.proc.pid, signal.SIGKILL)  # the peer, its DHT, its averagers and its p2pd
-        except ProcessLookupError:
-            pass
+        _kill_session(self.proc.pid)  # the peer, its DHT, its averagers and its p2pd
         self.proc.wait(10)
 
 

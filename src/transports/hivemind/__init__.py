@@ -3,7 +3,9 @@
 Peers have no fixed ranks: whoever matchmakes within ``matchmaking_time`` forms the round's group.
 One all-reduce (``HivemindTransport.all_reduce``) runs in phases:
 
-1. matchmaking: a group forms; if none forms, the peer is alone: its own values, 1 contributor, logged.
+1. matchmaking: a group forms, ending as soon as the peers this reduce expects are in (``swarm``: the
+   live peers, from their presence in the DHT; or ``target_group_size``); a peer that expects nobody skips
+   matchmaking. If no group forms, the peer is alone: its own values, 1 contributor, logged.
    Meanwhile the fp32 values are copied into a flat buffer owned by a hivemind averager (one per reduce
    key, size and codec, created on first use: hivemind fixes tensors at construction), rounded to the
    wire dtype for casts, kept in fp32 for block codecs (encoded per part in phase 3). Reduces run one at
@@ -49,7 +51,8 @@ from HMAC-SHA256(secret, run_id). Nothing received is unpickled (protobuf and ms
 received tensor is checked for shape, dtype and finite values before use (a block codec's payloads
 with ``codec.check``: shape, dtype, finite non-negative scales).
 
-One concept per module: ``config`` (HivemindConfig), ``transport`` (HivemindTransport, phases 1 and 5),
+One concept per module: ``config`` (HivemindConfig), ``transport`` (HivemindTransport, a reduce's attempts),
+``attempt`` (one attempt, phases 1 and 5), ``swarm`` (presence: whom a reduce waits for, a joiner's phase),
 ``averager`` (phases 2 and 4), ``reducer`` (phase 3), ``block_runner`` (phase 3 for block codecs),
 ``state_tag`` (the state tag and the stale verdict), ``tracked_state`` (a peer's tag, re-sync),
 ``state_server`` (state for joiners), ``checks`` (received tensors), ``handle`` (what all_reduce

@@ -6,8 +6,10 @@ Phase 3 runs ``reducer.Runner`` (casts) or ``block_runner.BlockRunner`` (block c
 them reported ok with its own digest.
 
 It overrides hivemind's private ``DecentralizedAverager._aggregate_with_group``,
-``DecentralizedAverager._run_allreduce_inplace_`` and ``DecentralizedAverager._shutdown``, and uses private
-attributes (``_p2p``, ``_allreduce_timeout``, ``_running_groups``): this is why pyproject.toml pins
+``DecentralizedAverager._run_allreduce_inplace_``, ``DecentralizedAverager._shutdown`` and
+``DecentralizedAverager._declare_for_download_periodically`` (to declare the peer's presence too), and uses
+private attributes (``_p2p``, ``_allreduce_timeout``, ``_running_groups``, ``_outer_pipe``, ``_matchmaking``:
+a step's own ``target_group_size``): this is why pyproject.toml pins
 hivemind to the versions tested (``>=1.1.10,<1.2``). Check these overrides against hivemind's before
 widening the pin.
 """
@@ -25,6 +27,7 @@ from hivemind.averaging import DecentralizedAverager
 from hivemind.averaging.allreduce import AllreduceException, AveragingMode
 from hivemind.p2p import P2PContext
 from hivemind.proto import averaging_pb2, runtime_pb2
+from hivemind.utils import get_dht_time
 
 from diloco_core.codec import Codec
 
@@ -36,23 +39,74 @@ from .state_tag import StaleStateError, stale_verdict, tag_or_none
 logger = logging.getLogger(__name__)
 
 
+def _not_a_missed_group(record: logging.LogRecord) -> bool:
+    """Drops hivemind's ERROR and traceback for a step that found no group: the transport handles that
+    (its peer averages alone, one warning line)."""
+    error = record.exc_info[1] if record.exc_info else record.msg
+    return not (isinstance(error, AllreduceException) and "could not find a group" in str(error))
+
+
 class Averager(DecentralizedAverager):
     """One flat buffer; the round's result replaces it only after the group confirmed one digest."""
 
     state_fn: Callable[[], tuple[Any, list[torch.Tensor]]] | None = None
 
-    def __init__(self, *, codec: Codec, faults: HivemindFaults, **kwargs: Any) -> None:
-        self.codec, self.faults = codec, faults
+    def __init__(self, *, codec: Codec, faults: HivemindFaults, presence_key: str | None = None, **kwargs: Any) -> None:
+        """``presence_key``: declare this peer alive in the DHT under that key (``swarm.Swarm`` reads it)."""
+        self.codec, self.faults, self.presence_key = codec, faults, presence_key
+        self._presence: dict = {}
         self._confirms: OrderedDict[bytes, dict] = OrderedDict()
         self._groups: dict[bytes, dict] = {}  # per group id: its deadline, then its result's digest
         super().__init__(**kwargs)
 
     def run(self) -> None:
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl+C is the parent's: it closes us cleanly
+        logging.getLogger("hivemind.averaging.averager").addFilter(_not_a_missed_group)
         # The process's torch work is per-part (512 KB): one thread runs it faster than a pool whose
         # threads wait for each other (the checks' wall time in a 25M-value round was about twice as long).
         torch.set_num_threads(1)
         super().run()
+
+    def step(self, *args: Any, target_group_size: int | None = None, **kwargs: Any) -> Any:
+        """hivemind's step, with this step's ``target_group_size`` (None: the averager's own)."""
+        self._outer_pipe.send(("_set_target", [target_group_size], {}))  # handled before the step (one pipe)
+        return super().step(*args, **kwargs)
+
+    async def _set_target(self, target: int | None) -> None:
+        size = self.matchmaking_kwargs["target_group_size"] if target is None else target
+        self._matchmaking.target_group_size = self._matchmaking.potential_leaders.target_group_size = size
+
+    def declare_presence(self, value: dict) -> None:
+        """Tell the swarm where this peer is (``swarm.Swarm``): stored now and refreshed until shutdown."""
+        self._outer_pipe.send(("_set_presence", [value], {}))
+
+    async def _set_presence(self, value: dict) -> None:
+        self._presence = value
+        await self._store_presence()
+
+    async def _store_presence(self) -> None:
+        ttl = self.declare_state_period
+        try:
+            future = self.dht.store(
+                self.presence_key,
+                subkey=self.peer_id.to_bytes(),
+                value=self._presence,
+                expiration_time=get_dht_time() + ttl,
+                return_future=True,
+            )
+            await asyncio.wait_for(future, ttl / 3)
+        except Exception as e:  # noqa: BLE001 - retried at the next refresh
+            logger.debug("presence not stored: %r", e)
+
+    async def _declare_for_download_periodically(self) -> None:
+        if self.presence_key is not None:  # started with the serving of state: in this process's loop
+            asyncio.create_task(self._refresh_presence())
+        await super()._declare_for_download_periodically()
+
+    async def _refresh_presence(self) -> None:
+        while True:  # refreshed well before it expires: a peer is never missing from the list while alive
+            await self._store_presence()
+            await asyncio.sleep(self.declare_state_period / 3)
 
     def get_current_state(self) -> tuple[Any, list[torch.Tensor], None]:
         fn = self.state_fn

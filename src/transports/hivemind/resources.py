@@ -1,8 +1,10 @@
 """The processes a peer runs (its DHT and averagers, each with hivemind's p2p daemon client) and its
 reduce thread: started one fork at a time, closed once (``close``, or a finalizer when nobody did)."""
 
+import asyncio
 import concurrent.futures
 import logging
+import os
 import threading
 import time
 from dataclasses import dataclass, field
@@ -27,6 +29,25 @@ logger = logging.getLogger(__name__)
 _FORK_LOCK = threading.Lock()
 
 
+class DHT(hivemind.DHT):
+    """hivemind's DHT, whose p2p daemon (p2pd, started by this process) runs in a process group of its own.
+
+    A Ctrl+C in a terminal sends SIGINT to the whole foreground process group. The DHT and averager
+    processes ignore it (the parent closes them), but p2pd shuts down on it: the averagers then failed to
+    close through it (about 150 lines of tracebacks) and the DHT waited out its grace period. In its own
+    group p2pd hears only the parent's close. Like every process of a peer, it is still in the peer's session.
+    """
+
+    def run(self) -> None:
+        spawn = asyncio.subprocess.create_subprocess_exec  # patched in this (the DHT's) process only
+
+        async def spawn_in_own_group(*args: Any, **kwargs: Any) -> Any:
+            return await spawn(*args, preexec_fn=os.setpgrp, **kwargs)
+
+        asyncio.subprocess.create_subprocess_exec = spawn_in_own_group  # type: ignore[assignment]
+        super().run()
+
+
 def _wait_until_ready(process: Any, what: str, timeout: float = 60.0) -> None:
     try:
         process.wait_until_ready(timeout)
@@ -49,7 +70,7 @@ class Resources:
     def start_dht(self) -> None:
         cfg = self.config
         with _FORK_LOCK:
-            self.dht = hivemind.DHT(
+            self.dht = DHT(
                 initial_peers=list(cfg.initial_peers),
                 start=False,
                 host_maddrs=list(cfg.host_maddrs),
@@ -58,7 +79,9 @@ class Resources:
             self.dht.start()
         _wait_until_ready(self.dht, "DHT")
 
-    def start_averager(self, size: int, codec: Codec, *, prefix: str, share: bool = False) -> Averager:
+    def start_averager(
+        self, size: int, codec: Codec, *, prefix: str, share: bool = False, presence_key: str | None = None
+    ) -> Averager:
         """An averager of ``size`` values travelling as ``codec`` (a process), serving state to joiners if ``share``.
         Its buffer holds the values in the wire dtype (casts) or in fp32 (block codecs: encoded per part)."""
         cfg = self.config
@@ -69,6 +92,7 @@ class Resources:
             prefix=prefix,
             codec=codec,
             faults=self.faults,
+            presence_key=presence_key,
             min_group_size=cfg.min_group_size,
             target_group_size=cfg.target_group_size,
             min_matchmaking_time=cfg.matchmaking_time,

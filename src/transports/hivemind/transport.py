@@ -8,16 +8,15 @@ import threading
 import time
 import weakref
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
-from hivemind.averaging.allreduce import AllreduceException
-from hivemind.averaging.matchmaking import MatchmakingException
-from hivemind.p2p import P2PDaemonError, P2PHandlerError
 
 from diloco_core.codec import FP32, Codec, check_codec
 from diloco_core.run_state import RunState
 from diloco_core.transport import Capabilities, ReduceHandle, ReduceResult, Transport, TransportError
 
+from .attempt import RETRYABLE, attempt, commit, fill
 from .averager import Averager
 from .config import HivemindConfig
 from .faults import HivemindFaults
@@ -26,21 +25,12 @@ from .requirement import import_hivemind
 from .resources import Resources
 from .state_server import StateServer
 from .state_tag import Stale, StaleStateError
+from .swarm import Swarm, key_hash
 from .tracked_state import TrackedState
 
 __all__ = ["HivemindTransport"]
 
 logger = logging.getLogger(__name__)
-
-# What a group attempt raises when peers or the network fail: worth another attempt.
-_RETRYABLE = (
-    AllreduceException,
-    MatchmakingException,
-    P2PDaemonError,
-    P2PHandlerError,
-    TimeoutError,
-    concurrent.futures.CancelledError,
-)
 
 
 def _namespace(run_id: str, secret: str | None) -> str:
@@ -77,13 +67,18 @@ class HivemindTransport(Transport):
             joining=joining, resources=self._res, lock=self._lock, tags=lambda: self._state.served()
         )
         self._state = TrackedState(server=self._server, resources=self._res, lock=self._lock)
+        self._swarm = Swarm(resources=self._res, key=f"{self._ns}_peers")
         try:
             self._res.start_dht()
             # A 1-value averager that never averages: it serves this peer's state to joiners (a joiner
             # only once it holds the run's state).
-            state_averager = self._res.start_averager(1, FP32, prefix=f"{self._ns}_state", share=not joining)
+            # It also declares this peer's presence (swarm.py).
+            state_averager = self._res.start_averager(
+                1, FP32, prefix=f"{self._ns}_state", share=not joining, presence_key=f"{self._ns}_peers"
+            )
             state_averager.state_fn = self._server.serve
-            self._server.averager = state_averager
+            self._server.averager = self._swarm.averager = state_averager
+            self._swarm.declare()
             self._res.pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="hivemind-transport")
         except BaseException:
             self._res.close()
@@ -124,6 +119,9 @@ class HivemindTransport(Transport):
                 raise TransportError(f"hivemind: {e}") from None
 
         joined = False
+        if self._server.joining:  # in phase with the swarm's rounds: maybe its next round's state (swarm.py)
+            self._server.load_state(timeout)
+            self._swarm.join_in_phase(self._server, config=self.config, stop=lambda: self._res.closed)
         got = self._server.load_state(timeout)  # None on the swarm's first peer
         if got is not None and not got[0]:
             logger.warning(
@@ -142,6 +140,7 @@ class HivemindTransport(Transport):
         # StateReplaced.
         self._state.track(state.key, loader)
         self._take_snapshot()
+        self._swarm.declare(round=self._state.tag[0])  # runs rounds: counted by the others' rounds now
         return joined
 
     def state_dict(self) -> dict:
@@ -152,7 +151,12 @@ class HivemindTransport(Transport):
     def load_state_dict(self, state: dict) -> None:
         """Take back the tags of a checkpoint (DiLoCo's state is in place by now) and serve that state."""
         self._state.load_state_dict(state)
+        self._swarm.declare(round=self._state.tag[0])
         self._take_snapshot()  # joiners now get the loaded state, not the one from before it
+
+    @property
+    def _me(self) -> bytes:
+        return self._res.dht.peer_id.to_bytes()
 
     @property
     def rank(self) -> int:
@@ -172,8 +176,7 @@ class HivemindTransport(Transport):
         wire = codec.name if codec.elementwise_dtype is not None else f"{codec.name}b{codec.block}"
         ident = (key, size, wire)  # peers meet only with the same wire (and block size)
         if ident not in self._averagers:
-            name = hashlib.sha256(key.encode()).hexdigest()[:12]  # any key, in names the DHT and p2p accept
-            prefix = f"{self._ns}_{name}_{wire}_{size}"
+            prefix = f"{self._ns}_{key_hash(key)}_{wire}_{size}"  # any key, in names the DHT and p2p accept
             self._averagers[ident] = self._res.start_averager(size, codec, prefix=prefix)
         return self._averagers[ident]
 
@@ -199,42 +202,47 @@ class HivemindTransport(Transport):
 
     def _reduce(self, tensors: list[torch.Tensor], *, codec: Codec, key: str, outcome: Outcome) -> ReduceResult:
         start = time.perf_counter()
+        averager = self._averager(key, sum(t.numel() for t in tensors), codec)
+        self._swarm.declare(key=key_hash(key), busy=True)
+        try:
+            return self._reduce_with(averager, tensors, codec=codec, key=key, outcome=outcome, start=start)
+        finally:
+            self._swarm.declare(busy=False)
+
+    def _reduce_with(
+        self, averager: Averager, tensors: list[torch.Tensor], *, codec: Codec, key: str, outcome: Outcome, start: float
+    ) -> ReduceResult:
         cfg = self.config
-        numels = [t.numel() for t in tensors]
-        averager = self._averager(key, sum(numels), codec)
         tracked = key == self._state.key  # DiLoCo's rounds: groupmates compare state tags
+        # The peers this reduce waits for (swarm.py); nobody: alone at once, without matchmaking.
+        expected = self._swarm.expected(key, tracked=tracked, timeout=min(2.0, cfg.matchmaking_time))
+        target = cfg.target_group_size or max(2, expected)
         # Room for one failed attempt (up to averaging_timeout after matchmaking) and a regroup.
         deadline = time.monotonic() + cfg.averaging_timeout + 4 * cfg.matchmaking_time
-        attempt = 0
+        tries = 0
         failed: Exception | None = None  # set once a group attempt failed
         while True:
-            attempt += 1
+            tries += 1
             if self._res.closed or not averager.is_alive():  # step() would wait for a dead process forever
                 raise TransportError("hivemind all_reduce: the transport was closed (or its averager died)")
             try:
-                # Matchmaking starts first and the contribution is copied in while it runs (a group that forms
-                # sooner waits for the trigger). Bounded even if the averager's process dies mid-step.
-                control = averager.step(
-                    gather=list(self._state.tag) if tracked else None,
-                    timeout=2 * cfg.matchmaking_time,
-                    allow_retries=False,
-                    wait=False,
-                    require_trigger=True,
-                )
-                try:
-                    with averager.get_tensors() as (buf,):  # casts: rounded to the wire dtype on the way in
-                        for v, t in zip(buf.split(numels), tensors):  # plain copies: foreach_copy_ is 5x slower on CPU
-                            v.copy_(t.detach().reshape(-1))
-                    control.allow_allreduce()
-                    out = self._res.wait(control, 2 * cfg.matchmaking_time + cfg.averaging_timeout + 10)
-                except BaseException:
-                    if not control.done():
-                        control.cancel()
-                    raise
+                # No other peer is at this reduce: my own values (a round with target_group_size waits for it).
+                if expected == 1 and tries == 1 and not (tracked and cfg.target_group_size):
+                    fill(averager, tensors)
+                    logger.info("hivemind all_reduce: no other peer of the run is at %r; averaging alone", key)
+                    out = None
+                else:
+                    out = attempt(
+                        averager,
+                        tensors,
+                        gather=list(self._state.tag) if tracked else None,
+                        target=target,
+                        resources=self._res,
+                    )
             except Exception as e:
                 if self._res.closed:
                     raise TransportError("hivemind transport was closed during an all_reduce") from e
-                if not isinstance(e, _RETRYABLE):  # a bug or a setup error: retrying would only delay it
+                if not isinstance(e, RETRYABLE):  # a bug or a setup error: retrying would only delay it
                     raise TransportError(f"hivemind all_reduce failed: {type(e).__name__}: {e}") from e
                 out = None
                 if isinstance(e, StaleStateError):  # nothing moved: the group's state tags differ
@@ -243,43 +251,31 @@ class HivemindTransport(Transport):
                     # A groupmate is stale: retry without the stale peer(s), alone if need be.
                     if deadline - time.monotonic() < cfg.matchmaking_time:
                         raise TransportError(f"hivemind all_reduce: {e}") from e
-                    logger.warning("hivemind all_reduce attempt %d: %s; retrying without them", attempt, e)
+                    logger.warning("hivemind all_reduce attempt %d: %s; retrying without them", tries, e)
                     continue
                 if "could not find a group" not in str(e):
                     failed = e
+                else:
+                    logger.warning(
+                        "hivemind all_reduce: no group formed within %.1fs; averaging alone", 2 * cfg.matchmaking_time
+                    )
             if out is None and failed is not None:
                 # After a failed group attempt a survivor never commits alone: another survivor may be
                 # retrying or giving up, and only a new group (or a failure on all of them) stays consistent.
                 if deadline - time.monotonic() < cfg.matchmaking_time:
-                    raise TransportError(f"hivemind all_reduce failed after {attempt} attempt(s): {failed}") from failed
+                    raise TransportError(f"hivemind all_reduce failed after {tries} attempt(s): {failed}") from failed
                 logger.warning(
-                    "hivemind all_reduce attempt %d failed (%s); retrying among the survivors", attempt, failed
+                    "hivemind all_reduce attempt %d failed (%s); retrying among the survivors", tries, failed
                 )
                 continue
-            if out is None:  # nobody to average with: my own values, as OpenDiLoCo
-                logger.warning(
-                    "hivemind all_reduce: no group formed within %.1fs; averaging alone", 2 * cfg.matchmaking_time
-                )
-                n, sent, received, self._last_group = 1, 0, 0, []
-            else:  # the payload bytes this peer really sent and received in the round (its runner counted)
-                n, self._last_group = len(out["peers"]), list(out["peers"])
-                sent, received = out["sent"], out["received"]
-            # Alone, the buffer holds my own values as they travel, like every contributor's.
-            with self._lock, averager.get_tensors() as (buf,):
-                if outcome.abandoned:  # the caller timed out and may be retrying with these tensors
-                    raise TransportError("hivemind all_reduce finished after its caller had given up")
-                if out is None and codec.elementwise_dtype is None:  # a block codec's buffer holds fp32 values
-                    codec.decode(codec.encode(buf), buf)
-                for r, t in zip(buf.split(numels), tensors):
-                    t.copy_(r.view_as(t))
-                if tracked:  # alone, my state leaves the group's: my own mark, never equal to theirs
-                    me = self._res.dht.peer_id.to_bytes()
-                    self._state.commit(out["digest"] if out is not None else b"alone:" + me)
-                took = time.perf_counter() - start
-                outcome.result = ReduceResult(
-                    num_contributors=n, bytes_sent=sent, bytes_received=received, seconds=took
-                )
-            return outcome.result
+            return self._commit(averager, tensors, out=out, codec=codec, tracked=tracked, outcome=outcome, start=start)
+
+    def _commit(self, averager: Averager, tensors: list[torch.Tensor], **kwargs: Any) -> ReduceResult:
+        with self._lock:
+            result, self._last_group = commit(averager, tensors, state=self._state, me=self._me, **kwargs)
+        if kwargs["tracked"]:
+            self._swarm.committed(self._state.tag[0])
+        return result
 
     # -- state for joiners ---------------------------------------------------------------------------
 
