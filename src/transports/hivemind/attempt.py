@@ -31,7 +31,7 @@ RETRYABLE = (
 
 
 def attempt(
-    averager: Averager, tensors: list[torch.Tensor], *, gather: Any, target: int, resources: Resources
+    averager: Averager, tensors: list[torch.Tensor], *, gather: Any, target: int | None, resources: Resources
 ) -> dict[str, Any]:
     """One matchmaking and group all-reduce of ``tensors`` that waits for ``target`` peers, sending ``gather``
     (the state tag, for rounds): the group's result, not yet in ``tensors``. Matchmaking starts first and

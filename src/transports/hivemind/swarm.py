@@ -5,9 +5,9 @@ reduce key it is at or was last at (a hash) and whether it is in that reduce now
 is joining (waiting in ``attach`` for the swarm's next round), and when it last committed a round and how
 long its last round took. From that a peer knows, without waiting:
 
-- how many peers a reduce should wait for (``expected``): a round, every live peer that runs rounds; any
-  other reduce, the live peers at that reduce now, at none yet, or last at it and running no rounds (a
-  key that peers reduce again and again, such as DDP's gradients). That is the reduce's ``target_group_size``
+- how many peers a round should wait for (``expected``): every live peer that runs rounds. Any other
+  reduce is not known (peers reduce key after key, in any order: DDP's gradients, a library user's own
+  reduces), so the configured ``target_group_size`` and ``matchmaking_time`` decide as before. That is the reduce's ``target_group_size``
   (unless the config sets one): matchmaking ends as soon as they are in, ``matchmaking_time`` only bounds
   the wait for a late or lost one. Expecting only itself, a peer averages alone at once (a lone first
   peer, a joiner's start-up check that the swarm made long ago);
@@ -71,18 +71,13 @@ class Swarm:
             if peer != me and v.expiration_time > now and isinstance(v.value, dict)
         ]
 
-    def expected(self, key: str, *, tracked: bool, timeout: float) -> int:
-        """Peers (this one included) that a reduce of ``key`` should wait for; ``tracked``: a round."""
-        want = key_hash(key)
-        if tracked:
-            n = sum(o.get("round") is not None and not o.get("joining") for o in self.others(timeout))
-        else:  # a peer that runs rounds and is past this key never comes back to it (a start-up check)
-            others = self.others(timeout)
-            n = sum(
-                o.get("key") is None or (o.get("key") == want and (o.get("busy") or o.get("round") is None))
-                for o in others
-            )
-        return 1 + n
+    def expected(self, key: str, *, tracked: bool, timeout: float) -> int | None:
+        """Peers (this one included) that a round (``tracked``) should wait for. None for any other reduce:
+        not known (peers reduce key after key, in any order), so the configured ``target_group_size`` and
+        ``matchmaking_time`` decide, as before."""
+        if not tracked:  # presence is declared by peers that serve a run state: others may be unseen here
+            return None
+        return 1 + sum(o.get("round") is not None and not o.get("joining") for o in self.others(timeout))
 
     def wait_for_round(self, rounds: int, *, timeout: float, stop: Any) -> bool:
         """Wait until a live peer has committed more than ``rounds`` rounds (True): at most ``timeout``

@@ -216,7 +216,7 @@ class HivemindTransport(Transport):
         tracked = key == self._state.key  # DiLoCo's rounds: groupmates compare state tags
         # The peers this reduce waits for (swarm.py); nobody: alone at once, without matchmaking.
         expected = self._swarm.expected(key, tracked=tracked, timeout=min(2.0, cfg.matchmaking_time))
-        target = cfg.target_group_size or max(2, expected)
+        target = cfg.target_group_size or (max(2, expected) if expected else None)
         # Room for one failed attempt (up to averaging_timeout after matchmaking) and a regroup.
         deadline = time.monotonic() + cfg.averaging_timeout + 4 * cfg.matchmaking_time
         tries = 0
