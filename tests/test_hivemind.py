@@ -274,7 +274,10 @@ def test_a_reducer_that_sends_its_groupmates_a_different_mean_commits_nowhere(wi
         results = _together([lambda t=t, x=x: t.all_reduce(x, codec=codec).wait(60) for t, x in zip(peers, tensors)])
         for r in results:  # the receiver of a NaN scale refuses it; its groupmate then sees it fail
             assert isinstance(r, TransportError), results
-            assert "different result" in str(r) or "negative scale" in str(r), results
+            # The last attempt's reason: the changed mean caught (digest or check), or, on a loaded machine,
+            # a groupmate that timed out within it (a partial all-reduce): never committed either way.
+            reasons = ("different result", "negative scale", "partial all-reduce")
+            assert any(reason in str(r) for reason in reasons), results
         assert wire_dtype != "int8-nan-scale" or any("negative scale" in str(r) for r in results), results
         assert all(torch.equal(x[0], torch.full((64,), float(i + 1))) for i, x in enumerate(tensors))
     finally:
