@@ -37,7 +37,7 @@ PRELUDE = f"""
 set -euo pipefail
 diloco() {{
   if [ "$#" -eq 0 ]; then set -- train; fi
-  if [ "$1" = train ]; then
+  if [ "$1" = train ] || [ "$1" = torchrun ]; then
     case "$*" in *kind=hivemind*) set -- "$@" {HIVEMIND};; esac
     {sys.executable} -m diloco_train.cli "$@" {SMALL}
   else

@@ -1,4 +1,4 @@
-"""``diloco train`` and ``diloco plot``. Bad input ends with one clear line on stderr and exit status 2."""
+"""``diloco train``, ``diloco plot`` and ``diloco torchrun``. Bad input ends with one clear line on stderr and exit status 2."""
 
 from __future__ import annotations
 
@@ -6,6 +6,8 @@ import argparse
 import logging
 import math
 import os
+import shlex
+import signal
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -14,6 +16,7 @@ from typing import NoReturn
 from diloco_core import TransportError
 
 from .log_tag import configure_logging
+from .torchrun import TORCHRUN_ARGS_ENV
 
 __all__ = ["main"]
 
@@ -59,7 +62,7 @@ def _parser() -> argparse.ArgumentParser:
         prog="diloco", description="Train a language model with DiLoCo (or DDP, or one worker)."
     )
     p.add_argument("--version", action="version", version=f"diloco {_version()}")
-    sub = p.add_subparsers(dest="command", metavar="{train,plot}")
+    sub = p.add_subparsers(dest="command", metavar="{train,plot,torchrun}")
     t = sub.add_parser(
         "train",
         help="train (with no options: tiny model, 4 in-process workers, a few minutes on a CPU)",
@@ -89,6 +92,12 @@ def _parser() -> argparse.ArgumentParser:
     t.add_argument("--name", metavar="RUN", help="run name: files go to <train.runs_dir>/RUN/ (default: mode-time)")
     t.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     t.add_argument("-v", "--verbose", action="store_true", help="log one line per round and worker")
+    sub.add_parser(
+        "torchrun",
+        help="torchrun's launcher for `train` (same options), ending in one line on Ctrl+C or a failed worker",
+        usage="diloco torchrun [TORCHRUN OPTIONS] train [TRAIN OPTIONS]",
+        epilog="e.g. diloco torchrun --standalone --nproc-per-node=2 train --set transport.kind=torch (docs/lan.md)",
+    )
     pl = sub.add_parser("plot", help="overlay the loss curves of one or more runs into a PNG")
     pl.add_argument("runs", nargs="+", metavar="RUN", help="run folders (e.g. runs/diloco-...)")
     pl.add_argument(
@@ -126,13 +135,18 @@ def _train(args: argparse.Namespace, argv: list[str]) -> int:
             file=sys.stderr,
         )
     command = ["diloco", "train", *argv]
-    again = resume_command(name, config)
+    # Under ``diloco torchrun`` the hint repeats its launcher options (the wrapper passes them down).
+    torchrun_args = os.environ.get(TORCHRUN_ARGS_ENV)
+    launcher = ["diloco", "torchrun", *shlex.split(torchrun_args)] if torchrun_args is not None else ["diloco"]
+    again = resume_command(name, config, launcher=launcher)
     try:
         result = train(
             config, run_dir, resume=args.resume, show_progress=not args.quiet, command=command, named=bool(args.name)
         )
     except KeyboardInterrupt:
-        print(f"diloco: interrupted (resume with: {again})", file=sys.stderr)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl+C (or torchrun's SIGINT) adds nothing
+        if os.environ.get("RANK", "0") == "0":
+            print(f"diloco: interrupted (resume with: {again})", file=sys.stderr)
         _exit_now(130)
     if not result.rank0:  # a process of a multi-process run without rank 0, which reports
         return 0
@@ -185,6 +199,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv:
         argv = ["train"]  # the embedded default run
+    if argv[0] == "torchrun" and not {"-h", "--help"} & set(argv[1:2]):
+        # torchrun's options are torchrun's to parse (argparse would take them for ours).
+        from .torchrun import torchrun
+
+        try:
+            return torchrun(argv[1:])
+        except ValueError as e:
+            print(f"diloco: error: {e}", file=sys.stderr)
+            return 2
     args = _parser().parse_args(argv)
     if args.command is None:
         _parser().print_help(sys.stderr)

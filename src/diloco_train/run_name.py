@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import shlex
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -37,10 +38,10 @@ def agree_run_dir(transport: Transport, run_dir: Path, *, timeout: float) -> Pat
     return run_dir.with_name(name)
 
 
-def resume_command(name: str, config: RunConfig) -> str:
+def resume_command(name: str, config: RunConfig, *, launcher: Sequence[str] = ("diloco",)) -> str:
     """The command line that continues run ``name``: its runs_dir where not the default, and a placeholder
-    for each [transport] secret (never saved with the run)."""
-    argv = ["diloco", "train", "--resume", "--name", name]
+    for each [transport] secret (never saved with the run). ``launcher``: what comes before ``train``."""
+    argv = [*launcher, "train", "--resume", "--name", name]
     if config.train.runs_dir != TrainConfig.runs_dir:
         argv += ["--set", f"train.runs_dir={json.dumps(config.train.runs_dir)}"]
     spec = transport_spec(config.transport)
