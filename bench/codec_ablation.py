@@ -2,8 +2,8 @@
 
 Same protocol, seeds and settings as ``bench/convergence.py``'s ``diloco-4`` row (its defaults: 1100
 steps, H = 10, 100 DDP warm-start steps, batch 16, seq 64); only ``[diloco] wire_dtype`` and
-``error_feedback`` change. The wire also carries the warm start's DDP gradients (as the trainer does
-for any run that names a wire). The fp32 row and DDP's traffic are read from the convergence
+``error_feedback`` change. The warm start's DDP gradients travel on the same wire
+(``train.ddp_wire_dtype``, as the table in docs/results.md was measured). The fp32 row and DDP's traffic are read from the convergence
 benchmark's folder (``--baseline``; ``diloco-4-sSEED`` and ``ddp-4-sSEED``), or run here if absent.
 A run already finished in ``--out`` is read back, not rerun.
 
@@ -25,10 +25,10 @@ from convergence import Outcome, protocol, run_one
 # name -> [diloco] overrides
 CODECS: dict[str, list[str]] = {
     "fp32": [],
-    "int8-ef": ["diloco.wire_dtype=int8", "diloco.error_feedback=true"],
-    "int8-noef": ["diloco.wire_dtype=int8", "diloco.error_feedback=false"],
-    "int4-ef": ["diloco.wire_dtype=int4", "diloco.error_feedback=true"],
-    "int4-noef": ["diloco.wire_dtype=int4", "diloco.error_feedback=false"],
+    "int8-ef": ["diloco.wire_dtype=int8", "train.ddp_wire_dtype=int8", "diloco.error_feedback=true"],
+    "int8-noef": ["diloco.wire_dtype=int8", "train.ddp_wire_dtype=int8", "diloco.error_feedback=false"],
+    "int4-ef": ["diloco.wire_dtype=int4", "train.ddp_wire_dtype=int4", "diloco.error_feedback=true"],
+    "int4-noef": ["diloco.wire_dtype=int4", "train.ddp_wire_dtype=int4", "diloco.error_feedback=false"],
 }
 
 

@@ -94,8 +94,11 @@ def run_one(
 
 
 def protocol(*, steps: int, inner_steps: int, seq_len: int, batch: int) -> list[str]:
-    """The trainer overrides every run of the protocol shares (eval every tenth of the run, 32 batches)."""
+    """The trainer overrides every run of the protocol shares (eval every tenth of the run, 32 batches; an
+    fp32 wire and no warm start unless a run adds one, whatever the trainer's defaults)."""
     return [
+        "diloco.wire_dtype=fp32",
+        "train.ddp_warm_start=0",
         f"train.steps={steps}",
         f"diloco.inner_steps={inner_steps}",
         f"data.seq_len={seq_len}",

@@ -31,6 +31,8 @@ FAST = [
     "train.warmup_steps=2",
     "--set",
     "train.checkpoint_every=1",
+    "--set",
+    "train.ddp_warm_start=0",  # rounds from step 0 (the default warm start, steps // 12: test_train_config.py)
     "-q",
 ]
 
@@ -186,10 +188,12 @@ def test_a_ddp_warm_start_hands_over_to_diloco_and_resumes_exactly(tmp_path: Pat
 
 @pytest.mark.timeout(60)
 def test_the_summary_puts_diloco_traffic_against_ddp(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["train", "--name", "r", "--set", f"train.runs_dir={tmp_path!s}", *FAST]) == 0
+    wire = ["--set", "diloco.wire_dtype=int4"]
+    assert main(["train", "--name", "r", "--set", f"train.runs_dir={tmp_path!s}", *FAST, *wire]) == 0
     out = capsys.readouterr().out
-    # 12 steps, a round every 3: DDP would all-reduce the same number of values 12 times, DiLoCo 4 times.
-    assert "DDP would have sent" in out and "3.0x what DiLoCo sent (4 rounds)" in out
+    # 12 steps, a round every 3: DDP would all-reduce the same number of values 12 times in fp32, DiLoCo
+    # 4 times in int4 (4 bits a value and an fp32 scale per 256: 7.76x fewer bytes): 3 x 7.76.
+    assert "DDP would have sent" in out and "23.3x what DiLoCo sent (4 rounds)" in out
     records = [json.loads(line) for line in (tmp_path / "r" / "metrics.jsonl").read_text().splitlines()]
     rounds = [r for r in records if r["type"] == "round"]
     assert all({"pseudo_grad_norm", "mean_pseudo_grad_norm", "agreement"} <= set(r) for r in rounds)
@@ -218,7 +222,9 @@ def test_version_and_the_config_keys_in_help(capsys: pytest.CaptureFixture[str])
     for section in ("[model]", "[data]", "[train]", "[diloco]", "[transport]"):
         assert section in out
     # Generated from the dataclasses, with the trainer's own defaults where they differ from the core's.
-    assert "steps=600" in out and "inner_steps=15" in out and "reduce_timeout=600.0" in out
+    assert (
+        "steps=600" in out and "inner_steps=10" in out and "wire_dtype='int4'" in out and "reduce_timeout=600.0" in out
+    )
 
 
 def test_plot_of_several_runs_goes_next_to_the_first(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -2,19 +2,22 @@
 
 from dataclasses import replace
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import tomllib
 
 from diloco_train.config import build_config, dump_toml, load_toml, parse_override
+from diloco_train.modes import warm_start_steps
 
 
 @pytest.mark.timeout(30)
 def test_defaults_and_trainer_defaults() -> None:
     c = build_config()
     assert c.train.mode == "diloco" and c.train.workers == 4 and c.model.preset == "tiny"
-    assert c.diloco.inner_steps == 15 and c.diloco.outer_lr is None and c.diloco.outer_momentum == 0.5
-    assert c.diloco.nesterov and c.train.ddp_warm_start == 0
+    assert c.diloco.inner_steps == 10 and c.diloco.outer_lr is None and c.diloco.outer_momentum == 0.5
+    assert c.diloco.wire_dtype == "int4" and c.diloco.error_feedback and c.train.ddp_wire_dtype == "fp32"
+    assert c.diloco.nesterov and c.train.ddp_warm_start is None  # a twelfth of the steps (modes.warm_start_steps)
     assert "outer_lr" not in c.to_dict()["diloco"]  # unset stays unset in a run's config.toml: the rule decides
     assert c.transport == {"kind": "inprocess"}
 
@@ -32,6 +35,30 @@ def test_bad_warm_start_names_the_field_and_the_range(overrides: list[str], mess
     with pytest.raises(ValueError, match="ddp_warm_start") as e:
         build_config(overrides=overrides)
     assert message in str(e.value)
+
+
+@pytest.mark.timeout(30)
+def test_a_bad_ddp_wire_names_the_field_and_the_choices() -> None:
+    with pytest.raises(ValueError, match=r"ddp_wire_dtype='int3' is invalid: expected one of \['bf16'"):
+        build_config(overrides=["train.ddp_wire_dtype=int3"])
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize(
+    ("overrides", "fixed_ranks", "warm"),
+    [
+        ([], True, 50),  # the default run: 600 steps
+        (["train.steps=11"], True, 0),
+        ([], False, 0),  # peers come and go (hivemind): no DDP phase a joiner could not take part in
+        (["train.ddp_warm_start=7"], False, 7),
+        (["train.ddp_warm_start=0"], True, 0),
+    ],
+)
+def test_the_default_warm_start_is_a_twelfth_of_the_steps_where_ranks_are_fixed(
+    overrides: list[str], fixed_ranks: bool, warm: int
+) -> None:
+    transport = SimpleNamespace(fixed_ranks=fixed_ranks)
+    assert warm_start_steps(build_config(overrides=overrides), transport) == warm
 
 
 @pytest.mark.timeout(30)

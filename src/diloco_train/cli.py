@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import NoReturn
 
-from diloco_core import TransportError
+from diloco_core import FP32, TransportError, codec_for
 
 from .log_tag import configure_logging
 from .torchrun import TORCHRUN_ARGS_ENV
@@ -164,8 +164,10 @@ def _train(args: argparse.Namespace, argv: list[str]) -> int:
     if result.steps < t.steps:
         print(f"stopped at step {result.steps} of {t.steps} (train.stop_after); resume with: {again}")
     if result.rounds:
-        # DDP all-reduces the gradient, as many values as a round's pseudo-gradient, at every step.
-        ddp = result.round_bytes / result.rounds * result.steps_run
+        # DDP all-reduces the gradient, as many values as a round's pseudo-gradient, at every step, in fp32.
+        codec = codec_for(config.diloco.wire_dtype, config.diloco.codec_block)
+        as_fp32 = FP32.payload_bytes(1 << 20) / codec.payload_bytes(1 << 20)  # 1 << 20: whole codec blocks
+        ddp = result.round_bytes / result.rounds * as_fp32 * result.steps_run
         print(
             f"traffic: DDP would have sent ~{ddp / 1e6:,.0f} MB for these {result.steps_run} steps, "
             f"{ddp / max(result.bytes_sent, 1):.1f}x what DiLoCo sent ({result.rounds} rounds); compare the loss with "

@@ -9,7 +9,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from diloco_core import DiLoCoConfig
+from diloco_core import CODECS, DiLoCoConfig
 from diloco_core.config import check_field, from_mapping, is_finite_number
 from transports import transport_spec
 
@@ -60,8 +60,13 @@ class TrainConfig:
     """AdamW beta2."""
     grad_clip: float = 1.0
     """Clip the gradient norm to this (0: no clipping)."""
-    ddp_warm_start: int = 0
-    """diloco mode: steps of DDP (gradients averaged every step) before the first DiLoCo round starts."""
+    ddp_warm_start: int | None = None
+    """diloco mode: steps of DDP (gradients averaged every step) before the first DiLoCo round starts. None: a
+    twelfth of ``steps`` (50 of the default run's 600) where the transport's ranks are fixed (in-process, torch),
+    0 where peers come and go (hivemind: a joiner could not take part in a DDP phase)."""
+    ddp_wire_dtype: str = "fp32"
+    """The wire of DDP's gradients (ddp mode, diloco's warm start): a codec name as ``diloco.wire_dtype``
+    (lossy ones without error feedback: each step's gradients are new)."""
     seed: int = 0
     """Seed of the weights (rank 0's, broadcast to all) and of every worker's data order."""
     eval_every: int = 0
@@ -96,7 +101,6 @@ class TrainConfig:
             check_field(name, getattr(self, name), _int(getattr(self, name), 1), "an integer >= 1")
         for name in (
             "warmup_steps",
-            "ddp_warm_start",
             "seed",
             "eval_every",
             "checkpoint_every",
@@ -106,8 +110,12 @@ class TrainConfig:
         ):
             check_field(name, getattr(self, name), _int(getattr(self, name), 0), "an integer >= 0")
         w = self.ddp_warm_start
-        ok = not w or (self.mode == "diloco" and w < self.steps)
-        check_field("ddp_warm_start", w, ok, f"0, or in diloco mode a step count below steps={self.steps}")
+        if w is not None:  # None: the default, a twelfth of the steps where ranks are fixed (modes.warm_start_steps)
+            check_field("ddp_warm_start", w, _int(w, 0), "an integer >= 0")
+            ok = not w or (self.mode == "diloco" and w < self.steps)
+            check_field("ddp_warm_start", w, ok, f"0, or in diloco mode a step count below steps={self.steps}")
+        ok = self.ddp_wire_dtype in CODECS
+        check_field("ddp_wire_dtype", self.ddp_wire_dtype, ok, f"one of {sorted(CODECS)}")
         check_field("shard", self.shard, _int(self.shard, -1), "an integer >= 0 (or -1: the rank)")
         ok = self.shard < max(self.num_shards, 1) if self.num_shards else self.shard <= 0
         check_field("shard", self.shard, ok, f"below num_shards={self.num_shards} (set num_shards with shard)")
@@ -164,10 +172,11 @@ class RunConfig:
 SECTIONS: dict[str, type] = {"model": ModelConfig, "data": DataConfig, "train": TrainConfig, "diloco": DiLoCoConfig}
 
 # The trainer's own defaults where they differ from a component's: the paper's H = 500 would give a
-# CPU run of a few hundred steps no round at all. H = 10 won the sweep at 8 windows per worker step;
-# at the default run's 32, H = 15 ended as low (+6.4% vs DDP against +6.7%, one seed) at 15x less
-# traffic than DDP instead of 10x (docs/results.md).
-TRAINER_DEFAULTS: dict[str, dict[str, Any]] = {"diloco": {"inner_steps": 15}}
+# CPU run of a few hundred steps no round at all. H = 10 won the sweep; int4 with error feedback ended
+# within the seeds' noise of fp32 on the convergence table at 7.8x fewer bytes per round, which pays for
+# the default DDP warm start (train.ddp_warm_start) and keeps the default run >= 10x below DDP's traffic
+# (docs/results.md).
+TRAINER_DEFAULTS: dict[str, dict[str, Any]] = {"diloco": {"inner_steps": 10, "wire_dtype": "int4"}}
 
 
 def load_toml(path: str | Path) -> dict[str, Any]:

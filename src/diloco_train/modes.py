@@ -16,7 +16,15 @@ from diloco_core.flat import FlatBuffer
 from .config import RunConfig
 from .model import Llama
 
-__all__ = ["Comm", "Sync"]
+__all__ = ["Comm", "Sync", "warm_start_steps"]
+
+
+def warm_start_steps(config: RunConfig, transport: Transport | None) -> int:
+    """``train.ddp_warm_start``, or where unset a twelfth of the steps if the transport's ranks are fixed."""
+    t = config.train
+    if t.ddp_warm_start is not None:
+        return t.ddp_warm_start
+    return t.steps // 12 if transport is not None and transport.fixed_ranks else 0
 
 
 @dataclass(frozen=True)
@@ -45,10 +53,10 @@ class Sync:
         self.device = device
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.timeout = config.diloco.reduce_timeout
-        # DDP's gradients travel as DiLoCo's pseudo-gradients would (without error feedback: each step's are new)
-        self.wire = codec_for(config.diloco.wire_dtype, block=config.diloco.codec_block)
+        # DDP's gradients travel on their own wire (fp32 by default), without error feedback: each step's are new.
+        self.wire = codec_for(config.train.ddp_wire_dtype, block=config.diloco.codec_block)
         mode = config.train.mode
-        self.warm = config.train.ddp_warm_start if mode == "diloco" else 0  # DDP steps before DiLoCo takes over
+        self.warm = warm_start_steps(config, transport) if mode == "diloco" else 0  # DDP steps before DiLoCo
         self.diloco: DiLoCo | None = None
         self.grads: FlatBuffer | None = None
         if mode == "diloco" and not self.warm:
