@@ -4,6 +4,7 @@ from .codec import BF16, CODECS, FP16, FP32, INT4, INT8, BlockCodec, CastCodec, 
 from .config import DiLoCoConfig
 from .diloco import DiLoCo, PendingRound, RoundReport
 from .forwarding import ForwardingTransport
+from .optimizer import DiLoCoOptimizer
 from .run_state import RunState
 from .transport import Capabilities, FutureHandle, ReduceHandle, ReduceResult, StateReplaced, Transport, TransportError
 from .wire import mean_of_payloads, reference_mean
@@ -21,6 +22,7 @@ __all__ = [
     "Codec",
     "DiLoCo",
     "DiLoCoConfig",
+    "DiLoCoOptimizer",
     "ForwardingTransport",
     "FutureHandle",
     "PendingRound",
