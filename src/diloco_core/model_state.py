@@ -49,6 +49,7 @@ class ModelState:
 
     def __init__(self, model: torch.nn.Module, params: list[torch.Tensor], device: torch.device | str) -> None:
         self._named = list(model.named_parameters())
+        self._device = torch.device(device)  # where the check's tensors travel (NCCL moves CUDA tensors only)
         self._was_trainable = [p.requires_grad for _, p in self._named]
         self.names = [name for name, p in self._named if p.requires_grad]
         trainable, buffers = {id(p) for p in params}, {id(b) for b in model.buffers()}
@@ -94,16 +95,16 @@ class ModelState:
     def check_same(self, transport: Transport, timeout: float) -> None:
         """Refuse, on every rank, a group whose models differ from rank 0's in an entry (collective)."""
         mine = json.dumps(self._spec).encode()
-        size = torch.tensor([len(mine)], dtype=torch.int64)
+        size = torch.tensor([len(mine)], dtype=torch.int64, device=self._device)
         transport.broadcast([size], src=0, timeout=timeout)
-        theirs = torch.zeros(int(size.item()), dtype=torch.uint8)
+        theirs = torch.zeros(int(size.item()), dtype=torch.uint8, device=self._device)
         if len(mine) == theirs.numel():  # on rank 0; elsewhere the broadcast overwrites it
             theirs.copy_(torch.frombuffer(bytearray(mine), dtype=torch.uint8))
         transport.broadcast([theirs], src=0, timeout=timeout)
         rank0, spec = json.loads(bytes(theirs.tolist())), json.loads(mine)
         first = next((i for i, (a, b) in enumerate(zip(spec, rank0)) if a != b), min(len(spec), len(rank0)))
         differs = spec != rank0
-        flags = torch.zeros(len(rank0) + 2)  # [differs, one-hot of where it first differs]
+        flags = torch.zeros(len(rank0) + 2, device=self._device)  # [differs, one-hot of where it first differs]
         flags[0], flags[1 + first] = float(differs), float(differs)
         if transport.capabilities.fixed_ranks:  # peers that come and go each check themselves (no reduce)
             flags.mul_(transport.all_reduce([flags], codec=FP32, key="diloco/check").wait(timeout).num_contributors)
