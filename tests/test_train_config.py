@@ -52,6 +52,7 @@ def test_a_bad_ddp_wire_names_the_field_and_the_choices() -> None:
         ([], False, 0),  # peers come and go (hivemind): no DDP phase a joiner could not take part in
         (["train.ddp_warm_start=7"], False, 7),
         (["train.ddp_warm_start=0"], True, 0),
+        (["train.fsdp_shards=2"], True, 0),  # FSDP islands: no DDP phase
     ],
 )
 def test_the_default_warm_start_is_a_twelfth_of_the_steps_where_ranks_are_fixed(

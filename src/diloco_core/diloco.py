@@ -13,7 +13,7 @@ import torch
 from .codec import codec_for
 from .config import DiLoCoConfig, outer_lr_for
 from .feedback import ErrorFeedback
-from .flat import FlatBuffer, norm_of
+from .flat import FlatBuffer, local_of, norm_of
 from .model_state import ModelState
 from .run_state import RunState
 from .transport import ReduceHandle, StateReplaced, Transport, TransportError
@@ -79,6 +79,10 @@ class DiLoCo:
     may call ``sync()`` again later. If it raises ``StateReplaced`` (this worker was behind its group and
     the transport loaded the group's state into it), ``step()`` returns None and training goes on.
     The inner optimizer's state is kept across rounds and never communicated.
+
+    FSDP2 islands: a model sharded by ``fully_shard`` has DTensor parameters; DiLoCo works on each one's
+    local shard (``local``), so its transport's group must be the ranks holding the same shards, one per
+    island (``transports.islands.island_transport`` builds it from a DeviceMesh and checks the layout).
     """
 
     def __init__(
@@ -99,6 +103,8 @@ class DiLoCo:
         self.params = [p for p in model.parameters() if p.requires_grad]
         if not self.params:
             raise ValueError("model has no trainable parameters")
+        self.local = [local_of(p) for p in self.params]
+        """What this rank holds of ``params``: each DTensor's local shard (FSDP2), else the parameter itself."""
         self.model_state = ModelState(model, self.params, config.global_device)
         """The model's entries by name, its frozen parameters and buffers (synchronized and checkpointed)."""
         self.inner_step, self.round = 0, 0
@@ -107,11 +113,11 @@ class DiLoCo:
         self.reduce_key = "diloco/round"
         """The key of every round's reduce (a transport keeps its buffers per key)."""
 
-        self._global = FlatBuffer(self.params, config.global_device)
+        self._global = FlatBuffer(self.local, config.global_device)
         # After the pseudo-gradient, in a codec block of its own (zeros pad up to it): this worker's pseudo-
         # gradient RMS, averaged in the same reduce (on the scale of the values, so it survives the wire).
         pad = -self._global.flat.numel() % self.codec.block
-        self._pseudo_grad = FlatBuffer(self.params, config.global_device, extra=pad + 1)
+        self._pseudo_grad = FlatBuffer(self.local, config.global_device, extra=pad + 1)
         fed, on = self._global.flat.numel(), config.error_feedback
         self._feedback = ErrorFeedback(self.codec, self._pseudo_grad.flat, fed=fed, on=on)
         self._global_param = torch.nn.Parameter(self._global.flat, requires_grad=False)
@@ -135,10 +141,10 @@ class DiLoCo:
         )
         with torch.no_grad():
             self.model_state.check_same(transport, config.reduce_timeout)
-            self._global.copy_from(self.params)
+            self._global.copy_from(self.local)
             self.model_state.before_broadcast()
             transport.broadcast([self._global.flat, *self.model_state.shared], src=0, timeout=config.reduce_timeout)
-            self._global.copy_to(self.params)
+            self._global.copy_to(self.local)
             self.model_state.after_broadcast()
         self.run_state = RunState(self)
         """The outer state a transport whose peers come and go serves to joiners (``Transport.attach``)."""
@@ -153,7 +159,7 @@ class DiLoCo:
 
     @property
     def global_params(self) -> list[torch.Tensor]:
-        """The fp32 global copy, one view per trainable parameter (read only, please)."""
+        """The fp32 global copy, one view per trainable parameter's ``local`` tensor (read only, please)."""
         return self._global.views
 
     def step(self) -> RoundReport | None:
@@ -193,7 +199,7 @@ class DiLoCo:
         start = time.perf_counter()
         self.model_state.check_trainable()
         pg, rms = self._pseudo_grad.body, self._pseudo_grad.tail[-1:]
-        self._pseudo_grad.copy_from(self.params)
+        self._pseudo_grad.copy_from(self.local)
         torch.sub(self._global.flat, pg, out=pg)
         local_norm = norm_of(pg)
         if not math.isfinite(local_norm):  # on any wire the mean would be NaN or inf on every worker
@@ -221,7 +227,7 @@ class DiLoCo:
         mean_norm = norm_of(pg)
         contributors_norm = rms.item() * math.sqrt(pg.numel())  # contributors' mean pseudo-gradient norm
         self.outer_optimizer.step()
-        self._global.copy_to(self.params)
+        self._global.copy_to(self.local)
         self.round += 1
         self.run_state.advanced()
         local_norm = pending.pseudo_grad_norm
@@ -256,7 +262,7 @@ class DiLoCo:
         name its frozen parameters and persistent buffers), global copy, both optimizers, counters, the
         error-feedback residual (None without) and what the transport keeps about the run's state."""
         return {
-            "model": [p.detach() for p in self.params],
+            "model": [p.detach() for p in self.local],
             "param_names": list(self.model_state.names),
             "model_state": self.model_state.state_dict(),
             "global": self._global.flat,
@@ -281,7 +287,7 @@ class DiLoCo:
                 f"{len(self._global.shapes)} ({self._global.flat.numel()} values)"
             )
         self.model_state.check_loadable(state)  # absent names and model_state (older checkpoints) pass
-        torch._foreach_copy_(self.params, list(model))
+        torch._foreach_copy_(self.local, list(model))
         self._global.flat.copy_(flat)
         self.model_state.load(state)
         self.outer_optimizer.load_state_dict(state["outer_optimizer"])

@@ -6,7 +6,19 @@ from collections.abc import Sequence
 
 import torch
 
-__all__ = ["FlatBuffer", "norm_of"]
+__all__ = ["FlatBuffer", "local_of", "norm_of", "placement_of"]
+
+
+def local_of(t: torch.Tensor) -> torch.Tensor:
+    """What this rank holds of ``t``: a DTensor's local shard (sharing its storage; FSDP2), else ``t``.
+    Duck-typed, as the core never imports torch.distributed; the round math runs on local tensors only."""
+    return t.to_local().detach() if hasattr(t, "to_local") else t
+
+
+def placement_of(t: torch.Tensor) -> str:
+    """Which shard of a DTensor this rank holds ("" for a plain tensor), so that ranks holding different
+    shards fail ``ModelState.check_same`` instead of averaging unrelated values."""
+    return f", shard {t.device_mesh.get_coordinate()} of {tuple(t.placements)}" if hasattr(t, "to_local") else ""
 
 
 def norm_of(t: torch.Tensor) -> float:

@@ -9,6 +9,7 @@ persistent buffers (BatchNorm's running mean and variance) are averaged in fp32 
 or error feedback. Integer buffers (BatchNorm's ``num_batches_tracked``) keep each rank's own value: they
 count the same steps everywhere. Non-persistent buffers (rotary caches, masks) are derived from the rest
 and left alone. The frozen parameters and persistent buffers are in ``DiLoCo.state_dict()``, by name.
+A DTensor (FSDP2) counts as its local shard, its entry naming which shard it is (``flat.placement_of``).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from typing import Any
 import torch
 
 from .codec import FP32
-from .flat import FlatBuffer
+from .flat import FlatBuffer, local_of, placement_of
 from .transport import ReduceHandle, ReduceResult, Transport, TransportError
 
 __all__ = ["ModelState"]
@@ -48,22 +49,27 @@ class ModelState:
 
     def __init__(self, model: torch.nn.Module, params: list[torch.Tensor], device: torch.device | str) -> None:
         self._named = list(model.named_parameters())
+        self._device = torch.device(device)  # where the check's tensors travel (NCCL moves CUDA tensors only)
         self._was_trainable = [p.requires_grad for _, p in self._named]
         self.names = [name for name, p in self._named if p.requires_grad]
         trainable, buffers = {id(p) for p in params}, {id(b) for b in model.buffers()}
         self.extra: dict[str, torch.Tensor] = {}
+        """By name, this rank's local tensor (``local_of``) of each frozen parameter and persistent buffer."""
         self._spec: list[list] = []
+        self.averaged: list[torch.Tensor] = []
+        """The floating-point persistent buffers, averaged every round."""
         seen: set[int] = set()
         for name, t in model.state_dict(keep_vars=True).items():
             if not isinstance(t, torch.Tensor) or id(t) in seen:
                 continue  # tied tensors once; get_extra_state's objects are the model's own business
             seen.add(id(t))
             kind = "trainable" if id(t) in trainable else "buffer" if id(t) in buffers else "frozen"
-            self._spec.append([name, kind, list(t.shape), str(t.dtype)])
+            local = local_of(t)
+            self._spec.append([name, kind, list(local.shape), str(t.dtype) + placement_of(t)])
             if kind != "trainable":
-                self.extra[name] = t
-        self.averaged = [t for t in self.extra.values() if id(t) in buffers and t.is_floating_point()]
-        """The floating-point persistent buffers, averaged every round."""
+                self.extra[name] = local
+            if kind == "buffer" and local.is_floating_point():
+                self.averaged.append(local)
         self._flat = FlatBuffer(self.averaged, device) if self.averaged else None
         exact = [t for t in self.extra.values() if not any(t is a for a in self.averaged)]
         here = [t.device == torch.device(device) and t.is_contiguous() for t in exact]  # broadcast in place
@@ -89,16 +95,16 @@ class ModelState:
     def check_same(self, transport: Transport, timeout: float) -> None:
         """Refuse, on every rank, a group whose models differ from rank 0's in an entry (collective)."""
         mine = json.dumps(self._spec).encode()
-        size = torch.tensor([len(mine)], dtype=torch.int64)
+        size = torch.tensor([len(mine)], dtype=torch.int64, device=self._device)
         transport.broadcast([size], src=0, timeout=timeout)
-        theirs = torch.zeros(int(size.item()), dtype=torch.uint8)
+        theirs = torch.zeros(int(size.item()), dtype=torch.uint8, device=self._device)
         if len(mine) == theirs.numel():  # on rank 0; elsewhere the broadcast overwrites it
             theirs.copy_(torch.frombuffer(bytearray(mine), dtype=torch.uint8))
         transport.broadcast([theirs], src=0, timeout=timeout)
         rank0, spec = json.loads(bytes(theirs.tolist())), json.loads(mine)
         first = next((i for i, (a, b) in enumerate(zip(spec, rank0)) if a != b), min(len(spec), len(rank0)))
         differs = spec != rank0
-        flags = torch.zeros(len(rank0) + 2)  # [differs, one-hot of where it first differs]
+        flags = torch.zeros(len(rank0) + 2, device=self._device)  # [differs, one-hot of where it first differs]
         flags[0], flags[1 + first] = float(differs), float(differs)
         if transport.capabilities.fixed_ranks:  # peers that come and go each check themselves (no reduce)
             flags.mul_(transport.all_reduce([flags], codec=FP32, key="diloco/check").wait(timeout).num_contributors)
@@ -106,6 +112,7 @@ class ModelState:
         i = int(at[0]) if len(at) else len(rank0)
         where = f"rank 0's {_describe(rank0[i])}" if i < len(rank0) else "the end of rank 0's entries (a rank has more)"
         advice = "every rank must build the same model, registering its parameters and buffers in the same order"
+        advice += " (FSDP2: the transport's group must be the ranks holding the same shards, transports.islands)"
         if differs:
             here = _describe(spec[first] if first < len(spec) else None)
             raise ValueError(

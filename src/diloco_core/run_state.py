@@ -68,7 +68,7 @@ class RunState:
 
         def load() -> None:  # never calls back into the transport, which may hold its own locks
             with torch.no_grad():
-                d._global.copy_to(d.params)  # after a round the model is the global copy
+                d._global.copy_to(d.local)  # after a round the model is the global copy
             outer = d.outer_optimizer.state_dict()
             outer["state"] = {k: {"momentum_buffer": t.clone()} for k, t in zip(keys, tensors)}  # none before round 1
             d.outer_optimizer.load_state_dict(outer)

@@ -86,6 +86,10 @@ class TrainConfig:
     """This process's data shard when the transport has no fixed ranks (hivemind: give each peer its own). -1: its rank."""
     num_shards: int = 0
     """Number of data shards for ``shard``. 0: the transport's world size."""
+    fsdp_shards: int = 1
+    """diloco mode under torchrun: ranks per island, which shard one model with FSDP2 (``fully_shard``) and
+    train it as one DiLoCo worker; DiLoCo averages across the world size / fsdp_shards islands, each rank
+    its own shards (docs/lan.md). 1: every process holds the whole model."""
     device: str = "auto"
     """cpu, cuda, cuda:N or auto (cuda if available). In-process workers on cuda spread over the visible GPUs."""
     bf16: bool = True
@@ -109,6 +113,9 @@ class TrainConfig:
             "num_shards",
         ):
             check_field(name, getattr(self, name), _int(getattr(self, name), 0), "an integer >= 0")
+        check_field("fsdp_shards", self.fsdp_shards, _int(self.fsdp_shards, 1), "an integer >= 1")
+        ok = self.fsdp_shards == 1 or (self.mode == "diloco" and not self.ddp_warm_start)
+        check_field("fsdp_shards", self.fsdp_shards, ok, "1, or in diloco mode without ddp_warm_start any N >= 1")
         w = self.ddp_warm_start
         if w is not None:  # None: the default, a twelfth of the steps where ranks are fixed (modes.warm_start_steps)
             check_field("ddp_warm_start", w, _int(w, 0), "an integer >= 0")

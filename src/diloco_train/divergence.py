@@ -13,6 +13,8 @@ from typing import Any
 
 import torch
 
+from diloco_core.flat import local_of
+
 from .checkpoint import list_checkpoints
 
 __all__ = ["LossWatch", "all_finite", "newest_checkpoint"]
@@ -24,6 +26,7 @@ _CHUNK = 1 << 24
 def all_finite(obj: Any) -> bool:
     """Whether every floating-point tensor in ``obj`` (tensors, dicts, lists and tuples of them) is finite."""
     if isinstance(obj, torch.Tensor):
+        obj = local_of(obj)  # a DTensor (FSDP2) as its local shard: a collective here could deadlock
         if not obj.is_floating_point():
             return True
         flat = obj.detach().reshape(-1)

@@ -7,6 +7,7 @@ peer). The trainer never names a transport kind.
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import os
@@ -44,7 +45,8 @@ def _local_workers(config: RunConfig, spec: TransportSpec) -> int:
 def describe_workers(config: RunConfig) -> str:
     """How the run's workers are laid out, in words (for the CLI's first line)."""
     spec = transport_spec(config.transport)
-    return spec.describe(_local_workers(config, spec))
+    shards = config.train.fsdp_shards
+    return spec.describe(_local_workers(config, spec)) + (f", in islands of {shards} FSDP ranks" if shards > 1 else "")
 
 
 def train(
@@ -78,6 +80,11 @@ def train(
     # Oversubscribed cores make every OpenMP region wait on a busy core (seen: 10x slower steps).
     torch.set_num_threads(t.threads or max(1, (os.cpu_count() or 1) // (local * spec.processes_on_machine)))
     check_shards(t, spec)
+    if t.fsdp_shards > 1 and not spec.fsdp_islands:
+        raise ValueError(
+            f"train.fsdp_shards={t.fsdp_shards} shards each island's model over torch.distributed ranks: it "
+            f"needs [transport] kind='torch' under torchrun, not kind={spec.kind!r}"
+        )
 
     with ExitStack() as owner, ExitStack() as stack:
         # Claim the folder before connecting where this process's ranks are known (threads: all of them; a
@@ -101,6 +108,11 @@ def train(
                 run_dir = agree_run_dir(first, run_dir, timeout=timeout)
             owner.callback(RunOwner(run_dir, [first.rank]).release)
         lead = first is None or first.rank == 0  # rank 0 is in this process
+        if world % t.fsdp_shards:
+            raise ValueError(
+                f"train.fsdp_shards={t.fsdp_shards} is invalid: expected a divisor of the world size {world} "
+                "(torchrun's processes), which it splits into islands of that many ranks"
+            )
         job = Job(
             config=config,
             corpus=corpus,
@@ -108,6 +120,7 @@ def train(
             resume=resume,
             same_disk=spec.threads,
             secret_keys=spec.secret_keys,
+            islands=functools.partial(spec.connect_islands, reduce_timeout=timeout) if t.fsdp_shards > 1 else None,
         )
         stack.callback(job.close)
         check_data(config, corpus, world)

@@ -20,11 +20,13 @@ __all__ = ["Comm", "Sync", "warm_start_steps"]
 
 
 def warm_start_steps(config: RunConfig, transport: Transport | None) -> int:
-    """``train.ddp_warm_start``, or where unset a twelfth of the steps if the transport's ranks are fixed."""
+    """``train.ddp_warm_start``, or where unset a twelfth of the steps if the transport's ranks are fixed
+    (and the model is whole: FSDP islands have no DDP phase)."""
     t = config.train
     if t.ddp_warm_start is not None:
         return t.ddp_warm_start
-    return t.steps // 12 if transport is not None and transport.fixed_ranks else 0
+    fixed = transport is not None and transport.fixed_ranks
+    return t.steps // 12 if fixed and t.fsdp_shards == 1 else 0
 
 
 @dataclass(frozen=True)

@@ -8,8 +8,10 @@ import logging
 import math
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -20,6 +22,7 @@ from .compute import autocast, device_for, evaluate, loss_of
 from .config import RunConfig
 from .data import BatchSampler, Corpus
 from .divergence import LossWatch, all_finite, newest_checkpoint
+from .fsdp import evaluates, shard_model
 from .log_tag import set_worker
 from .metrics import Reporter, TrainResult
 from .model import Llama
@@ -46,6 +49,9 @@ class Job:
     """Every worker's checkpoints are in this process's run folder (in-process workers): saved once there."""
     secret_keys: frozenset[str] = frozenset()
     """Keys of [transport] never written to config.toml."""
+    islands: Callable[[torch.nn.Module, Any], Transport] | None = None
+    """train.fsdp_shards > 1: the transport between the islands for a model sharded over a mesh
+    (``TransportSpec.connect_islands``); DiLoCo averages over it, the trainer's own agreements over the world."""
     stop: threading.Event = field(default_factory=threading.Event)
     """Set when a worker thread fails or the run is interrupted: the others leave their loop."""
     errors: list[BaseException] = field(default_factory=list)
@@ -71,6 +77,9 @@ class Worker:
     def run(self) -> None:
         job, c, t = self.job, self.config, self.t
         model = Llama(c.model, generator=torch.Generator().manual_seed(t.seed)).to(self.device)
+        between = self.transport  # what DiLoCo averages over: the world, or the islands (FSDP2)
+        if job.islands is not None:
+            between = job.islands(model, shard_model(model, t.fsdp_shards, self.device))
         decay = [p for p in model.parameters() if p.ndim >= 2]
         no_decay = [p for p in model.parameters() if p.ndim < 2]
         groups = [{"params": decay, "weight_decay": t.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
@@ -86,20 +95,23 @@ class Worker:
             seed=t.seed * 1_000_003 + shard + 1,
             what=f"shard {shard} of {num_shards} of the training data",
         )
-        sync = Sync(config=c, model=model, optimizer=optimizer, transport=self.transport, device=self.device)
+        sync = Sync(config=c, model=model, optimizer=optimizer, transport=between, device=self.device)
         step = self._resume(sync, sampler) if job.resume else 0
 
         end = min(t.stop_after, t.steps) if t.stop_after else t.steps
         h = c.diloco.inner_steps
         eval_every = t.eval_every or h
         reporter: Reporter | None = None
+        evaluating = evaluates(self.rank, t.fsdp_shards)
         if self.rank == 0:
             reporter = Reporter(
                 run_dir=job.run_dir, world_size=self.world_size, start_step=step, end_step=end, show=self.show
             )
             job.reporter = reporter
-            if step == 0:
-                reporter.eval(0, evaluate(model, val=job.corpus.val, config=c, device=self.device))
+        if evaluating and step == 0:
+            loss = evaluate(model, val=job.corpus.val, config=c, device=self.device)
+            if reporter is not None:
+                reporter.eval(0, loss)
         tokens = t.batch_size * c.data.seq_len
         if reporter is not None:
             reporter.start_clock()
@@ -138,17 +150,19 @@ class Worker:
                         "time_s": reporter.clock(),
                     }
                 )
-                if step % eval_every == 0 or step == end:
-                    last_eval = evaluate(model, val=job.corpus.val, config=c, device=self.device)
+            if evaluating and (step % eval_every == 0 or step == end):
+                last_eval = evaluate(model, val=job.corpus.val, config=c, device=self.device)
+                if reporter is not None:
                     reporter.eval(step, last_eval)
             watch.see(step, loss_value)
             if checkpoint_due(step, end=end, inner_steps=h, every=t.checkpoint_every):
                 self._save(step, sync, sampler)
-        if job.stop.is_set() or reporter is None:
+        if job.stop.is_set() or not evaluating:
             return
         if math.isnan(last_eval):  # resumed at the very end: nothing trained, still report where it stands
             last_eval = evaluate(model, val=job.corpus.val, config=c, device=self.device)
-        job.result = reporter.finish(step=step, eval_after=last_eval)
+        if reporter is not None:
+            job.result = reporter.finish(step=step, eval_after=last_eval)
 
     def _resume(self, sync: Sync, sampler: BatchSampler) -> int:
         """Load this worker's checkpoint of the step all ranks resume from; that step (0: none yet). Rank 0

@@ -1,5 +1,7 @@
 """Pluggable transports for diloco_core: in-process (threads), torch.distributed (LAN), hivemind (WAN).
 
+``transports.islands`` puts the torch.distributed one between FSDP2 islands of a DeviceMesh.
+
 ``TorchDistTransport`` and ``HivemindTransport`` are imported on first use, so that neither
 torch.distributed's nor hivemind's import cost (or absence) touches the other transports.
 """

@@ -91,6 +91,8 @@ class TransportSpec:
     join_key: str | None = None
     """The key of the section that takes another peer's ``Transport.join_addresses``; None where peers
     are not joined by address."""
+    fsdp_islands: bool = False
+    """``connect_islands`` can put this process's worker between FSDP2 islands (torch.distributed)."""
 
     def describe(self, workers: int) -> str:
         """How a run's workers are laid out, in words; ``workers`` counts this process's threads."""
@@ -106,6 +108,20 @@ class TransportSpec:
             group = InProcessGroup(workers)
             return [group.transport(rank) for rank in range(workers)]
         return [create_transport(self.section, reduce_timeout=reduce_timeout)]
+
+    def connect_islands(self, model: Any, mesh: Any, *, reduce_timeout: float | None = None) -> Transport:
+        """The transport between FSDP2 islands for ``model``, sharded over ``mesh["shard"]`` (a 2-D DeviceMesh,
+        ``transports.islands``), once ``connect`` has joined the process group."""
+        if not self.fsdp_islands:
+            raise ValueError(f"[transport] kind={self.kind!r} cannot connect FSDP islands; use kind='torch'")
+        from .islands import island_transport
+        from .torch_group import TorchDistConfig
+
+        section = {k: v for k, v in self.section.items() if k != "kind"}
+        if reduce_timeout is not None:
+            section.setdefault("timeout", reduce_timeout)
+        config = from_mapping(TorchDistConfig, section, "transport")
+        return island_transport(model, mesh, bucket_mb=config.bucket_mb, timeout=config.timeout)
 
 
 def _local_world_size() -> int:
@@ -126,7 +142,12 @@ def transport_spec(section: Mapping[str, Any]) -> TransportSpec:
         return TransportSpec(kind=kind, section=section, threads=True, fixed_ranks=True)
     if kind == "torch":
         return TransportSpec(
-            kind=kind, section=section, threads=False, fixed_ranks=True, processes_on_machine=_local_world_size()
+            kind=kind,
+            section=section,
+            threads=False,
+            fixed_ranks=True,
+            processes_on_machine=_local_world_size(),
+            fsdp_islands=True,
         )
     if kind == "hivemind":
         return TransportSpec(
