@@ -19,6 +19,7 @@ from diloco_train.config import TrainConfig, build_config
 from diloco_train.launch import train
 
 
+@pytest.mark.slow  # about 56 s: with -m slow; tests/test_fsdp_islands.py covers the bit-exact resume by default
 @pytest.mark.timeout(400)
 def test_torchrun_islands_of_two_fsdp_ranks_restart_a_killed_rank_and_resume_to_the_end(tmp_path):
     env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo"}
