@@ -3,7 +3,8 @@
     python tests/hivemind_peer.py '{"name": 1, "transport": {...}, "die_flag": "/tmp/x"}'
 
 Prints one JSON line per event on stdout: {"addr": [...]} once up, {"ready": ...} once DiLoCo is built
-(state loaded from peers when joining), then one {"round": ...} or {"error": ...} per "round" command.
+(state loaded from peers when joining), then one {"round": ...} or {"error": ...} per "round" command ("round-nan": a NaN enters this peer's
+weights in the round's last step, as when its training diverges).
 "exit" closes the transport. With ``die_flag``: once that file exists, the peer kills its whole process
 group (itself, its DHT, its averagers) and its p2pd (in a group of its own) with SIGKILL as soon as, acting as a reducer, it has
 received a part of someone's tensors — a peer lost in the middle of an all-reduce.
@@ -68,14 +69,17 @@ def main() -> None:
             cmd = line.strip()
             if cmd == "exit":
                 break
-            if cmd != "round":
+            if cmd not in ("round", "round-nan"):  # round-nan: this peer's training diverges in the round
                 continue
             report = None
             try:
-                for _ in range(INNER_STEPS):
+                for step in range(INNER_STEPS):
                     x = torch.randn(16, 32, generator=data)
                     loss = (model(x) - x.flip(1)).pow(2).mean()
                     loss.backward()
+                    if cmd == "round-nan" and step == INNER_STEPS - 1:
+                        with torch.no_grad():
+                            model.weight[0, 0] = float("nan")
                     report = diloco.step()
                     inner.zero_grad()
                 assert report is not None
@@ -83,6 +87,7 @@ def main() -> None:
                     round=report.round,
                     contributors=report.num_contributors,
                     digest=digest(diloco),
+                    finite=all(bool(torch.isfinite(p).all()) for p in diloco.global_params),
                     comm_seconds=report.comm_seconds,
                 )
             except TransportError as e:
