@@ -17,7 +17,7 @@ import threading
 import pytest
 import torch
 
-from diloco_core import DiLoCo, DiLoCoConfig
+from diloco_core import FP16, ContributionGuard, DiLoCo, DiLoCoConfig
 from transports import InProcessGroup
 
 N = 25_000_000
@@ -75,3 +75,21 @@ def test_bytes_moved_floor_baseline(benchmark):
     n = int(6.75 * N)
     bufs = [(torch.ones(n), torch.empty(n)) for _ in range(WORKERS)]
     benchmark.pedantic(lambda: _in_threads([lambda s=s, d=d: d.copy_(s) for s, d in bufs]), rounds=8, warmup_rounds=2)
+
+
+def test_contribution_guard_25m(benchmark):
+    """What the contribution guard adds to a round, alone, on each of 2 workers, at its most expensive: an fp16
+    wire (one pass for the largest magnitude) and the norm guard on (its references set). The norms it reads
+    are the round's own diagnostics, computed with or without it. Issue 13's budget: < 2% of a round."""
+    benchmark.group = "outer round, 25M params, 2 in-process workers"
+    guards = [ContributionGuard(FP16, norm_clip=4.0, numel=N) for _ in range(WORKERS)]
+    bufs = [torch.randn(N + g.tail_size) * 1e-3 for g in guards]
+
+    def one(guard: ContributionGuard, flat: torch.Tensor) -> None:
+        guard.ref_norm = guard.ref_mean = 10.0
+        excluded, _, sent = guard.admit(flat[:N], 1.0)
+        guard.mark(flat, excluded=excluded, norm=sent)
+        _, norm = guard.settle(flat, 2)
+        guard.clip_mean(flat[:N], mean_norm=1.0, contributors_norm=norm)
+
+    benchmark.pedantic(lambda: _in_threads([lambda g=g, b=b: one(g, b) for g, b in zip(guards, bufs)]), rounds=8)

@@ -269,7 +269,9 @@ class FailingTransport(Transport):
 def test_failed_reduce_changes_nothing_and_the_round_can_be_retried():
     model = _model()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    t = FailingTransport(InProcessGroup(1).transport(0), fail_at={3})  # 1: shape check, 2: round 1, 3: round 2
+    t = FailingTransport(
+        InProcessGroup(1).transport(0), fail_at={4}
+    )  # 1, 2: settings and shape checks, 3: round 1, 4: round 2
     dl = DiLoCo(model, opt, t, DiLoCoConfig(inner_steps=2, round_retries=0))
     _train(dl, opt, 0, range(2))
     before = _state_digest(dl)
@@ -358,7 +360,9 @@ def test_config_is_keyword_only_and_frozen():
 def test_step_retries_a_failed_round_before_giving_up():
     model = _model()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    t = FailingTransport(InProcessGroup(1).transport(0), fail_at={2, 3, 5, 6, 7})  # round 1: 2 failures; round 2: 3
+    t = FailingTransport(
+        InProcessGroup(1).transport(0), fail_at={3, 4, 6, 7, 8}
+    )  # 1, 2: checks; round 1: 2 failures; round 2: 3
     dl = DiLoCo(model, opt, t, DiLoCoConfig(inner_steps=1, round_retries=2))
     _loss(model, 0, 0).backward()
     assert dl.step().round == 1  # the third attempt went through
@@ -366,7 +370,7 @@ def test_step_retries_a_failed_round_before_giving_up():
     _loss(model, 0, 1).backward()
     with pytest.raises(TransportError, match="injected"):
         dl.step()
-    assert dl.round == 1 and t.calls == 7
+    assert dl.round == 1 and t.calls == 8
 
 
 def test_a_replaced_state_drops_the_round_without_retrying_it():
@@ -374,10 +378,10 @@ def test_a_replaced_state_drops_the_round_without_retrying_it():
 
     model = _model()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    t = FailingTransport(InProcessGroup(1).transport(0), fail_at={2}, error=StateReplaced)  # 1: shape check
+    t = FailingTransport(InProcessGroup(1).transport(0), fail_at={3}, error=StateReplaced)  # 1, 2: checks
     dl = DiLoCo(model, opt, t, DiLoCoConfig(inner_steps=1, round_retries=2))
     _loss(model, 0, 0).backward()
-    assert dl.step() is None and t.calls == 2  # no retry: the transport has already loaded the group's state
+    assert dl.step() is None and t.calls == 3  # no retry: the transport has already loaded the group's state
     opt.zero_grad()
     _loss(model, 0, 1).backward()
     assert dl.step().round == 1
@@ -407,7 +411,7 @@ def test_the_transport_is_attached_once_the_global_params_are_in_place():
     assert joiner.joined
     [(params, (meta, momentum), timeout)] = seen
     assert timeout == 7 and torch.equal(params, torch.tensor([1.0, 5.0]))  # rank 0's weights, broadcast first
-    assert meta == {"round": 0, "num_momentum": 0} and momentum == []
+    assert meta == {"round": 0, "num_momentum": 0, "guard": {"ref_norm": 0.0, "ref_mean": 0.0}} and momentum == []
 
 
 def _trained(rounds: int, seed: int = 0) -> tuple[DiLoCo, torch.nn.Module]:
@@ -431,7 +435,7 @@ def test_run_state_moves_round_and_momentum_to_another_worker_and_checks_them_fi
     joiner, model = _trained(rounds=0, seed=1)
     torch._foreach_copy_(joiner.global_params, source.global_params)  # what the broadcast does on a joiner
     meta, tensors = source.run_state.snapshot()
-    assert meta == {"round": 4, "num_momentum": 1}
+    assert meta["round"] == 4 and meta["num_momentum"] == 1 and meta["guard"] == source.guard.state_dict()
     before = joiner.state_dict()
     for bad_meta, bad in [
         ({"round": -1, "num_momentum": 1}, tensors),
@@ -620,7 +624,7 @@ def test_error_feedback_makes_the_applied_updates_track_the_sum_of_pseudo_gradie
     torch.testing.assert_close(applied, pseudo_grads - residual, atol=1e-5, rtol=0)
     assert (applied - pseudo_grads).abs().max() <= half_step + 1e-5  # never more than half a step behind
     meta, tensors = dl.run_state.snapshot()  # joiners get no residual: it is this worker's own
-    assert meta == {"round": 40, "num_momentum": 0} and tensors == []
+    assert (meta["round"], meta["num_momentum"], tensors) == (40, 0, [])
     dropped, applied_without, _ = _feedback_rounds(wire_dtype, error_feedback=False)
     assert (applied_without - dropped).abs().max() > 10 * half_step  # without: rounded away every round
 
@@ -633,13 +637,16 @@ def test_the_diagnostic_rms_travels_in_a_block_of_its_own_and_is_not_fed():
     model = Scalar([0.0] * 300)
     opt, t = torch.optim.SGD(model.parameters(), lr=1.0), InProcessGroup(1).transport(0)
     dl = DiLoCo(model, opt, transport=t, config=DiLoCoConfig(wire_dtype="int8", codec_block=256))
-    assert dl.reduce_numel == 512 + 1 and dl.state_dict()["residual"].shape == (300,)
+    # 300 values, zeros up to a block, the valid flag's block, the RMS
+    assert dl.reduce_numel == 512 + 256 + 1 and dl.state_dict()["residual"].shape == (300,)
 
 
 def test_a_failed_round_leaves_the_residual_for_its_retry():
     model = Scalar([0.0] * 40)
     opt = torch.optim.SGD(model.parameters(), lr=1.0)
-    t = FailingTransport(InProcessGroup(1).transport(0), fail_at={3})  # 1: shape check, 2: round 1, 3: round 2
+    t = FailingTransport(
+        InProcessGroup(1).transport(0), fail_at={4}
+    )  # 1, 2: settings and shape checks, 3: round 1, 4: round 2
     cfg = DiLoCoConfig(inner_steps=1, wire_dtype="int4", codec_block=16, round_retries=0)
     dl = DiLoCo(model, opt, transport=t, config=cfg)
     for r in range(2):
@@ -656,15 +663,18 @@ def test_a_failed_round_leaves_the_residual_for_its_retry():
     assert not torch.equal(dl.state_dict()["residual"], kept)
 
 
-# -- a worker whose pseudo-gradient is not finite: a clear error there, left out of the mean elsewhere ----------
+# -- the contribution guard: a worker whose pseudo-gradient is not finite is left out of the mean -------------
 
 
+WIRES = [("int8", True), ("int8", False), ("int4", True), ("fp32", True), ("fp16", True), ("fp16", False)]
+
+
+# 1e5: finite, but past fp16's range (on the other wires a valid contribution: the norm guard's case)
 @pytest.mark.parametrize(
-    ("wire_dtype", "error_feedback"),
-    [("int8", True), ("int8", False), ("int4", True), ("fp32", True), ("fp16", True)],
+    ("bad", "wire_dtype", "error_feedback"),
+    [(b, *w) for b in (float("nan"), float("inf")) for w in WIRES] + [(1e5, "fp16", True), (1e5, "fp16", False)],
 )
-@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
-def test_a_non_finite_pseudo_gradient_is_a_clear_error_and_never_part_of_the_mean(wire_dtype, error_feedback, bad):
+def test_a_bad_pseudo_gradient_is_left_out_and_its_worker_takes_the_mean_of_the_others(bad, wire_dtype, error_feedback):
     start, targets = [1.0, 2.0, 2.0], [[0.0, 0.0, 0.0], [1.0, 1.0, 1.0], [0.5, bad, 0.5]]
     cfg = DiLoCoConfig(
         inner_steps=1, outer_lr=1.0, outer_momentum=0.0, wire_dtype=wire_dtype, error_feedback=error_feedback
@@ -675,19 +685,109 @@ def test_a_non_finite_pseudo_gradient_is_a_clear_error_and_never_part_of_the_mea
         opt = torch.optim.SGD(model.parameters(), lr=1.0)
         dl = DiLoCo(model, opt, t, cfg)
         move_to(model, opt, targets[t.rank])
-        if t.rank < 2:
-            return dl.step(), dl.global_params[0].clone()
-        with pytest.raises(ValueError, match="NaN or infinite"):
-            dl.step()
-        assert torch.equal(dl.global_params[0], torch.tensor(start)) and dl.round == 0  # nothing changed
-        t.close()  # as a crashed worker leaves: the others' round completes without it
-        return None, None
+        residual = dl.state_dict()["residual"]
+        report = dl.step()
+        after = dl.state_dict()["residual"]
+        kept = residual is None or torch.equal(after, residual)
+        return report, dl.global_params[0].clone(), model.w.detach().clone(), kept
 
     results = run_threads(3, worker)
     pseudo_grads = [torch.tensor(start) - torch.tensor(x) for x in targets[:2]]
     want = torch.tensor(start) - reference_mean(pseudo_grads, codec_for(wire_dtype, cfg.codec_block))
-    for report, params in results[:2]:
-        assert report.num_contributors == 2 and torch.equal(params, want)
+    for rank, (report, params, local, kept) in enumerate(results):
+        assert (report.num_contributors, report.valid_contributors, report.excluded) == (3, 2, rank == 2), report
+        torch.testing.assert_close(params, want, rtol=1e-6, atol=0)  # the mean of the two valid ones
+        assert torch.equal(params, results[0][1]) and torch.equal(local, params)  # the same everywhere, finite
+        assert kept or rank != 2  # the bad one keeps the residual it had
+
+
+def test_an_excluded_round_keeps_the_residual_the_worker_owes():
+    model = Scalar([0.0] * 40)
+    opt = torch.optim.SGD(model.parameters(), lr=1.0)
+    cfg = DiLoCoConfig(inner_steps=1, wire_dtype="int4", codec_block=16)
+    dl = DiLoCo(model, opt, InProcessGroup(1).transport(0), cfg)
+    model.w.grad = torch.linspace(-1, 1, 40)
+    opt.step()
+    dl.step()
+    owed = dl.state_dict()["residual"].clone()
+    assert owed.abs().max() > 0
+    model.w.grad = torch.full((40,), float("nan"))
+    opt.step()
+    assert dl.step().excluded and torch.equal(dl.state_dict()["residual"], owed)
+
+
+def test_with_no_valid_contribution_nothing_moves_and_the_round_is_counted():
+    def worker(t: Transport):
+        model = Scalar([1.0, 2.0])
+        opt = torch.optim.SGD(model.parameters(), lr=1.0)
+        dl = DiLoCo(model, opt, t, DiLoCoConfig(inner_steps=1, outer_lr=1.0, outer_momentum=0.5))
+        move_to(model, opt, [float("nan"), 0.0])
+        report = dl.step()
+        return report, model.w.detach().clone(), dl.state_dict()["outer_optimizer"]["state"]
+
+    for report, params, state in run_threads(2, worker):
+        assert (report.round, report.valid_contributors, report.excluded) == (1, 0, True)
+        assert torch.equal(params, torch.tensor([1.0, 2.0])) and state == {}  # no outer step, no momentum
+
+
+def test_a_worker_whose_moments_diverged_restarts_its_inner_optimizer():
+    model = Scalar([1.0, 2.0])
+    opt = torch.optim.Adam(model.parameters(), lr=0.1)
+    dl = DiLoCo(model, opt, InProcessGroup(1).transport(0), DiLoCoConfig(inner_steps=1))
+    model.w.grad = torch.tensor([float("nan"), 1.0])
+    report = dl.step()  # Adam's moments are NaN now, and so are the weights
+    assert report.excluded and len(opt.state) == 0 and torch.equal(model.w.detach(), torch.tensor([1.0, 2.0]))
+    model.w.grad = torch.tensor([1.0, 1.0])
+    assert not dl.step().excluded and bool(torch.isfinite(model.w).all())  # it trains on
+
+
+def test_the_norm_guard_clips_an_insiders_huge_contribution_on_every_worker():
+    """Round 1 sets the reference; in round 2 worker 2, whose software does not clip itself, sends 6e4 times
+    its update: every worker clips the mean to norm_clip times round 1's, the same on every worker."""
+    cfg = DiLoCoConfig(inner_steps=1, outer_lr=1.0, outer_momentum=0.0, norm_clip=4.0)
+
+    def worker(t: Transport):
+        model = Scalar([0.0] * 8)
+        opt = torch.optim.SGD(model.parameters(), lr=1.0)
+        dl = DiLoCo(model, opt, t, cfg)
+        if t.rank == 2:
+            dl.guard.admit = lambda pg, norm: (False, False, norm)  # an insider's software: it never clips
+        reports = []
+        for rnd in range(2):
+            model.w.grad = torch.full((8,), 0.1 * (t.rank + 1)) * (6e4 if (rnd, t.rank) == (1, 2) else 1.0)
+            opt.step()
+            reports.append(dl.step())
+        return reports, dl.global_params[0].clone(), dl.state_dict()["guard"]
+
+    results = run_threads(3, worker)
+    first_mean = results[0][0][0].mean_pseudo_grad_norm
+    for reports, params, guard in results:
+        assert not reports[0].clipped and not reports[0].mean_clipped
+        assert reports[1].mean_clipped and reports[1].mean_pseudo_grad_norm == pytest.approx(4 * first_mean, rel=1e-5)
+        assert torch.equal(params, results[0][1]) and bool(torch.isfinite(params).all())
+        assert guard == results[0][2]  # the references are the same on every worker
+    assert not any(r[0][1].clipped for r in results)  # the honest ones are within 4x; the insider did not clip
+    assert float(results[0][1].norm()) <= 5 * first_mean + 1e-6  # round 1's step plus at most 4 times it
+
+
+def test_an_honest_outlier_clips_its_own_contribution():
+    cfg = DiLoCoConfig(inner_steps=1, outer_lr=1.0, outer_momentum=0.0, norm_clip=4.0)
+    model = Scalar([0.0] * 8)
+    opt = torch.optim.SGD(model.parameters(), lr=1.0)
+    dl = DiLoCo(model, opt, InProcessGroup(1).transport(0), cfg)
+    sent = []
+    for scale in (1.0, 100.0):
+        model.w.grad = torch.full((8,), 0.1 * scale)
+        opt.step()
+        report = dl.step()
+        sent.append(report.mean_pseudo_grad_norm)
+    assert report.clipped and not report.mean_clipped and sent[1] == pytest.approx(4 * sent[0], rel=1e-6)
+
+
+def test_norm_clip_is_validated():
+    for bad in (1.0, 0.5, float("nan"), float("inf"), "4"):
+        with pytest.raises(ValueError, match="norm_clip"):
+            DiLoCoConfig(norm_clip=bad)
 
 
 @pytest.mark.parametrize("wire_dtype", ["fp32", "int8", "int4"])

@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import functools
+import json
 import logging
 import math
 import os
@@ -28,15 +29,16 @@ class Evil:
     """Any class: a checkpoint holding one is refused (loading it would unpickle it)."""
 
 
-def _diverge_from(monkeypatch: pytest.MonkeyPatch, step: int) -> None:
-    """Every worker's loss (and so its gradients, then its weights) is NaN from its ``step``-th step on."""
+def _diverge_from(monkeypatch: pytest.MonkeyPatch, step: int, last: float = math.inf) -> None:
+    """Every worker's loss (and so its gradients, then its weights) is NaN from its ``step``-th step on (to
+    its ``last``-th)."""
     real = worker_module.loss_of
     calls = threading.local()
 
     def loss_of(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         calls.n = getattr(calls, "n", 0) + 1
         loss = real(model, x, y)
-        return loss * math.nan if calls.n >= step else loss
+        return loss * math.nan if step <= calls.n <= last else loss
 
     monkeypatch.setattr(worker_module, "loss_of", loss_of)
 
@@ -101,13 +103,30 @@ def test_a_diverged_run_stops_after_max_nonfinite_losses(
 
 
 @pytest.mark.timeout(90)
-def test_a_diverged_diloco_run_ends_with_the_cores_error_and_finite_checkpoints(
+def test_a_diverged_diloco_run_stops_with_finite_checkpoints(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
+    """Before the contribution guard, the core's refusal of the NaN pseudo-gradient ended it; now the round
+    leaves both workers' contributions out and the trainer's own limit stops the run."""
     _diverge_from(monkeypatch, 7)
     assert main(["train", "--name", "r", "--set", f"train.runs_dir={tmp_path!s}", *FAST]) == 2
     err = capsys.readouterr().err
-    assert "pseudo-gradient holds NaN or infinite values" in err and "Traceback" not in err
+    assert "non-finite loss (nan) at 3 steps in a row" in err and "Traceback" not in err
+    assert all(_checkpoints(tmp_path / "r").values())
+
+
+@pytest.mark.timeout(90)
+def test_a_diloco_worker_whose_training_diverged_once_is_left_out_of_the_round_and_trains_on(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """One NaN loss (step 8): each worker's weights and moments become NaN; the round at step 9 leaves its
+    pseudo-gradient out, every worker takes the global params, and the run ends well. Before: exit 2."""
+    _diverge_from(monkeypatch, 8, last=8)
+    assert main(["train", "--name", "r", "--set", f"train.runs_dir={tmp_path!s}", *FAST, "-q"]) == 0
+    rows = [json.loads(line) for line in (tmp_path / "r" / "metrics.jsonl").read_text().splitlines()]
+    rounds = [(r["step"], r["valid_contributors"], r["excluded"]) for r in rows if r["type"] == "round"]
+    assert rounds == [(3, 2, False), (6, 2, False), (9, 0, True), (12, 2, False)], rounds
+    assert math.isfinite(next(r for r in rows if r["type"] == "summary")["eval_after"])
     assert all(_checkpoints(tmp_path / "r").values())
 
 

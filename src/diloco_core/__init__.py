@@ -2,9 +2,11 @@
 
 from .codec import BF16, CODECS, FP16, FP32, INT4, INT8, BlockCodec, CastCodec, Codec, codec_for
 from .config import DiLoCoConfig
-from .diloco import DiLoCo, PendingRound, RoundReport
+from .diloco import DiLoCo
 from .forwarding import ForwardingTransport
+from .guard import ContributionGuard
 from .optimizer import DiLoCoOptimizer
+from .report import PendingRound, RoundReport
 from .run_state import RunState
 from .transport import Capabilities, FutureHandle, ReduceHandle, ReduceResult, StateReplaced, Transport, TransportError
 from .wire import mean_of_payloads, reference_mean
@@ -20,6 +22,7 @@ __all__ = [
     "Capabilities",
     "CastCodec",
     "Codec",
+    "ContributionGuard",
     "DiLoCo",
     "DiLoCoConfig",
     "DiLoCoOptimizer",

@@ -64,6 +64,9 @@ class DiLoCoConfig:
     round_retries: int = 2
     """Times ``step()`` retries a round whose all-reduce failed (a peer left: the survivors regroup)
     before the TransportError reaches the caller. Nothing changes until a round succeeds."""
+    norm_clip: float | None = None
+    """The norm guard (``diloco_core.guard``): clip each worker's pseudo-gradient, and the round's mean, to
+    this many times their norms in the last round it did not clip. Unset: off. A number > 1 (e.g. 4)."""
     global_device: str = "cpu"
     """Where the fp32 global copy and the outer optimizer state live (CPU saves accelerator memory)."""
 
@@ -82,6 +85,8 @@ class DiLoCoConfig:
         check_field("reduce_timeout", t, is_finite_number(t) and t > 0, "a finite number of seconds > 0")
         r = self.round_retries
         check_field("round_retries", r, isinstance(r, int) and not isinstance(r, bool) and r >= 0, "an integer >= 0")
+        k = self.norm_clip
+        check_field("norm_clip", k, k is None or (is_finite_number(k) and k > 1), "a finite number > 1 (or unset)")
         check_field("global_device", self.global_device, isinstance(self.global_device, str), "a torch device string")
         try:
             import torch

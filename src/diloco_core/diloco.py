@@ -3,60 +3,25 @@
 from __future__ import annotations
 
 import logging
-import math
 import time
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from .agreement import check_settings
 from .codec import codec_for
 from .config import DiLoCoConfig, outer_lr_for
 from .feedback import ErrorFeedback
 from .flat import FlatBuffer, local_of, norm_of
+from .guard import ContributionGuard
 from .model_state import ModelState
+from .report import PendingRound, RoundReport, log_round
 from .run_state import RunState
-from .transport import ReduceHandle, StateReplaced, Transport, TransportError
+from .transport import StateReplaced, Transport, TransportError
 
 __all__ = ["DiLoCo", "PendingRound", "RoundReport"]
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class PendingRound:
-    """A round whose reduce is in flight (``DiLoCo.begin_round``); ``DiLoCo.finish_round`` completes it."""
-
-    round: int
-    """The round it completes (1 for the first)."""
-    handle: ReduceHandle
-    pseudo_grad_norm: float
-    started: float
-    """``time.perf_counter()`` when the round began."""
-    buffers: ReduceHandle | None = None
-    """The reduce of the model's floating-point buffers (``ModelState``), if it has any."""
-
-
-@dataclass(frozen=True)
-class RoundReport:
-    round: int
-    """Index of the outer round that just finished (1 for the first)."""
-    num_contributors: int
-    bytes_sent: int
-    bytes_received: int
-    comm_seconds: float
-    """Seconds from starting the all-reduce until its mean was in place."""
-    round_seconds: float
-    """Seconds for the whole round: pseudo-gradient, all-reduce, outer step, copy back."""
-    pseudo_grad_norm: float = 0.0
-    """L2 norm of this worker's pseudo-gradient (global - local) in this round."""
-    mean_pseudo_grad_norm: float = 0.0
-    """L2 norm of the mean pseudo-gradient, the "gradient" the outer optimizer stepped with."""
-    agreement: float = 1.0
-    """``mean_pseudo_grad_norm`` over the contributors' mean pseudo-gradient norm: 1 when every worker
-    moved the same way, about 1/sqrt(M) when M workers' moves are unrelated, 0 when they cancel out
-    (1 also when every worker's pseudo-gradient is zero). The contributors' norms ride in the round's
-    own all-reduce (one extra value), so reading it costs no extra round trip."""
 
 
 class DiLoCo:
@@ -114,10 +79,13 @@ class DiLoCo:
         """The key of every round's reduce (a transport keeps its buffers per key)."""
 
         self._global = FlatBuffer(self.local, config.global_device)
-        # After the pseudo-gradient, in a codec block of its own (zeros pad up to it): this worker's pseudo-
-        # gradient RMS, averaged in the same reduce (on the scale of the values, so it survives the wire).
-        pad = -self._global.flat.numel() % self.codec.block
-        self._pseudo_grad = FlatBuffer(self.local, config.global_device, extra=pad + 1)
+        numel = self._global.flat.numel()
+        self.guard = ContributionGuard(self.codec, norm_clip=config.norm_clip, numel=numel)
+        """Leaves out non-finite contributions; with ``norm_clip``, clips outliers (``diloco_core.guard``)."""
+        # After the pseudo-gradient, each in a codec block of its own (zeros pad up to it): the valid flag and
+        # this worker's pseudo-gradient RMS, averaged in the same reduce (on the scale of the values, so they
+        # survive the wire).
+        self._pseudo_grad = FlatBuffer(self.local, config.global_device, extra=self.guard.tail_size)
         fed, on = self._global.flat.numel(), config.error_feedback
         self._feedback = ErrorFeedback(self.codec, self._pseudo_grad.flat, fed=fed, on=on)
         self._global_param = torch.nn.Parameter(self._global.flat, requires_grad=False)
@@ -140,6 +108,7 @@ class DiLoCo:
             fused=True,  # one pass over the flat buffer instead of three (and no temporary the size of the model)
         )
         with torch.no_grad():
+            check_settings(transport, self._settings(), timeout=config.reduce_timeout, device=self._global.flat.device)
             self.model_state.check_same(transport, config.reduce_timeout)
             self._global.copy_from(self.local)
             self.model_state.before_broadcast()
@@ -151,6 +120,22 @@ class DiLoCo:
         self.joined = transport.attach(self.run_state, timeout=config.reduce_timeout)
         """True if this worker joined a run already going: global params, outer momentum and round came
         from its peers (only transports whose peers come and go do that)."""
+
+    def _settings(self) -> dict[str, Any]:
+        """What every worker must agree on (``agreement.check_settings``): the round's schedule, the outer
+        step, how pseudo-gradients travel and the guard."""
+        c = self.config
+        block = self.codec.block if self.codec.elementwise_dtype is None else None  # cast wires have none
+        return {
+            "inner_steps": c.inner_steps,
+            "outer_lr": self.outer_lr,
+            "outer_momentum": c.outer_momentum,
+            "nesterov": c.nesterov,
+            "wire_dtype": self.codec.name,
+            "codec_block": block,
+            "error_feedback": self._feedback.on,
+            "norm_clip": c.norm_clip,
+        }
 
     @property
     def reduce_numel(self) -> int:
@@ -195,24 +180,31 @@ class DiLoCo:
     def begin_round(self) -> PendingRound:
         """Phases 1-2 of a round: compute this worker's pseudo-gradient and start its reduce. The model may
         train on meanwhile (the reduce reads a copy), though ``finish_round`` then sets it to the new global
-        params; nothing else changes until ``finish_round``."""
+        params; nothing else changes until ``finish_round``. A pseudo-gradient the guard refuses (NaN,
+        infinite, out of the wire's range) is sent as zeros, flagged not valid (``diloco_core.guard``)."""
         start = time.perf_counter()
         self.model_state.check_trainable()
-        pg, rms = self._pseudo_grad.body, self._pseudo_grad.tail[-1:]
+        pg, flat = self._pseudo_grad.body, self._pseudo_grad.flat
         self._pseudo_grad.copy_from(self.local)
         torch.sub(self._global.flat, pg, out=pg)
         local_norm = norm_of(pg)
-        if not math.isfinite(local_norm):  # on any wire the mean would be NaN or inf on every worker
-            msg = (
-                "pseudo-gradient holds NaN or infinite values (its local training diverged); not sent, nothing changed"
-            )
-            raise ValueError(f"round {self.round + 1}: this worker's {msg}")
-        rms.fill_(local_norm / math.sqrt(pg.numel()))
-        self._feedback.feed(self._pseudo_grad.flat)  # the norm is the pseudo-gradient's own, without it
-        handle = self.transport.all_reduce([self._pseudo_grad.flat], codec=self.codec, key=self.reduce_key)
+        excluded, clipped, sent_norm = self.guard.admit(pg, local_norm)
+        if not excluded:
+            try:
+                self._feedback.feed(flat)  # the norm is the pseudo-gradient's own, without the residual
+            except ValueError:  # with the residual, past what the wire carries (fp16)
+                excluded = True
+        self.guard.mark(flat, excluded=excluded, norm=sent_norm)
+        handle = self.transport.all_reduce([flat], codec=self.codec, key=self.reduce_key)
         buffers = self.model_state.begin(self.transport)
         return PendingRound(
-            round=self.round + 1, handle=handle, pseudo_grad_norm=local_norm, started=start, buffers=buffers
+            round=self.round + 1,
+            handle=handle,
+            pseudo_grad_norm=local_norm,
+            started=start,
+            buffers=buffers,
+            excluded=excluded,
+            clipped=clipped,
         )
 
     @torch.no_grad()
@@ -222,15 +214,19 @@ class DiLoCo:
         if pending.round != self.round + 1:
             raise ValueError(f"pending round {pending.round} cannot finish: this worker is at round {self.round}")
         result = self.model_state.wait(pending.handle, pending.buffers, timeout=self.config.reduce_timeout)
-        self._feedback.commit()
-        pg, rms = self._pseudo_grad.body, self._pseudo_grad.tail[-1:]
-        mean_norm = norm_of(pg)
-        contributors_norm = rms.item() * math.sqrt(pg.numel())  # contributors' mean pseudo-gradient norm
-        self.outer_optimizer.step()
+        if not pending.excluded:  # an excluded worker still owes the residual it had
+            self._feedback.commit()
+        pg = self._pseudo_grad.body
+        valid, contributors_norm = self.guard.settle(self._pseudo_grad.flat, result.num_contributors)
+        mean_norm, mean_clipped = norm_of(pg), False
+        if valid:
+            mean_clipped, mean_norm = self.guard.clip_mean(pg, mean_norm=mean_norm, contributors_norm=contributors_norm)
+            self.outer_optimizer.step()
         self._global.copy_to(self.local)
+        if pending.excluded:
+            self._reset_nonfinite_inner_state()
         self.round += 1
         self.run_state.advanced()
-        local_norm = pending.pseudo_grad_norm
         report = RoundReport(
             round=self.round,
             num_contributors=result.num_contributors,
@@ -238,29 +234,29 @@ class DiLoCo:
             bytes_received=result.bytes_received,
             comm_seconds=result.seconds,
             round_seconds=time.perf_counter() - pending.started,
-            pseudo_grad_norm=local_norm,
+            pseudo_grad_norm=pending.pseudo_grad_norm,
             mean_pseudo_grad_norm=mean_norm,
             agreement=mean_norm / contributors_norm if contributors_norm > 0 else 1.0,
+            valid_contributors=valid,
+            excluded=pending.excluded,
+            clipped=pending.clipped,
+            mean_clipped=mean_clipped,
         )
-        logger.info(
-            "round %d: %d contributors, %.1f MB sent, %.1f MB received, %.3fs comm, %.3fs round, "
-            "|delta| %.4g, |mean delta| %.4g, agreement %.3f",
-            report.round,
-            report.num_contributors,
-            report.bytes_sent / 1e6,
-            report.bytes_received / 1e6,
-            report.comm_seconds,
-            report.round_seconds,
-            report.pseudo_grad_norm,
-            report.mean_pseudo_grad_norm,
-            report.agreement,
-        )
+        log_round(report)
         return report
+
+    def _reset_nonfinite_inner_state(self) -> None:
+        """A worker whose training diverged restarts its inner optimizer if its moments hold NaN or inf."""
+        tensors = [v for s in self.inner_optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
+        if not all(bool(torch.isfinite(t).all()) for t in tensors):
+            logger.warning("round %d: the inner optimizer's state is not finite: it starts afresh", self.round + 1)
+            self.inner_optimizer.state.clear()
 
     def state_dict(self) -> dict[str, Any]:
         """Everything needed to continue bit-identically: model (trainable parameters, their names, and by
         name its frozen parameters and persistent buffers), global copy, both optimizers, counters, the
-        error-feedback residual (None without) and what the transport keeps about the run's state."""
+        error-feedback residual (None without), the contribution guard's references and what the transport keeps
+        about the run's state."""
         return {
             "model": [p.detach() for p in self.local],
             "param_names": list(self.model_state.names),
@@ -271,6 +267,7 @@ class DiLoCo:
             "inner_step": self.inner_step,
             "round": self.round,
             "residual": self._feedback.residual,
+            "guard": self.guard.state_dict(),
             "transport": self.transport.state_dict(),
         }
 
@@ -295,5 +292,6 @@ class DiLoCo:
         self.inner_step = int(state["inner_step"])
         self.round = int(state["round"])
         self._feedback.load(state.get("residual"))  # absent (older checkpoints) or None: zero
+        self.guard.load_state_dict(state.get("guard"))  # absent (older checkpoints): no reference yet
         if "transport" in state:  # absent from checkpoints written before it existed
             self.transport.load_state_dict(state["transport"])

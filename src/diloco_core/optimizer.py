@@ -6,7 +6,8 @@ from typing import Any
 
 import torch
 
-from .diloco import DiLoCo, RoundReport
+from .diloco import DiLoCo
+from .report import RoundReport
 
 __all__ = ["DiLoCoOptimizer"]
 

@@ -13,6 +13,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from .guard import ContributionGuard
+
 if TYPE_CHECKING:
     from .diloco import DiLoCo
 
@@ -20,7 +22,7 @@ __all__ = ["RunState"]
 
 
 class RunState:
-    """The outer momentum and round of one ``DiLoCo``, for peers that join or fall behind."""
+    """The outer momentum, round and guard references of one ``DiLoCo``, for peers that join or fall behind."""
 
     def __init__(self, diloco: DiLoCo) -> None:
         self._diloco = diloco
@@ -41,11 +43,13 @@ class RunState:
             listener()
 
     def snapshot(self) -> tuple[dict[str, Any], list[torch.Tensor]]:
-        """(round and number of momentum buffers, the buffers cloned): safe to keep while training goes on."""
+        """(round, number of momentum buffers and the guard's references; the buffers cloned): safe to keep
+        while training goes on."""
         d = self._diloco
         state = d.outer_optimizer.state_dict()["state"].values()
         buffers = [s["momentum_buffer"] for s in state if s.get("momentum_buffer") is not None]
-        return {"round": d.round, "num_momentum": len(buffers)}, [b.detach().clone() for b in buffers]
+        meta = {"round": d.round, "num_momentum": len(buffers), "guard": d.guard.state_dict()}
+        return meta, [b.detach().clone() for b in buffers]
 
     def loader(self, meta: Any, tensors: list[torch.Tensor]) -> Callable[[], None]:
         """Check a peer's ``snapshot()`` against this DiLoCo (``ValueError`` if it does not fit, changing
@@ -66,6 +70,9 @@ class RunState:
             if not bool(torch.isfinite(t).all()):
                 raise ValueError("a peer's outer momentum holds NaN or infinite values")
 
+        guard = ContributionGuard(d.codec, norm_clip=d.config.norm_clip, numel=d.guard.numel)
+        guard.load_state_dict(meta.get("guard"))  # checks it (absent from older peers: no reference yet)
+
         def load() -> None:  # never calls back into the transport, which may hold its own locks
             with torch.no_grad():
                 d._global.copy_to(d.local)  # after a round the model is the global copy
@@ -73,6 +80,7 @@ class RunState:
             outer["state"] = {k: {"momentum_buffer": t.clone()} for k, t in zip(keys, tensors)}  # none before round 1
             d.outer_optimizer.load_state_dict(outer)
             d.round = rnd
+            d.guard.load_state_dict(guard.state_dict())
             d.inner_step = rnd * d.config.inner_steps
 
         return load

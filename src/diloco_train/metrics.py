@@ -177,6 +177,10 @@ class Reporter:
                 "pseudo_grad_norm": report.pseudo_grad_norm,
                 "mean_pseudo_grad_norm": report.mean_pseudo_grad_norm,
                 "agreement": report.agreement,
+                "valid_contributors": report.valid_contributors,
+                "excluded": report.excluded,
+                "clipped": report.clipped,
+                "mean_clipped": report.mean_clipped,
             }
         )
 

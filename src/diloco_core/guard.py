@@ -1,0 +1,98 @@
+"""The contribution guard: what one worker sends cannot poison the round's mean.
+
+- **Exclusion** (always on): a pseudo-gradient holding NaN or infinite values, or values its wire cannot
+  carry (fp16 past 65504, and error feedback's residual on top), is not sent: the worker sends zeros and
+  a valid flag of 0. The flag rides in the round's own reduce, in a codec block of its own after the
+  pseudo-gradient, so every worker reads how many contributions were valid with no extra round trip and
+  divides the sum by that number (the transport's mean times contributors / valid). The excluded worker
+  takes the round's global params like the others; its error-feedback residual is kept, not updated. No
+  valid contribution at all: no outer step, the global params and outer momentum stay as they were.
+- **Norm guard** (``DiLoCoConfig.norm_clip = k``, off by default): each worker clips its own
+  pseudo-gradient to k times the contributors' mean norm of the last round the guard did not clip (an
+  honest outlier), and every worker clips the round's mean to k times that round's mean norm (an insider
+  who sends a huge finite contribution, whatever its own software does). Both references come from
+  reduced values, so they are the same on every worker; they are in ``DiLoCo.state_dict()`` and in the
+  state served to joiners. Before the first unclipped round there is no reference and nothing is clipped.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .codec import Codec
+from .flat import norm_of
+
+__all__ = ["ContributionGuard"]
+
+
+class ContributionGuard:
+    """One worker's guard over the flat reduce buffer ``[pseudo-gradient | pad | valid ... | rms]``."""
+
+    def __init__(self, codec: Codec, *, norm_clip: float | None, numel: int) -> None:
+        self.codec, self.norm_clip, self.numel = codec, norm_clip, numel
+        pad = -numel % codec.block
+        self.valid_at = numel + pad
+        """Where the valid flag sits: the first value of a codec block (the pseudo-gradient's last block
+        padded with zeros), so the codec's scale for it is its own."""
+        self.tail_size = pad + codec.block + 1
+        """Values after the pseudo-gradient: padding, the valid flag's block, the RMS (a block of one)."""
+        self.ref_norm = 0.0
+        """Contributors' mean pseudo-gradient norm in the last round the guard did not clip (0: none yet)."""
+        self.ref_mean = 0.0
+        """Norm of that round's mean pseudo-gradient."""
+
+    def admit(self, pseudo_grad: torch.Tensor, norm: float) -> tuple[bool, bool, float]:
+        """Before sending: (excluded, clipped, the norm sent). Clipping scales ``pseudo_grad`` in place."""
+        if not math.isfinite(norm) or not self._fits(pseudo_grad):
+            return True, False, 0.0
+        limit = (self.norm_clip or 0.0) * self.ref_norm
+        if limit > 0 and norm > limit:
+            pseudo_grad.mul_(limit / norm)
+            return False, True, limit
+        return False, False, norm
+
+    def _fits(self, values: torch.Tensor) -> bool:
+        """Whether a cast wire carries every value (block codecs scale any finite value; fp32 is itself)."""
+        dtype = self.codec.elementwise_dtype
+        if dtype is None or dtype == torch.float32 or values.numel() == 0:
+            return True
+        return bool(values.abs().amax().to(dtype).isfinite())
+
+    def mark(self, flat: torch.Tensor, *, excluded: bool, norm: float) -> None:
+        """Write the tail: valid flag and RMS; an excluded worker's whole buffer becomes zeros."""
+        if excluded:
+            flat.zero_()
+            return
+        flat[self.valid_at] = 1.0
+        flat[-1] = norm / math.sqrt(self.numel) if self.numel else 0.0
+
+    def settle(self, flat: torch.Tensor, contributors: int) -> tuple[int, float]:
+        """After the reduce: rescale the mean to the valid contributors. Returns (valid contributors, their
+        mean pseudo-gradient norm); with none valid the buffer is left as it came (zeros)."""
+        valid = min(contributors, max(0, round(flat[self.valid_at].item() * contributors)))
+        if valid and valid != contributors:
+            flat.mul_(contributors / valid)
+        return valid, flat[-1].item() * math.sqrt(self.numel)
+
+    def clip_mean(self, mean: torch.Tensor, *, mean_norm: float, contributors_norm: float) -> tuple[bool, float]:
+        """The norm guard on the mean (in place): (clipped, its norm now). An unclipped round becomes the
+        reference for the next ones."""
+        limit = (self.norm_clip or 0.0) * self.ref_mean
+        if limit > 0 and mean_norm > limit:
+            mean.mul_(limit / mean_norm)
+            return True, norm_of(mean)
+        self.ref_norm, self.ref_mean = contributors_norm, mean_norm
+        return False, mean_norm
+
+    def state_dict(self) -> dict[str, float]:
+        return {"ref_norm": self.ref_norm, "ref_mean": self.ref_mean}
+
+    def load_state_dict(self, state: dict | None) -> None:
+        """From ``state_dict()`` (or a peer's snapshot); None or absent (older checkpoints): no reference."""
+        state = state or {}
+        refs = (state.get("ref_norm", 0.0), state.get("ref_mean", 0.0))
+        if not all(isinstance(r, (int, float)) and math.isfinite(r) and r >= 0 for r in refs):
+            raise ValueError(f"the contribution guard's references must be finite numbers >= 0, got {state!r}")
+        self.ref_norm, self.ref_mean = float(refs[0]), float(refs[1])

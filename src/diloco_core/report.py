@@ -1,0 +1,96 @@
+"""What a round hands back: ``PendingRound`` while its reduce is in flight, ``RoundReport`` once it ended."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+from .transport import ReduceHandle
+
+__all__ = ["PendingRound", "RoundReport", "log_round"]
+
+logger = logging.getLogger("diloco_core.diloco")
+
+
+@dataclass(frozen=True)
+class PendingRound:
+    """A round whose reduce is in flight (``DiLoCo.begin_round``); ``DiLoCo.finish_round`` completes it."""
+
+    round: int
+    """The round it completes (1 for the first)."""
+    handle: ReduceHandle
+    pseudo_grad_norm: float
+    started: float
+    """``time.perf_counter()`` when the round began."""
+    buffers: ReduceHandle | None = None
+    """The reduce of the model's floating-point buffers (``ModelState``), if it has any."""
+    excluded: bool = False
+    """This worker sent zeros instead of its pseudo-gradient (the contribution guard: not finite, or out of
+    its wire's range)."""
+    clipped: bool = False
+    """The norm guard scaled this worker's pseudo-gradient down before it was sent."""
+
+
+@dataclass(frozen=True)
+class RoundReport:
+    round: int
+    """Index of the outer round that just finished (1 for the first)."""
+    num_contributors: int
+    """Workers that took part in the round's reduce (those the guard excluded included)."""
+    bytes_sent: int
+    bytes_received: int
+    comm_seconds: float
+    """Seconds from starting the all-reduce until its mean was in place."""
+    round_seconds: float
+    """Seconds for the whole round: pseudo-gradient, all-reduce, outer step, copy back."""
+    pseudo_grad_norm: float = 0.0
+    """L2 norm of this worker's pseudo-gradient (global - local) in this round."""
+    mean_pseudo_grad_norm: float = 0.0
+    """L2 norm of the mean pseudo-gradient, the "gradient" the outer optimizer stepped with."""
+    agreement: float = 1.0
+    """``mean_pseudo_grad_norm`` over the contributors' mean pseudo-gradient norm: 1 when every worker
+    moved the same way, about 1/sqrt(M) when M workers' moves are unrelated, 0 when they cancel out
+    (1 also when every worker's pseudo-gradient is zero). The contributors' norms ride in the round's
+    own all-reduce (one extra value), so reading it costs no extra round trip."""
+    valid_contributors: int = 0
+    """Contributors whose pseudo-gradients were averaged: ``num_contributors`` minus those excluded. 0: no
+    outer step was taken (the global params stayed as they were)."""
+    excluded: bool = False
+    """This worker's pseudo-gradient was left out of the mean (NaN, infinite, or out of the wire's range);
+    it took the round's global params like every other worker."""
+    clipped: bool = False
+    """The norm guard (``DiLoCoConfig.norm_clip``) scaled this worker's pseudo-gradient down."""
+    mean_clipped: bool = False
+    """The norm guard scaled the round's mean down (the same on every worker)."""
+
+
+def log_round(report: RoundReport) -> None:
+    """The round's line at INFO, and a WARNING where the guard left a contribution out or clipped one."""
+    logger.info(
+        "round %d: %d contributors, %.1f MB sent, %.1f MB received, %.3fs comm, %.3fs round, "
+        "|delta| %.4g, |mean delta| %.4g, agreement %.3f",
+        report.round,
+        report.num_contributors,
+        report.bytes_sent / 1e6,
+        report.bytes_received / 1e6,
+        report.comm_seconds,
+        report.round_seconds,
+        report.pseudo_grad_norm,
+        report.mean_pseudo_grad_norm,
+        report.agreement,
+    )
+    left_out = report.num_contributors - report.valid_contributors
+    if report.excluded:
+        logger.warning(
+            "round %d: this worker's pseudo-gradient holds NaN, infinite or out-of-range values (its training "
+            "diverged): left out of the mean; it continues from the round's global params",
+            report.round,
+        )
+    elif left_out:
+        logger.warning("round %d: %d of %d contributions left out (not finite)", report.round, left_out,
+                       report.num_contributors)  # fmt: skip
+    if report.valid_contributors == 0:
+        logger.warning("round %d: no valid contribution: no outer step, the global params are unchanged", report.round)
+    if report.clipped or report.mean_clipped:
+        what = " and ".join(w for w, on in (("this worker's", report.clipped), ("the mean", report.mean_clipped)) if on)
+        logger.warning("round %d: the norm guard clipped %s pseudo-gradient", report.round, what)
