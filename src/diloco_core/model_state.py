@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from .agreement import differs_anywhere, rank0s
 from .codec import FP32
 from .flat import FlatBuffer, local_of, placement_of
 from .transport import ReduceHandle, ReduceResult, Transport, TransportError
@@ -94,20 +95,13 @@ class ModelState:
 
     def check_same(self, transport: Transport, timeout: float) -> None:
         """Refuse, on every rank, a group whose models differ from rank 0's in an entry (collective)."""
-        mine = json.dumps(self._spec).encode()
-        size = torch.tensor([len(mine)], dtype=torch.int64, device=self._device)
-        transport.broadcast([size], src=0, timeout=timeout)
-        theirs = torch.zeros(int(size.item()), dtype=torch.uint8, device=self._device)
-        if len(mine) == theirs.numel():  # on rank 0; elsewhere the broadcast overwrites it
-            theirs.copy_(torch.frombuffer(bytearray(mine), dtype=torch.uint8))
-        transport.broadcast([theirs], src=0, timeout=timeout)
-        rank0, spec = json.loads(bytes(theirs.tolist())), json.loads(mine)
+        rank0, spec = rank0s(transport, self._spec, timeout=timeout, device=self._device), self._spec
+        spec = json.loads(json.dumps(spec))  # as rank 0's came: tuples are lists
         first = next((i for i, (a, b) in enumerate(zip(spec, rank0)) if a != b), min(len(spec), len(rank0)))
         differs = spec != rank0
         flags = torch.zeros(len(rank0) + 2, device=self._device)  # [differs, one-hot of where it first differs]
         flags[0], flags[1 + first] = float(differs), float(differs)
-        if transport.capabilities.fixed_ranks:  # peers that come and go each check themselves (no reduce)
-            flags.mul_(transport.all_reduce([flags], codec=FP32, key="diloco/check").wait(timeout).num_contributors)
+        differs_anywhere(transport, flags, timeout)
         at = (flags[1:] > 0).nonzero()
         i = int(at[0]) if len(at) else len(rank0)
         where = f"rank 0's {_describe(rank0[i])}" if i < len(rank0) else "the end of rank 0's entries (a rank has more)"

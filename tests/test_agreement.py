@@ -1,0 +1,57 @@
+"""Settings that differ between workers are a clear error on every rank when DiLoCo is built (issue 13, case
+3: different outer_lr or momentum trained silently different replicas, a different inner_steps paired rounds
+of different indices, a different wire hung until the timeout and blamed a dead peer)."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+from world import RankError, make_world
+
+from diloco_core import DiLoCo, DiLoCoConfig
+
+pytestmark = pytest.mark.timeout(120)
+
+BASE = {"inner_steps": 2, "outer_lr": 0.7, "reduce_timeout": 30.0}
+
+
+def _build(transport, drift: dict):
+    """Rank 1 builds DiLoCo with ``drift`` on top of the others' settings."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 4)
+    settings = {**BASE, **(drift if transport.rank == 1 else {})}
+    start = time.monotonic()
+    try:
+        DiLoCo(model, torch.optim.SGD(model.parameters(), lr=0.1), transport, DiLoCoConfig(**settings))
+    except ValueError as e:
+        return "refused", str(e), time.monotonic() - start
+    return "built", "", time.monotonic() - start
+
+
+DRIFTS = [
+    ({"outer_lr": 0.5}, "outer_lr=0.5 here vs 0.7 on rank 0", "outer_lr=0.7"),
+    ({"outer_momentum": 0.9}, "outer_momentum=0.9 here vs 0.5 on rank 0", "outer_momentum=0.5"),
+    ({"inner_steps": 3}, "inner_steps=3 here vs 2 on rank 0", "inner_steps=2"),
+    ({"wire_dtype": "fp16"}, "wire_dtype='fp16' here vs 'fp32' on rank 0", "wire_dtype='fp32'"),
+    ({"wire_dtype": "int8", "codec_block": 64}, "codec_block=64 here vs None on rank 0", "codec_block=None"),
+    ({"norm_clip": 4.0}, "norm_clip=4.0 here vs None on rank 0", "norm_clip=None"),
+]
+
+
+@pytest.mark.parametrize("kind", ["inprocess", "torch"])
+def test_settings_that_differ_are_refused_on_every_rank_at_once(kind, tmp_path):
+    world = make_world(kind, 3, str(tmp_path))
+    try:
+        for drift, here, others in DRIFTS:
+            results = world.run(_build, drift, timeout=60)
+            assert not any(isinstance(r, RankError) for r in results), results
+            assert [r[0] for r in results] == ["refused"] * 3, (drift, results)
+            assert here in results[1][1], results[1]
+            for r in (results[0], results[2]):
+                assert "another rank's DiLoCo settings differ from rank 0's" in r[1] and others in r[1], r
+            assert max(r[2] for r in results) < 10  # at once: never the 30 s timeout
+        assert [r[0] for r in world.run(_build, {}, timeout=60)] == ["built"] * 3  # the same settings: fine
+    finally:
+        world.close()
