@@ -18,72 +18,33 @@ piece encodes exactly as its part of the whole contribution: the mean is the ref
 contributor's own ``decode(encode(x))`` is what its peers decoded (error feedback relies on it).
 
 Buffers are kept per reduce key; reduces with different keys may be in flight at once, started and
-waited for in the same order on every rank.
+waited for in the same order on every rank. Each reduce first exchanges an identity header, and its
+payload starts in ``wait()`` once every rank's header matched; a failed reduce leaves the group unusable
+(``torch_identity``).
 """
 
 from __future__ import annotations
 
 import datetime
 import functools
-import itertools
 import logging
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 
 import torch
 import torch.distributed as dist
 
 from diloco_core.codec import FP32, Codec, check_codec
-from diloco_core.transport import ReduceHandle, ReduceResult, Transport, TransportError
+from diloco_core.transport import ReduceHandle, Transport, TransportError
 from diloco_core.wire import mean_of_payloads
 
 from .torch_group import BACKEND_DEVICE, TorchDistConfig, init_process_group
+from .torch_handle import TorchReduce, transport_error
+from .torch_identity import Identity
 
 __all__ = ["TorchDistConfig", "TorchDistTransport"]
 
 logger = logging.getLogger(__name__)
-
-
-class _Handle(ReduceHandle):
-    """Drives the reduce bucket by bucket. Each bucket is a generator that yields the works it needs
-    finished before its next piece of fp32 arithmetic, so later buckets stay on the wire meanwhile."""
-
-    def __init__(
-        self,
-        buckets: list[Iterator[list]],
-        *,
-        tensors: list[torch.Tensor],
-        flat: torch.Tensor,
-        n: int,
-        sent: int,
-        start: float,
-        release: Callable[[], None],
-    ) -> None:
-        self._buckets, self._tensors, self._flat = buckets, tensors, flat
-        self._n, self._sent, self._start, self._release = n, sent, start, release
-
-    def wait(self, timeout: float) -> ReduceResult:
-        try:
-            return self._finish(timeout)
-        finally:
-            self._release()  # the key's cached buffers are free for its next reduce
-
-    def _finish(self, timeout: float) -> ReduceResult:
-        deadline = time.monotonic() + timeout
-        try:
-            for bucket in self._buckets:
-                for works in bucket:
-                    for w in works:
-                        left = deadline - time.monotonic()
-                        if left <= 0 or not w.wait(timeout=datetime.timedelta(seconds=left)):
-                            raise TransportError(f"torch.distributed all_reduce did not finish within {timeout:g}s")
-        except TransportError:
-            raise
-        except RuntimeError as e:  # gloo/NCCL report a dead peer or a timeout as RuntimeError
-            raise _transport_error("all_reduce", e, timeout, deadline) from e
-        if self._flat.data_ptr() != self._tensors[0].data_ptr() or len(self._tensors) > 1:
-            _unflatten(self._flat, self._tensors)
-        return ReduceResult(self._n, self._sent, self._sent, time.perf_counter() - self._start)
 
 
 class _Buffers:
@@ -103,16 +64,6 @@ class _Buffers:
         return buf
 
 
-def _transport_error(what: str, e: RuntimeError, timeout: float, deadline: float) -> TransportError:
-    if time.monotonic() >= deadline - 0.01 or "timed out" in str(e).lower():
-        return TransportError(f"torch.distributed {what} did not finish within {timeout:g}s: {e}")
-    return TransportError(f"torch.distributed {what} failed (a peer died or left?): {e}")
-
-
-def _started(bucket: Iterator[list]) -> Iterator[list]:
-    return itertools.chain([next(bucket)], bucket)
-
-
 def _shard(numel: int, world_size: int, block: int) -> int:
     """Values per rank's shard: ``numel / world_size`` rounded up to a multiple of the codec's block."""
     return -(-numel // (world_size * block)) * block
@@ -122,10 +73,6 @@ def _flatten(tensors: list[torch.Tensor]) -> torch.Tensor:
     if len(tensors) == 1 and tensors[0].is_contiguous():
         return tensors[0].view(-1)
     return torch.cat([t.reshape(-1) for t in tensors])
-
-
-def _unflatten(flat: torch.Tensor, tensors: list[torch.Tensor]) -> None:
-    torch._foreach_copy_(tensors, [f.view_as(t) for f, t in zip(flat.split([t.numel() for t in tensors]), tensors)])
 
 
 class TorchDistTransport(Transport):
@@ -152,6 +99,7 @@ class TorchDistTransport(Transport):
         self._bucket_numel = max(1, int(bucket_mb * 1e6 / 4))
         self._closed = False
         self._buffers: dict[str, _Buffers] = {}  # per reduce key
+        self._identity = Identity()
         self.own_timeout = timeout
 
     @property
@@ -166,6 +114,7 @@ class TorchDistTransport(Transport):
         tensors = list(tensors)
         if self._closed:
             raise TransportError("transport is closed")
+        self._identity.check_usable()
         want = BACKEND_DEVICE[self._backend]
         for t in tensors:
             if t.device.type != want:
@@ -196,15 +145,19 @@ class TorchDistTransport(Transport):
         else:
             bucket_fn = functools.partial(self._gather_all if w <= 3 else self._scatter_gather, codec=codec)
         parts = flat.split(max(codec.block, self._bucket_numel // codec.block * codec.block))
-        try:
-            # Start every bucket's first collective now; wait() finishes them in order.
-            buckets = [_started(bucket_fn(b, buffers=buffers, index=i)) for i, b in enumerate(parts)]
+        header = self._identity.header(key, codec, flat.numel(), flat.device)
+        gathered = torch.empty(w * header.numel(), dtype=header.dtype, device=header.device)
+        try:  # the header first; wait() starts every bucket's first collective once the headers matched
+            work = dist.all_gather_into_tensor(gathered, header, group=self._group, async_op=True)
         except RuntimeError as e:
+            self._identity.broken = f"a reduce failed to start ({e})"
             raise TransportError(f"torch.distributed all_reduce failed to start: {e}") from e
         buffers.busy = True
-        sent = sum(self._bytes_out(b.numel(), codec) for b in parts)
-        return _Handle(
-            buckets,
+        sent = sum(self._bytes_out(b.numel(), codec) for b in parts)  # payloads (the header's 32 bytes aside)
+        return TorchReduce(
+            lambda: [bucket_fn(b, buffers=buffers, index=i) for i, b in enumerate(parts)],
+            header=(work, gathered, lambda g: self._identity.check(g, self._rank)),
+            identity=self._identity,
             tensors=tensors,
             flat=flat,
             n=w,
@@ -276,7 +229,11 @@ class TorchDistTransport(Transport):
                 if left <= 0 or not work.wait(timeout=datetime.timedelta(seconds=left)):
                     raise TransportError(f"torch.distributed broadcast did not finish within {timeout:g}s")
         except RuntimeError as e:
-            raise _transport_error("broadcast", e, timeout, deadline) from e
+            self._identity.broken = f"a broadcast failed ({e})"
+            raise transport_error("broadcast", e, timeout, deadline) from e
+        except TransportError as e:
+            self._identity.broken = f"a broadcast failed ({e})"
+            raise
 
     def close(self) -> None:
         """Mark the transport closed; the process group stays its creator's to destroy."""

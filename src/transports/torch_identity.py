@@ -1,0 +1,82 @@
+"""Collective identity on the torch transport: no reduce is ever paired with another rank's different one.
+
+torch.distributed pairs collectives by their order on each rank, nothing else. A rank that called one
+reduce more or less than the others (a retry after a timeout, a straggler whose late call arrives after
+the others gave up) would pair every later reduce with the wrong one, and the means would be silently
+wrong from then on. So every reduce first all-gathers a small header, [key, its sequence number on this
+rank, values, codec], and starts its payload only once every rank's header matched; a mismatch is a clear
+``TransportError`` naming both sides, raised within the header's exchange, not after a timeout.
+
+A reduce that fails or times out leaves the group unusable: its collectives may still be posted on some
+ranks, so any later one could pair with them. Every later call raises at once, saying that the group must
+be formed again (under torchrun: ``--max-restarts`` restarts the workers, ``--resume`` continues).
+"""
+
+from __future__ import annotations
+
+import zlib
+from collections import Counter
+
+import torch
+
+from diloco_core.codec import CODECS, Codec, codec_for
+from diloco_core.transport import TransportError
+
+__all__ = ["Identity"]
+
+FIELDS = 4
+
+
+def _crc(text: str) -> int:
+    return zlib.crc32(text.encode())
+
+
+def _wire(codec: Codec) -> str:
+    return f"{codec.name}/{codec.block}"
+
+
+# every wire a rank may name, so that a mismatch names the other rank's too
+_WIRES = {_crc(_wire(codec_for(name, 2**b))): _wire(codec_for(name, 2**b)) for name in CODECS for b in range(4, 17)}
+
+
+class Identity:
+    """One rank's count of reduces per key, the headers it sends, and the group's broken state."""
+
+    def __init__(self) -> None:
+        self._seq: Counter[str] = Counter()
+        self._names: dict[int, str] = dict(_WIRES)
+        self.broken: str | None = None
+
+    def check_usable(self) -> None:
+        if self.broken is not None:
+            raise TransportError(
+                f"this torch.distributed group is unusable since {self.broken}: a collective may still be posted on "
+                "some ranks, so no later one can be paired safely; form the group again (under torchrun: "
+                "--max-restarts restarts the workers and --resume continues from the last checkpoint)"
+            )
+
+    def header(self, key: str, codec: Codec, numel: int, device: torch.device) -> torch.Tensor:
+        """The next reduce of ``key``: [key, its number on this rank (1 for the first), values, codec]."""
+        self._seq[key] += 1
+        wire = _wire(codec)
+        self._names[_crc(key)], self._names[_crc(wire)] = key, wire
+        fields = [_crc(key), self._seq[key], numel, _crc(wire)]
+        return torch.tensor(fields, dtype=torch.int64, device=device)
+
+    def _describe(self, row: list[int]) -> str:
+        key, seq, numel, wire = row
+        name = repr(self._names[key]) if key in self._names else f"key {key:#x}"  # a key this rank never used
+        return f"{name} #{seq} ({numel} values, {self._names.get(wire, 'another wire')})"
+
+    def check(self, gathered: torch.Tensor, rank: int) -> None:
+        """Raise ``TransportError`` (and mark the group broken) unless every rank's header is this rank's."""
+        rows = gathered.view(-1, FIELDS).tolist()
+        mine = rows[rank]
+        other = next((r for r, row in enumerate(rows) if row != mine), None)
+        if other is not None:
+            self.broken = "a reduce met a different one on another rank"
+            raise TransportError(
+                f"collective mismatch: rank {other} is at reduce {self._describe(rows[other])}, this rank (rank {rank}) "
+                f"at {self._describe(mine)}; never paired (a rank retried or gave up a reduce the others did not, "
+                "or the ranks run different settings)"
+            )

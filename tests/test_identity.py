@@ -1,0 +1,91 @@
+"""Collective identity on the torch transport (issue 13, case 2): no reduce is ever paired with a different
+one, and a reduce that failed leaves the group unusable instead of shifting every later pairing."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+from faults import Action, Fault, FaultyTransport, Phase
+from world import GlooWorld, RankError
+
+from diloco_core import FP16, FP32, DiLoCo, DiLoCoConfig, TransportError
+
+pytestmark = pytest.mark.timeout(120)
+
+
+@pytest.fixture(scope="module")
+def gloo(tmp_path_factory):
+    world = GlooWorld(2, str(tmp_path_factory.mktemp("identity")))
+    yield world
+    world.close()
+
+
+def _reduce(transport, keys: list[str], wires: list[str]):
+    key, wire = keys[transport.rank], {"fp32": FP32, "fp16": FP16}[wires[transport.rank]]
+    start = time.monotonic()
+    try:
+        transport.all_reduce([torch.ones(1000)], codec=wire, key=key).wait(30)
+    except TransportError as e:
+        first = str(e)
+    else:
+        return "reduced", time.monotonic() - start
+    try:  # the group is unusable now: any later call fails at once
+        transport.all_reduce([torch.ones(3)]).wait(30)
+    except TransportError as e:
+        return first, str(e), time.monotonic() - start
+    return first, "a later reduce ran", time.monotonic() - start
+
+
+@pytest.mark.parametrize(
+    ("keys", "wires", "shown"),
+    [
+        (["a", "a"], ["fp32", "fp16"], ["'a' #1 (1000 values, fp32/1)", "'a' #1 (1000 values, fp16/1)"]),
+        # a key this rank never used is shown by its hash
+        (["a", "b"], ["fp32", "fp32"], ["'a' #1 (1000 values, fp32/1)", "'b' #1 (1000 values, fp32/1)"]),
+    ],
+)
+def test_reduces_that_differ_are_never_paired_and_fail_fast_on_both_ranks(gloo, keys, wires, shown):
+    results = gloo.run(_reduce, keys, wires, timeout=60, fresh=True)
+    assert not any(isinstance(r, RankError) for r in results), results
+    for rank, (first, later, took) in enumerate(results):
+        other = shown[1 - rank] if keys[0] == keys[1] else shown[1 - rank].split(" ", 1)[1]  # "#1 (1000 ..."
+        assert first.startswith(f"collective mismatch: rank {1 - rank} is at reduce") and shown[rank] in first
+        assert other in first, first
+        assert "unusable since a reduce met a different one" in later and "--max-restarts" in later
+        assert took < 10, took  # the header's exchange, not the 30 s timeout
+
+
+def _diloco_with_a_straggler(transport, rounds: int, stall: float, timeout: float):
+    """Rank 1 stalls past the timeout in round 2's reduce, then goes on (SIGSTOP/SIGCONT, a long GC pause)."""
+    fault = Fault(rank=1, round=2, phase=Phase.WAIT, action=Action.DELAY, seconds=stall, key="diloco/round")
+    t = FaultyTransport(transport, [fault])
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 8)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    diloco = DiLoCo(model, opt, t, DiLoCoConfig(inner_steps=1, reduce_timeout=timeout, round_retries=2))
+    start, done = time.monotonic(), []
+    for _ in range(rounds):
+        model(torch.randn(4, 8)).pow(2).mean().backward()
+        try:
+            report = diloco.step()
+        except TransportError as e:
+            return done, str(e), time.monotonic() - start
+        opt.zero_grad()
+        done.append(report.round)
+    return done, "finished", time.monotonic() - start
+
+
+def test_a_straggler_past_the_timeout_ends_in_a_clear_error_on_every_rank_never_a_silent_pairing(gloo):
+    """Before: the timed-out reduce was abandoned, the retry started a new one, the straggler's late call
+    paired with it, and every later round reported 2 contributors while the replicas differed."""
+    results = gloo.run(_diloco_with_a_straggler, 6, 6.0, 3.0, timeout=90, fresh=True)
+    assert not any(isinstance(r, RankError) for r in results), results
+    for rank, (done, error, took) in enumerate(results):
+        assert error != "finished" and len(done) < 6, (rank, done, error)  # nobody trains on past the fault
+        assert "torch.distributed" in error, error  # a clear TransportError: timed out, or the group unusable
+        assert took < 40, took
+    (done0, error0, _), (done1, _, _) = results
+    assert done0 == [1] and "unusable" in error0  # rank 0 timed out in round 2; its retries failed at once
+    assert done1 in ([1], [1, 2])  # the straggler may finish round 2 with rank 0's posted payload, no more
