@@ -175,3 +175,41 @@ def test_no_secret_generates_a_strong_one_and_a_joiner_without_one_is_refused(ca
     with caplog.at_level(logging.WARNING):
         run_keys("gen", "x" * 16, joining=True)
     assert caplog.text == ""
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_trainer_started_without_a_secret_prints_a_join_command_that_carries_one(tmp_path):
+    """`diloco train` on hivemind without transport.secret: the first peer generates one, its join command
+    carries it (and only there: not in config.toml), and the pasted command averages with it."""
+    import json
+    import shlex
+    import subprocess
+    import sys
+
+    common = ["transport.kind=hivemind", 'transport.host_maddrs=["/ip4/127.0.0.1/tcp/0"]']
+    common += ["transport.matchmaking_time=10.0", "transport.target_group_size=2", "transport.averaging_timeout=30.0"]
+    common += ["train.num_shards=2", "train.steps=20", "diloco.inner_steps=10", "train.eval_batches=2"]
+    common += ["model.num_layers=1", f"train.runs_dir={str(tmp_path)!r}"]
+    cli = [sys.executable, "-m", "diloco_train.cli", "train", "-q"]
+    sets = [a for s in common for a in ("--set", s)]
+    first = subprocess.Popen(
+        [*cli, "--name", "p1", "--set", "train.shard=0", *sets], cwd=tmp_path, stderr=subprocess.PIPE, text=True
+    )
+    try:
+        join = next((shlex.split(line) for line in first.stderr if "transport.initial_peers=" in line), None)
+        assert join is not None, "the first peer printed no join command"
+        secret = [a.split("=", 1)[1] for a in join if a.startswith("transport.secret=")]
+        assert len(secret) == 1 and len(json.loads(secret[0])) >= 32, join
+        assert join[:2] == ["diloco", "train"], join
+        run = [*cli[:-1], *join[2:]]
+        second = subprocess.run(run, check=False, cwd=tmp_path, capture_output=True, text=True, timeout=200)
+        assert second.returncode == 0, second.stderr[-3000:]
+        assert first.wait(timeout=60) == 0
+    finally:
+        if first.poll() is None:
+            first.kill()
+            first.wait()
+    assert json.loads(secret[0]) not in (tmp_path / "p1" / "config.toml").read_text()
+    rounds = [json.loads(line) for line in (tmp_path / "p1" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["num_contributors"] for r in rounds if r["type"] == "round"] == [2, 2]
