@@ -96,7 +96,7 @@ class Averager(DecentralizedAverager):
         """hivemind's, for peers of the run only: the requester must have declared its presence (a record
         MACed with the run's key, under the peer id libp2p authenticated)."""
         if not await self._is_peer_of_the_run(context.remote_id):
-            logger.warning("refused the state to %s: not a peer of the run", context.remote_id)
+            logger.warning("refused the state to %s: no presence record of the run (yet)", context.remote_id)
             return
         async for message in super().rpc_download_state(request, context):
             yield message
