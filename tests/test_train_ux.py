@@ -238,6 +238,16 @@ def test_the_join_command_runs_here_and_elsewhere_as_printed() -> None:
         "--set",
         'transport.initial_peers=["/ip4/203.0.113.7/tcp/31337/p2p/Qm"]',
     ]
+    # A secret the first peer generated (none given) travels in the join command, once.
+    generated = join_command(
+        [*argv, "--set", 'transport.secret="old"'],
+        spec=spec,
+        train=TrainConfig(shard=0, num_shards=4),
+        run_name="wan",
+        addresses=["/ip4/203.0.113.7/tcp/31337/p2p/Qm"],
+        settings={"secret": "Gen-3rated_secret"},
+    )
+    assert generated == [*out[:-2], "--set", 'transport.secret="Gen-3rated_secret"', *out[-2:]]
 
 
 @pytest.mark.timeout(60)

@@ -69,12 +69,26 @@ def _drop(argv: list[str], option: str, *, key: str | None = None) -> list[str]:
 
 
 def join_command(
-    command: list[str], *, spec: TransportSpec, train: TrainConfig, run_name: str, addresses: list[str]
+    command: list[str],
+    *,
+    spec: TransportSpec,
+    train: TrainConfig,
+    run_name: str,
+    addresses: list[str],
+    settings: Mapping[str, str] | None = None,
 ) -> list[str]:
-    """``command`` (this peer's argv) rewritten for the next peer (module docstring), joining ``addresses``."""
+    """``command`` (this peer's argv) rewritten for the next peer (module docstring), joining ``addresses``.
+    ``settings``: [transport] settings a joiner needs that this peer made up (hivemind: a generated secret)."""
     section, join = spec.section, f"transport.{spec.join_key}"
+    settings = dict(settings or {})
     argv = _drop(list(command), "--name")
-    for key in ("train.shard", f"transport.{_LISTEN}", f"transport.{_ANNOUNCE}", join):
+    for key in (
+        "train.shard",
+        f"transport.{_LISTEN}",
+        f"transport.{_ANNOUNCE}",
+        join,
+        *(f"transport.{k}" for k in settings),
+    ):
         argv = _drop(argv, "--set", key=key)
     shard = (train.shard + 1) % train.num_shards if train.num_shards > 0 else max(train.shard, 0)
     argv += ["--name", f"{run_name}-shard{shard}", "--set", f"train.shard={shard}"]
@@ -83,6 +97,8 @@ def join_command(
         argv += ["--set", f"transport.{_LISTEN}={json.dumps(free)}"]
     if section.get(_ANNOUNCE):
         argv += ["--set", f"transport.{_ANNOUNCE}=[]"]
+    for key, value in settings.items():
+        argv += ["--set", f"transport.{key}={json.dumps(value)}"]
     return [*argv, "--set", f"{join}={json.dumps(addresses)}"]
 
 
@@ -98,6 +114,7 @@ def print_join(
         train=train,
         run_name=run_name,
         addresses=list(transport.join_addresses),
+        settings=getattr(transport, "join_settings", None),  # hivemind: the secret its first peer generated
     )
     print(
         "another peer joins with (here or on another machine; each further peer with its own --name and "

@@ -46,8 +46,10 @@ start of each all-reduce and after each round, plus the run state ``DiLoCo`` han
 ``HivemindTransport.attach`` (``diloco_core.RunState``: outer momentum and round, opaque here; loaded
 on joining and when a round finds this peer behind its group).
 
-Only peers that know the run's ``secret`` can take part: every DHT key and RPC namespace is derived
-from HMAC-SHA256(secret, run_id). Nothing received is unpickled (protobuf and msgpack only) and every
+Only peers that know the run's ``secret`` can take part (``auth``): a slow KDF (scrypt) derives the run's
+namespace and a MAC key from it; the run's DHT records, matchmaking requests and confirmations carry
+HMACs, and state is served only to peers whose presence record is MACed (docs/wan.md, "Authentication
+and threat model"). A first peer without a secret generates one (``join_settings``). Nothing received is unpickled (protobuf and msgpack only) and every
 received tensor is checked for shape, dtype and finite values before use (a block codec's payloads
 with ``codec.check``: shape, dtype, finite non-negative scales).
 
@@ -57,7 +59,7 @@ One concept per module: ``config`` (HivemindConfig), ``transport`` (HivemindTran
 ``state_tag`` (the state tag and the stale verdict), ``tracked_state`` (a peer's tag, re-sync),
 ``state_server`` (state for joiners), ``checks`` (received tensors), ``handle`` (what all_reduce
 returns), ``resources`` (processes, close), ``faults`` (HivemindFaults, for tests), ``requirement``
-(the install hint when hivemind is missing).
+(the install hint when hivemind is missing), ``auth`` (keys from the secret, the records' MACs).
 """
 
 from .config import HivemindConfig

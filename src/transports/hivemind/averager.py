@@ -15,12 +15,13 @@ widening the pin.
 """
 
 import asyncio
+import hmac
 import logging
 import signal
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, AsyncIterator  # noqa: UP035 - hivemind reads typing's AsyncIterator in RPC signatures
 
 import torch
 from hivemind.averaging import DecentralizedAverager
@@ -31,6 +32,7 @@ from hivemind.utils import get_dht_time
 
 from diloco_core.codec import Codec
 
+from .auth import MAC_BYTES, RunKeys, unwrap_gather, wrap_gather
 from .block_runner import BlockRunner
 from .faults import HivemindFaults
 from .reducer import Runner
@@ -51,9 +53,12 @@ class Averager(DecentralizedAverager):
 
     state_fn: Callable[[], tuple[Any, list[torch.Tensor]]] | None = None
 
-    def __init__(self, *, codec: Codec, faults: HivemindFaults, presence_key: str | None = None, **kwargs: Any) -> None:
-        """``presence_key``: declare this peer alive in the DHT under that key (``swarm.Swarm`` reads it)."""
-        self.codec, self.faults, self.presence_key = codec, faults, presence_key
+    def __init__(
+        self, *, codec: Codec, faults: HivemindFaults, keys: RunKeys, presence_key: str | None = None, **kwargs: Any
+    ) -> None:
+        """``presence_key``: declare this peer alive in the DHT under that key (``swarm.Swarm`` reads it).
+        ``keys``: the run's (``auth``): joins, confirmations and state downloads are checked with them."""
+        self.codec, self.faults, self.presence_key, self.keys = codec, faults, presence_key, keys
         self._presence: dict = {}
         self._confirms: OrderedDict[bytes, dict] = OrderedDict()
         self._groups: dict[bytes, dict] = {}  # per group id: its deadline, then its result's digest
@@ -70,7 +75,42 @@ class Averager(DecentralizedAverager):
     def step(self, *args: Any, target_group_size: int | None = None, **kwargs: Any) -> Any:
         """hivemind's step, with this step's ``target_group_size`` (None: the averager's own)."""
         self._outer_pipe.send(("_set_target", [target_group_size], {}))  # handled before the step (one pipe)
-        return super().step(*args, **kwargs)
+        token = self.keys.join_token(self.prefix, self.peer_id.to_bytes())  # a leader admits only peers of the run
+        return super().step(*args, gather=wrap_gather(token, kwargs.pop("gather", None)), **kwargs)
+
+    async def rpc_join_group(
+        self, request: averaging_pb2.JoinRequest, context: P2PContext
+    ) -> AsyncIterator[averaging_pb2.MessageFromLeader]:
+        """hivemind's, for peers of the run only: a follower without a valid join token is turned away."""
+        token, _ = unwrap_gather(self.serializer, request.gather)
+        if not self.keys.join_ok(self.prefix, context.remote_id.to_bytes(), token):
+            logger.warning("turned away a join request without a valid token from %s", context.remote_id)
+            yield averaging_pb2.MessageFromLeader(code=averaging_pb2.PROTOCOL_VIOLATION)
+            return
+        async for response in super().rpc_join_group(request, context):
+            yield response
+
+    async def rpc_download_state(
+        self, request: averaging_pb2.DownloadRequest, context: P2PContext
+    ) -> AsyncIterator[averaging_pb2.DownloadData]:
+        """hivemind's, for peers of the run only: the requester must have declared its presence (a record
+        MACed with the run's key, under the peer id libp2p authenticated)."""
+        if not await self._is_peer_of_the_run(context.remote_id):
+            logger.warning("refused the state to %s: no presence record of the run (yet)", context.remote_id)
+            return
+        async for message in super().rpc_download_state(request, context):
+            yield message
+
+    async def _is_peer_of_the_run(self, peer: Any) -> bool:
+        if self.presence_key is None:
+            return False
+        try:
+            got = await asyncio.wait_for(self.dht.get(self.presence_key, latest=True, return_future=True), 10.0)
+        except Exception as e:  # noqa: BLE001 - unknown: refused, the requester retries
+            logger.debug("presence not read: %r", e)
+            return False
+        entry = got.value.get(peer.to_bytes()) if got is not None and isinstance(got.value, dict) else None
+        return entry is not None and entry.expiration_time > get_dht_time()
 
     async def _set_target(self, target: int | None) -> None:
         size = self.matchmaking_kwargs["target_group_size"] if target is None else target
@@ -123,8 +163,13 @@ class Averager(DecentralizedAverager):
     async def rpc_confirm(
         self, request: averaging_pb2.AveragingData, context: P2PContext
     ) -> averaging_pb2.AveragingData:
+        buffer = request.tensor_part.buffer
+        digest, tag = buffer[:-MAC_BYTES], buffer[-MAC_BYTES:]
+        mac = self.keys.confirm_mac(request.group_id, context.remote_id.to_bytes(), request.code, digest)
+        if len(buffer) < MAC_BYTES or not hmac.compare_digest(tag, mac):
+            return averaging_pb2.AveragingData(code=averaging_pb2.PROTOCOL_VIOLATION)  # not from a peer of the run
         box = self._confirm_box(request.group_id)
-        box["got"][context.remote_id] = (request.code == averaging_pb2.AVERAGED_PART, request.tensor_part.buffer)
+        box["got"][context.remote_id] = (request.code == averaging_pb2.AVERAGED_PART, digest)
         box["event"].set()
         return averaging_pb2.AveragingData(code=averaging_pb2.AVERAGED_PART)
 
@@ -136,7 +181,16 @@ class Averager(DecentralizedAverager):
         return self._confirms[group_id]
 
     async def _aggregate_with_group(self, group_info: Any, min_vector_size: int, **kwargs: Any) -> Any:
-        tags = [tag_or_none(self.serializer, g) for g in group_info.gathered]
+        gathered = [unwrap_gather(self.serializer, g) for g in group_info.gathered]
+        # Every groupmate checks every member's token (its leader did already): all reach the same verdict.
+        strangers = [
+            p
+            for p, (token, _) in zip(group_info.peer_ids, gathered)
+            if not self.keys.join_ok(self.prefix, p.to_bytes(), token)
+        ]
+        if strangers:
+            raise AllreduceException(f"{len(strangers)} groupmate(s) without a valid join token: nothing sent")
+        tags = [tag_or_none(data) for _, data in gathered]
         verdict = stale_verdict(tags, group_info.peer_ids.index(self.peer_id))
         if verdict is not None:  # every groupmate reaches the same verdict: nobody sends anything
             raise StaleStateError(verdict)
@@ -186,7 +240,10 @@ class Averager(DecentralizedAverager):
     async def _confirm(self, peer_ids: Sequence[Any], group_id: bytes, *, error: str | None, digest: bytes) -> None:
         others = [p for p in peer_ids if p != self.peer_id]
         code = averaging_pb2.AVERAGED_PART if error is None else averaging_pb2.INTERNAL_ERROR
-        msg = averaging_pb2.AveragingData(code=code, group_id=group_id, tensor_part=runtime_pb2.Tensor(buffer=digest))
+        mac = self.keys.confirm_mac(group_id, self.peer_id.to_bytes(), code, digest)
+        msg = averaging_pb2.AveragingData(
+            code=code, group_id=group_id, tensor_part=runtime_pb2.Tensor(buffer=digest + mac)
+        )
         group_deadline = self._groups[group_id]["deadline"]
         left = max(0.1, group_deadline - time.monotonic())
 

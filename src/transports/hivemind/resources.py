@@ -16,6 +16,7 @@ import torch
 from diloco_core.codec import Codec
 from diloco_core.transport import TransportError
 
+from .auth import RunKeys, averager_keys
 from .averager import Averager
 from .config import HivemindConfig
 from .faults import HivemindFaults
@@ -62,6 +63,8 @@ class Resources:
     config: HivemindConfig
     faults: HivemindFaults
     part_size_bytes: int
+    keys: RunKeys
+    """The run's keys (``auth``): the run's DHT records are MACed with them, others' rejected."""
     dht: Any = None
     averagers: list = field(default_factory=list)
     pool: concurrent.futures.ThreadPoolExecutor | None = None
@@ -75,6 +78,7 @@ class Resources:
                 start=False,
                 host_maddrs=list(cfg.host_maddrs),
                 announce_maddrs=list(cfg.announce_maddrs) or None,
+                record_validators=[self.keys.record_validator([self.keys.presence_key])],
             )
             self.dht.start()
         _wait_until_ready(self.dht, "DHT")
@@ -85,6 +89,8 @@ class Resources:
         """An averager of ``size`` values travelling as ``codec`` (a process), serving state to joiners if ``share``.
         Its buffer holds the values in the wire dtype (casts) or in fp32 (block codecs: encoded per part)."""
         cfg = self.config
+        # Its records are the run's from the start (merged into the DHT's validator: auth.RecordAuth.merge_with).
+        self.dht.add_validators([self.keys.record_validator(averager_keys(prefix))])
         averager = Averager(
             averaged_tensors=[torch.zeros(size, dtype=codec.elementwise_dtype or torch.float32)],
             dht=self.dht,
@@ -92,6 +98,7 @@ class Resources:
             prefix=prefix,
             codec=codec,
             faults=self.faults,
+            keys=self.keys,
             presence_key=presence_key,
             min_group_size=cfg.min_group_size,
             target_group_size=cfg.target_group_size,

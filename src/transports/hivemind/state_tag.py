@@ -35,12 +35,9 @@ def valid_tag(tag: Any) -> bool:
     return isinstance(count, int) and count >= 0 and isinstance(chain, bytes) and len(chain) == TAG_BYTES
 
 
-def tag_or_none(serializer: Any, gathered: bytes) -> Tag | None:
-    """A groupmate's state tag from its matchmaking data (msgpack, checked); None if it sent none."""
-    try:
-        tag = serializer.loads(serializer.loads(gathered)[2])
-    except Exception:  # noqa: BLE001 - malformed: treated as a peer with no (or a foreign) state
-        return None
+def tag_or_none(tag: Any) -> Tag | None:
+    """A groupmate's state tag as it came with its matchmaking data (``auth.unwrap_gather``, checked);
+    None if it sent none or a malformed one."""
     return (tag[0], tag[1]) if valid_tag(tag) else None
 
 

@@ -1,8 +1,6 @@
 """``HivemindTransport``: one peer of a hivemind swarm (the phases of a round: the package docstring)."""
 
 import concurrent.futures
-import hashlib
-import hmac
 import logging
 import threading
 import time
@@ -17,6 +15,7 @@ from diloco_core.run_state import RunState
 from diloco_core.transport import Capabilities, ReduceHandle, ReduceResult, Transport, TransportError
 
 from .attempt import RETRYABLE, attempt, commit, fill
+from .auth import RunKeys, run_keys
 from .averager import Averager
 from .config import HivemindConfig
 from .faults import HivemindFaults
@@ -33,30 +32,31 @@ __all__ = ["HivemindTransport"]
 logger = logging.getLogger(__name__)
 
 
-def _namespace(run_id: str, secret: str | None) -> str:
-    """The prefix of every DHT key and RPC name of the run; without the secret it cannot be guessed."""
-    key = (secret or "").encode()
-    return "diloco_" + hmac.new(key, run_id.encode(), hashlib.sha256).hexdigest()[:40]
-
-
 class HivemindTransport(Transport):
     """A peer of a hivemind swarm (see the package docstring for the phases of a round)."""
 
     def __init__(
-        self, config: HivemindConfig, *, faults: HivemindFaults | None = None, part_size_bytes: int = 2**19
+        self,
+        config: HivemindConfig,
+        *,
+        faults: HivemindFaults | None = None,
+        part_size_bytes: int = 2**19,
+        keys: RunKeys | None = None,
     ) -> None:
         """``faults``: for tests, faults to inject in this peer's averagers. ``part_size_bytes``: the size of the
-        parts the values travel in (hivemind's default; tests make it small to get many parts per round)."""
+        parts the values travel in (hivemind's default; tests make it small to get many parts per round).
+        ``keys``: for tests, the run's keys instead of those derived from ``config.secret`` (auth.py)."""
         import_hivemind()  # says how to install hivemind if it is missing
         if not isinstance(part_size_bytes, int) or isinstance(part_size_bytes, bool) or part_size_bytes < 1:
             raise ValueError(f"part_size_bytes={part_size_bytes!r} is invalid: expected an integer >= 1")
         self.config = config
-        self._ns = _namespace(config.run_id, config.secret)
-        if config.secret is None:
-            logger.warning(
-                "hivemind run %r has no secret: anyone who knows the run_id can join and average", config.run_id
-            )
-        self._res = Resources(config=config, faults=faults or HivemindFaults(), part_size_bytes=part_size_bytes)
+        derived, self.join_settings = run_keys(config.run_id, config.secret, joining=bool(config.initial_peers))
+        """Settings a joiner needs besides ``join_addresses``: the secret, where this peer generated it."""
+        keys = keys or derived
+        self._ns = keys.namespace
+        self._res = Resources(
+            config=config, faults=faults or HivemindFaults(), part_size_bytes=part_size_bytes, keys=keys
+        )
         self._finalizer = weakref.finalize(self, self._res.close)
         self._lock = threading.RLock()
         self._averagers: dict[tuple[str, int, str], Averager] = {}  # per (key, size, codec)
@@ -67,14 +67,14 @@ class HivemindTransport(Transport):
             joining=joining, resources=self._res, lock=self._lock, tags=lambda: self._state.served()
         )
         self._state = TrackedState(server=self._server, resources=self._res, lock=self._lock)
-        self._swarm = Swarm(resources=self._res, key=f"{self._ns}_peers")
+        self._swarm = Swarm(resources=self._res, key=keys.presence_key)
         try:
             self._res.start_dht()
             # A 1-value averager that never averages: it serves this peer's state to joiners (a joiner
             # only once it holds the run's state).
             # It also declares this peer's presence (swarm.py).
             state_averager = self._res.start_averager(
-                1, FP32, prefix=f"{self._ns}_state", share=not joining, presence_key=f"{self._ns}_peers"
+                1, FP32, prefix=f"{self._ns}_state", share=not joining, presence_key=keys.presence_key
             )
             state_averager.state_fn = self._server.serve
             self._server.averager = self._swarm.averager = state_averager
