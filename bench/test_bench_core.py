@@ -78,9 +78,10 @@ def test_bytes_moved_floor_baseline(benchmark):
 
 
 def test_contribution_guard_25m(benchmark):
-    """What the contribution guard adds to a round, alone, on each of 2 workers, at its most expensive: an fp16
-    wire (one pass for the largest magnitude) and the norm guard on (its references set). The norms it reads
-    are the round's own diagnostics, computed with or without it. Issue 13's budget: < 2% of a round."""
+    """What the contribution guard adds to a round, alone, on each of 2 workers: an fp16 wire and the norm
+    guard on (its references set). The norms it reads are the round's own diagnostics, computed with or
+    without it; a norm past fp16's largest value would add one pass (amax, amin) over the values. Issue 13's
+    budget: < 2% of a round."""
     benchmark.group = "outer round, 25M params, 2 in-process workers"
     guards = [ContributionGuard(FP16, norm_clip=4.0, numel=N) for _ in range(WORKERS)]
     bufs = [torch.randn(N + g.tail_size) * 1e-3 for g in guards]

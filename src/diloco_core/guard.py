@@ -45,7 +45,7 @@ class ContributionGuard:
 
     def admit(self, pseudo_grad: torch.Tensor, norm: float) -> tuple[bool, bool, float]:
         """Before sending: (excluded, clipped, the norm sent). Clipping scales ``pseudo_grad`` in place."""
-        if not math.isfinite(norm) or not self._fits(pseudo_grad):
+        if not math.isfinite(norm) or not self._fits(pseudo_grad, norm):
             return True, False, 0.0
         limit = (self.norm_clip or 0.0) * self.ref_norm
         if limit > 0 and norm > limit:
@@ -53,12 +53,13 @@ class ContributionGuard:
             return False, True, limit
         return False, False, norm
 
-    def _fits(self, values: torch.Tensor) -> bool:
-        """Whether a cast wire carries every value (block codecs scale any finite value; fp32 is itself)."""
+    def _fits(self, values: torch.Tensor, norm: float) -> bool:
+        """Whether a cast wire carries every value (block codecs scale any finite value; fp32 is itself).
+        No value exceeds the L2 norm, so below the wire's largest value no pass over the values is needed."""
         dtype = self.codec.elementwise_dtype
-        if dtype is None or dtype == torch.float32 or values.numel() == 0:
+        if dtype is None or dtype == torch.float32 or values.numel() == 0 or norm <= torch.finfo(dtype).max:
             return True
-        return bool(values.abs().amax().to(dtype).isfinite())
+        return bool(torch.maximum(values.amax(), values.amin().neg()).to(dtype).isfinite())
 
     def mark(self, flat: torch.Tensor, *, excluded: bool, norm: float) -> None:
         """Write the tail: valid flag and RMS; an excluded worker's whole buffer becomes zeros."""
