@@ -8,7 +8,7 @@ import time
 import pytest
 import torch
 from faults import Action, Fault, FaultyTransport, Phase
-from world import GlooWorld, RankError
+from world import GlooWorld, RankError, ThreadWorld
 
 from diloco_core import FP16, FP32, DiLoCo, DiLoCoConfig, TransportError
 
@@ -89,3 +89,34 @@ def test_a_straggler_past_the_timeout_ends_in_a_clear_error_on_every_rank_never_
     (done0, error0, _), (done1, _, _) = results
     assert done0 == [1] and "unusable" in error0  # rank 0 timed out in round 2; its retries failed at once
     assert done1 in ([1], [1, 2])  # the straggler may finish round 2 with rank 0's posted payload, no more
+
+
+def _digests_with_a_straggler(transport, rounds: int, stall: float, timeout: float):
+    fault = Fault(rank=1, round=2, phase=Phase.WAIT, action=Action.DELAY, seconds=stall, key="diloco/round")
+    t = FaultyTransport(transport, [fault])
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 8)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    diloco = DiLoCo(model, opt, t, DiLoCoConfig(inner_steps=1, reduce_timeout=timeout, round_retries=2))
+    data, out = torch.Generator().manual_seed(transport.rank), []
+    for _ in range(rounds):
+        model(torch.randn(4, 8, generator=data)).pow(2).mean().backward()
+        try:
+            report = diloco.step()
+        except TransportError as e:
+            return out, str(e)
+        opt.zero_grad()
+        out.append((report.round, report.num_contributors, torch.cat([p.reshape(-1) for p in diloco.global_params])))
+    return out, "finished"
+
+
+def test_in_process_a_straggler_past_the_timeout_meets_the_others_retry_never_their_next_round():
+    """Before: rank 1, stalled past rank 0's timeout in round 2, joined rank 0's abandoned round-3 reduce with
+    its own round 3, and from then on every round reported 2 contributors while the replicas differed. Now an
+    abandoned reduce fails for every rank, and the straggler's retry meets rank 0's retry."""
+    results = ThreadWorld(2).run(_digests_with_a_straggler, 6, 4.0, 2.0, timeout=120)
+    assert not any(isinstance(r, RankError) for r in results), results
+    (rounds0, end0), (rounds1, end1) = results
+    assert end0 == end1 == "finished", (end0, end1)
+    assert [r[:2] for r in rounds0] == [r[:2] for r in rounds1] == [(i, 2) for i in range(1, 7)]
+    assert all(torch.equal(a[2], b[2]) for a, b in zip(rounds0, rounds1))  # identical after every round

@@ -165,14 +165,18 @@ class _Handle(ReduceHandle):
         g, slot = self._group, self._slot
         with g._cond:
             ready = g._cond.wait_for(lambda: slot.result is not None or slot.error is not None, timeout)
-            if slot.error is not None:
-                raise TransportError(slot.error)
-            if not ready:
+            if not ready and slot.error is None:
+                # Abandoned for every rank: a straggler that joins it late fails too, and its retry meets the
+                # others' retry in the next slot, instead of pairing its round with the others' next one.
                 missing = sorted(g._members - set(slot.contributions))
                 key, n = self._op
-                raise TransportError(
+                slot.error = (
                     f"in-process all_reduce #{n} of key {key!r}: ranks {missing} did not join within {timeout:g}s"
                 )
+                g._cond.notify_all()
+            if slot.error is not None:
+                g._consume(self._op, slot, self._rank)
+                raise TransportError(slot.error)
             result, n = slot.result, slot.num_contributors
         torch._foreach_copy_(self._tensors, [r.view_as(t) for r, t in zip(result, self._tensors)])
         with g._cond:
