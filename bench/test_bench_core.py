@@ -89,7 +89,7 @@ def test_contribution_guard_25m(benchmark):
     def one(guard: ContributionGuard, flat: torch.Tensor) -> None:
         guard.ref_norm = guard.ref_mean = 10.0
         excluded, _, sent = guard.admit(flat[:N], 1.0)
-        guard.mark(flat, excluded=excluded, norm=sent)
+        guard.mark(flat, excluded=excluded, norm=sent, global_flat=flat[:N])
         _, norm = guard.settle(flat, 2)
         guard.clip_mean(flat[:N], mean_norm=1.0, contributors_norm=norm)
 

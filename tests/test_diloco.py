@@ -637,8 +637,8 @@ def test_the_diagnostic_rms_travels_in_a_block_of_its_own_and_is_not_fed():
     model = Scalar([0.0] * 300)
     opt, t = torch.optim.SGD(model.parameters(), lr=1.0), InProcessGroup(1).transport(0)
     dl = DiLoCo(model, opt, transport=t, config=DiLoCoConfig(wire_dtype="int8", codec_block=256))
-    # 300 values, zeros up to a block, the valid flag's block, the RMS
-    assert dl.reduce_numel == 512 + 256 + 1 and dl.state_dict()["residual"].shape == (300,)
+    # 300 values, zeros up to a block, the blocks of the valid flag, the digest and its square, the RMS
+    assert dl.reduce_numel == 512 + 3 * 256 + 1 and dl.state_dict()["residual"].shape == (300,)
 
 
 def test_a_failed_round_leaves_the_residual_for_its_retry():
@@ -782,6 +782,31 @@ def test_an_honest_outlier_clips_its_own_contribution():
         report = dl.step()
         sent.append(report.mean_pseudo_grad_norm)
     assert report.clipped and not report.mean_clipped and sent[1] == pytest.approx(4 * sent[0], rel=1e-6)
+
+
+@pytest.mark.parametrize("wire_dtype", ["fp32", "bf16", "int4"])
+def test_replicas_that_differ_are_caught_by_the_rounds_digest_on_every_worker(wire_dtype):
+    """A replica whose global params differ (a bug, a bit flip, a silent pairing) is an error on every worker,
+    raised by the round's own reduce before anything changes."""
+    cfg = DiLoCoConfig(inner_steps=1, outer_lr=1.0, wire_dtype=wire_dtype)
+
+    def worker(t: Transport):
+        model = Scalar([1.0, 2.0, 3.0])
+        opt = torch.optim.SGD(model.parameters(), lr=1.0)
+        dl = DiLoCo(model, opt, t, cfg)
+        move_to(model, opt, [0.5, 0.5, 0.5])
+        assert dl.step().round == 1  # identical replicas: no complaint
+        if t.rank == 2:
+            dl.global_params[0][0] += 1.0  # this replica now differs
+        before = dl.global_params[0].clone()
+        move_to(model, opt, [0.0, 0.0, 0.0])
+        with pytest.raises(ValueError, match="the workers' global params differ") as e:
+            dl.step()
+        assert dl.round == 1 and torch.equal(dl.global_params[0], before)  # nothing changed
+        return str(e.value)
+
+    messages = run_threads(3, worker)
+    assert len(set(messages)) == 1  # the same error on every worker
 
 
 def test_norm_clip_is_validated():

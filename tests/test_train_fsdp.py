@@ -64,7 +64,9 @@ def test_torchrun_islands_of_two_fsdp_ranks_restart_a_killed_rank_and_resume_to_
     assert [r["step"] for r in rows if r["type"] == "step"] == list(range(1, 41))  # nothing logged twice
     rounds = [r for r in rows if r["type"] == "round"]
     numel = sum(c["global"].numel() for c in cores[:2])  # the whole model, over the island's 2 ranks
-    assert [r["bytes_sent"] for r in rounds] == [4 * (cores[0]["global"].numel() + 2)] * 4  # a shard's (+ flag, RMS)
+    assert [r["bytes_sent"] for r in rounds] == [
+        4 * (cores[0]["global"].numel() + 4)
+    ] * 4  # a shard's (+ flag, digest, its square, RMS)
     assert cores[0]["global"].numel() < numel
 
 

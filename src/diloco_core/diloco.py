@@ -80,7 +80,9 @@ class DiLoCo:
 
         self._global = FlatBuffer(self.local, config.global_device)
         numel = self._global.flat.numel()
-        self.guard = ContributionGuard(self.codec, norm_clip=config.norm_clip, numel=numel)
+        self.guard = ContributionGuard(
+            self.codec, norm_clip=config.norm_clip, numel=numel, compare=transport.fixed_ranks
+        )
         """Leaves out non-finite contributions; with ``norm_clip``, clips outliers (``diloco_core.guard``)."""
         # After the pseudo-gradient, each in a codec block of its own (zeros pad up to it): the valid flag and
         # this worker's pseudo-gradient RMS, averaged in the same reduce (on the scale of the values, so they
@@ -194,7 +196,7 @@ class DiLoCo:
                 self._feedback.feed(flat)  # the norm is the pseudo-gradient's own, without the residual
             except ValueError:  # with the residual, past what the wire carries (fp16)
                 excluded = True
-        self.guard.mark(flat, excluded=excluded, norm=sent_norm)
+        self.guard.mark(flat, excluded=excluded, norm=sent_norm, global_flat=self._global.flat)
         handle = self.transport.all_reduce([flat], codec=self.codec, key=self.reduce_key)
         buffers = self.model_state.begin(self.transport)
         return PendingRound(
@@ -214,10 +216,10 @@ class DiLoCo:
         if pending.round != self.round + 1:
             raise ValueError(f"pending round {pending.round} cannot finish: this worker is at round {self.round}")
         result = self.model_state.wait(pending.handle, pending.buffers, timeout=self.config.reduce_timeout)
+        valid, contributors_norm = self.guard.settle(self._pseudo_grad.flat, result.num_contributors)
         if not pending.excluded:  # an excluded worker still owes the residual it had
             self._feedback.commit()
         pg = self._pseudo_grad.body
-        valid, contributors_norm = self.guard.settle(self._pseudo_grad.flat, result.num_contributors)
         mean_norm, mean_clipped = norm_of(pg), False
         if valid:
             mean_clipped, mean_norm = self.guard.clip_mean(pg, mean_norm=mean_norm, contributors_norm=contributors_norm)

@@ -13,11 +13,18 @@
   who sends a huge finite contribution, whatever its own software does). Both references come from
   reduced values, so they are the same on every worker; they are in ``DiLoCo.state_dict()`` and in the
   state served to joiners. Before the first unclipped round there is no reference and nothing is clipped.
+- **Replicas compared** (where ranks are fixed): each worker also sends a 4-bit digest h of its global
+  params (a strided sample of 4,096 values, CRC-32) and h², each in a block of its own; all digests are
+  equal exactly when M·Σh² = (Σh)² (integers every wire carries exactly, bf16 included), so every worker
+  learns from the round's own reduce whether any
+  replica differs, and all raise the same ``ValueError`` before anything changes. A replica that differs
+  only outside the sample, or with the same digest (1 in 16), is caught in a later round.
 """
 
 from __future__ import annotations
 
 import math
+import zlib
 
 import torch
 
@@ -30,14 +37,16 @@ __all__ = ["ContributionGuard"]
 class ContributionGuard:
     """One worker's guard over the flat reduce buffer ``[pseudo-gradient | pad | valid ... | rms]``."""
 
-    def __init__(self, codec: Codec, *, norm_clip: float | None, numel: int) -> None:
-        self.codec, self.norm_clip, self.numel = codec, norm_clip, numel
+    def __init__(self, codec: Codec, *, norm_clip: float | None, numel: int, compare: bool = True) -> None:
+        self.codec, self.norm_clip, self.numel, self.compare = codec, norm_clip, numel, compare
         pad = -numel % codec.block
         self.valid_at = numel + pad
         """Where the valid flag sits: the first value of a codec block (the pseudo-gradient's last block
-        padded with zeros), so the codec's scale for it is its own."""
-        self.tail_size = pad + codec.block + 1
-        """Values after the pseudo-gradient: padding, the valid flag's block, the RMS (a block of one)."""
+        padded with zeros), so the codec's scale for it is its own; the digest and its square follow, a block
+        each."""
+        self.tail_size = pad + 3 * codec.block + 1
+        """Values after the pseudo-gradient: padding, the blocks of the valid flag, the digest and its
+        square, the RMS (a block of one)."""
         self.ref_norm = 0.0
         """Contributors' mean pseudo-gradient norm in the last round the guard did not clip (0: none yet)."""
         self.ref_mean = 0.0
@@ -61,17 +70,32 @@ class ContributionGuard:
             return True
         return bool(torch.maximum(values.amax(), values.amin().neg()).to(dtype).isfinite())
 
-    def mark(self, flat: torch.Tensor, *, excluded: bool, norm: float) -> None:
-        """Write the tail: valid flag and RMS; an excluded worker's whole buffer becomes zeros."""
+    def mark(self, flat: torch.Tensor, *, excluded: bool, norm: float, global_flat: torch.Tensor) -> None:
+        """Write the tail: valid flag, digest of ``global_flat`` and its square, RMS; an excluded worker's
+        pseudo-gradient, flag and RMS are zeros (its digest still counts)."""
         if excluded:
             flat.zero_()
-            return
-        flat[self.valid_at] = 1.0
-        flat[-1] = norm / math.sqrt(self.numel) if self.numel else 0.0
+        else:
+            flat[self.valid_at] = 1.0
+            flat[-1] = norm / math.sqrt(self.numel) if self.numel else 0.0
+        sample = global_flat[:: max(1, global_flat.numel() // 4096)][:4096].detach().cpu()
+        h = float(zlib.crc32(sample.numpy().tobytes()) % 16)
+        block = self.codec.block
+        flat[self.valid_at + block], flat[self.valid_at + 2 * block] = h, h * h
 
     def settle(self, flat: torch.Tensor, contributors: int) -> tuple[int, float]:
-        """After the reduce: rescale the mean to the valid contributors. Returns (valid contributors, their
-        mean pseudo-gradient norm); with none valid the buffer is left as it came (zeros)."""
+        """After the reduce: check that the replicas agree (``ValueError`` if not, nothing changed), rescale
+        the mean to the valid contributors. Returns (valid contributors, their mean pseudo-gradient norm);
+        with none valid the buffer is left as it came (zeros)."""
+        block = self.codec.block
+        s1 = round(flat[self.valid_at + block].item() * contributors)  # the digests' sum, and their squares'
+        s2 = round(flat[self.valid_at + 2 * block].item() * contributors)
+        if self.compare and contributors * s2 != s1 * s1:
+            raise ValueError(
+                f"the workers' global params differ (the round's digest check: {contributors} digests summing to "
+                f"{s1}, their squares to {s2}): a replica diverged; nothing was changed. Resume every worker from "
+                "the same checkpoint"
+            )
         valid = min(contributors, max(0, round(flat[self.valid_at].item() * contributors)))
         if valid and valid != contributors:
             flat.mul_(contributors / valid)
