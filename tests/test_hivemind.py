@@ -20,6 +20,7 @@ import pytest
 import torch
 from peer_process import PeerProcess as _Peer
 from peer_process import kill_session as _kill_session
+from world import together
 
 pytest.importorskip("hivemind")
 
@@ -39,24 +40,6 @@ SHAPES = [(7, 3), (5,), (2, 2, 3)]
 def _contribution(i: int) -> list[torch.Tensor]:
     g = torch.Generator().manual_seed(1000 + i)
     return [torch.randn(s, generator=g) * (i + 1) for s in SHAPES]
-
-
-def _together(calls):
-    """Run the zero-argument ``calls`` at once (threads); return their results or exceptions."""
-    out: list = [None] * len(calls)
-
-    def body(i):
-        try:
-            out[i] = calls[i]()
-        except Exception as e:  # noqa: BLE001 - the test inspects it
-            out[i] = e
-
-    threads = [threading.Thread(target=body, args=(i,), daemon=True) for i in range(len(calls))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(90)
-    return out
 
 
 def _contributors(results) -> list[int]:
@@ -119,7 +102,7 @@ def test_without_hivemind_the_error_says_what_to_install(monkeypatch):
 @pytest.mark.parametrize("wire_dtype", ["fp32", "fp16", "bf16"])
 def test_mean_over_contributors_is_bit_identical_on_every_peer(swarm, wire_dtype):
     tensors = [_contribution(i) for i in range(3)]
-    results = _together(
+    results = together(
         [lambda t=t, x=x: t.all_reduce(x, codec=codec_for(wire_dtype)).wait(30) for t, x in zip(swarm, tensors)]
     )
     assert all(r.num_contributors == 3 and r.bytes_sent > 0 for r in results), results
@@ -138,7 +121,7 @@ def test_mean_over_contributors_is_bit_identical_on_every_peer(swarm, wire_dtype
 def test_two_contributors_equal_the_reference_mean_rounded_to_the_wire(swarm):
     for wire_dtype, wire in [("fp16", torch.float16), ("fp32", torch.float32)]:
         tensors = [_contribution(i) for i in range(2)]
-        results = _together(
+        results = together(
             [
                 lambda t=t, x=x, w=wire_dtype: t.all_reduce(x, codec=codec_for(w)).wait(30)
                 for t, x in zip(swarm, tensors)
@@ -154,7 +137,7 @@ def test_two_contributors_equal_the_reference_mean_rounded_to_the_wire(swarm):
 def test_sixteen_bit_wire_sends_fewer_bytes(swarm):
     sent = {}
     for wire in ("fp32", "fp16"):
-        results = _together(
+        results = together(
             [lambda t=t, w=wire: t.all_reduce([torch.ones(10_000)], codec=codec_for(w)).wait(30) for t in swarm[:2]]
         )
         sent[wire] = results[0].bytes_sent
@@ -176,7 +159,7 @@ def test_block_codecs_give_every_peer_the_reference_mean_in_group_order(wire_dty
         sizes = [(37, 41), (1003,)]  # 2520 values: 158 blocks of 16, the last one partial
         contributions = [[torch.randn(s, generator=torch.Generator().manual_seed(i)) for s in sizes] for i in range(3)]
         tensors = [[t.clone() for t in c] for c in contributions]
-        results = _together([lambda t=t, x=x: t.all_reduce(x, codec=codec).wait(30) for t, x in zip(peers, tensors)])
+        results = together([lambda t=t, x=x: t.all_reduce(x, codec=codec).wait(30) for t, x in zip(peers, tensors)])
         assert _contributors(results) == [3, 3, 3]
         by_rank = sorted(range(3), key=lambda i: peers[i].rank)  # the group's order
         flat = [torch.cat([t.reshape(-1) for t in contributions[i]]) for i in by_rank]
@@ -196,9 +179,7 @@ def test_block_codecs_send_a_quarter_and_an_eighth_of_fp32s_bytes(swarm):
     numel, sent = 1_100_001, {}
     for wire in ("fp32", "int8", "int4"):
         values, codec = [[torch.randn(numel)] for _ in range(2)], codec_for(wire)
-        results = _together(
-            [lambda t=t, x=x, c=codec: t.all_reduce(x, codec=c).wait(30) for t, x in zip(swarm, values)]
-        )
+        results = together([lambda t=t, x=x, c=codec: t.all_reduce(x, codec=c).wait(30) for t, x in zip(swarm, values)])
         assert _contributors(results) == [2, 2]
         assert all(r.bytes_sent == r.bytes_received == codec.payload_bytes(numel) for r in results), results
         sent[wire] = results[0].bytes_sent
@@ -231,7 +212,7 @@ def test_a_full_group_starts_without_waiting_out_matchmaking_time():
     try:
         peers.append(HivemindTransport(HivemindConfig(**cfg, initial_peers=peers[0].join_addresses)))
         tensors = [[torch.full((8,), 1.0)], [torch.full((8,), 3.0)]]
-        results = _together([lambda t=t, x=x: t.all_reduce(x).wait(30) for t, x in zip(peers, tensors)])
+        results = together([lambda t=t, x=x: t.all_reduce(x).wait(30) for t, x in zip(peers, tensors)])
         assert not any(isinstance(r, Exception) for r in results), results
         assert [r.num_contributors for r in results] == [2, 2], results
         assert all(torch.equal(x[0], torch.full((8,), 2.0)) for x in tensors)
@@ -275,7 +256,7 @@ def test_a_reducer_that_sends_its_groupmates_a_different_mean_commits_nowhere(wi
         peers.append(HivemindTransport(HivemindConfig(**cfg, initial_peers=peers[0].join_addresses), faults=faults))
         tensors = [[torch.full((64,), float(i + 1))] for i in range(2)]
         codec = codec_for(wire_dtype.split("-")[0])
-        results = _together([lambda t=t, x=x: t.all_reduce(x, codec=codec).wait(60) for t, x in zip(peers, tensors)])
+        results = together([lambda t=t, x=x: t.all_reduce(x, codec=codec).wait(60) for t, x in zip(peers, tensors)])
         for r in results:  # the receiver of a NaN scale refuses it; its groupmate then sees it fail
             assert isinstance(r, TransportError), results
             # The last attempt's reason: the changed mean caught (digest or check), or, on a loaded machine,
@@ -367,7 +348,7 @@ def test_a_stale_verdict_reaches_the_transport_typed_from_the_averager_process()
             )
             return control.result(30)
 
-        results = _together([lambda t=t, tag=tag: step(t, tag) for t, tag in zip(peers, (ahead, behind))])
+        results = together([lambda t=t, tag=tag: step(t, tag) for t, tag in zip(peers, (ahead, behind))])
         assert all(type(r) is StaleStateError and isinstance(r, AllreduceException) for r in results), results
         assert results[0].verdict == StaleVerdict(kind=Stale.GROUPMATE, group_tag=ahead, own_tag=ahead, stale=1)
         assert results[1].verdict == StaleVerdict(kind=Stale.BEHIND, group_tag=ahead, own_tag=behind, stale=1)
@@ -427,14 +408,14 @@ def test_a_peer_that_fell_behind_takes_its_groups_state_then_averages_with_it():
         da, round_a = _diloco_peer(a, seed=0)
         b = HivemindTransport(HivemindConfig(**cfg, initial_peers=a.join_addresses))
         db, round_b = _diloco_peer(b, seed=1)
-        assert [r.num_contributors for r in _together([round_a, round_b])] == [2, 2]
+        assert [r.num_contributors for r in together([round_a, round_b])] == [2, 2]
         assert round_a().num_contributors == 1  # b sits this round out: it is now a round behind
-        ra, rb = _together([round_a, round_b])
+        ra, rb = together([round_a, round_b])
         # b's state was replaced by a's (no round of its own); a, whose groupmate was stale, went on alone
         assert rb is None and ra.num_contributors == 1, (ra, rb)
         assert da.round == db.round == 3
         assert all(torch.equal(x, y) for x, y in zip(da.global_params, db.global_params))
-        ra, rb = _together([round_a, round_b])  # in step again: they average together, identical
+        ra, rb = together([round_a, round_b])  # in step again: they average together, identical
         assert ra.num_contributors == rb.num_contributors == 2, (ra, rb)
         assert da.round == db.round == 4
         assert all(torch.equal(x, y) for x, y in zip(da.global_params, db.global_params))
@@ -459,14 +440,14 @@ def test_in_a_group_of_three_the_stale_member_resyncs_while_the_others_average()
             transports.append(HivemindTransport(HivemindConfig(**cfg, initial_peers=transports[0].join_addresses)))
             others.append(_diloco_peer(transports[-1], seed=seed))
         (b, round_b), (c, round_c) = others
-        assert _contributors(_together([round_a, round_b, round_c])) == [3, 3, 3]
-        assert _contributors(_together([round_a, round_b])) == [2, 2]  # c sits this one out
-        ra, rb, rc = _together([round_a, round_b, round_c])
+        assert _contributors(together([round_a, round_b, round_c])) == [3, 3, 3]
+        assert _contributors(together([round_a, round_b])) == [2, 2]  # c sits this one out
+        ra, rb, rc = together([round_a, round_b, round_c])
         # c is behind: it takes the state a and b hold; they retry the round without it
         assert rc is None and ra.num_contributors == rb.num_contributors == 2, (ra, rb, rc)
         assert a.round == b.round == c.round == 3
         for rnd in (4, 5):  # in step again: all three average together
-            assert _contributors(_together([round_a, round_b, round_c])) == [3, 3, 3]
+            assert _contributors(together([round_a, round_b, round_c])) == [3, 3, 3]
             assert a.round == b.round == c.round == rnd
             for other in (b, c):
                 assert all(torch.equal(x, y) for x, y in zip(a.global_params, other.global_params))
@@ -500,9 +481,9 @@ def test_a_resumed_first_peer_serves_its_checkpoint_and_an_older_checkpoint_is_c
 
     try:
         (da, round_a), (db, round_b) = peer(0), peer(1)
-        assert _contributors(_together([round_a, round_b])) == [2, 2]
+        assert _contributors(together([round_a, round_b])) == [2, 2]
         b_round1 = _checkpointed(db.state_dict())
-        assert _contributors(_together([round_a, round_b])) == [2, 2]
+        assert _contributors(together([round_a, round_b])) == [2, 2]
         a_round2 = _checkpointed(da.state_dict())
         for t in transports:
             t.close()
@@ -522,11 +503,11 @@ def test_a_resumed_first_peer_serves_its_checkpoint_and_an_older_checkpoint_is_c
         # The joiner then loads its own older checkpoint (round 1): its state tag comes back with it, so
         # the next round's state check finds it behind and it takes the group's state.
         db.load_state_dict(b_round1)
-        ra, rb = _together([round_a, round_b])
+        ra, rb = together([round_a, round_b])
         assert rb is None and ra is not None and ra.num_contributors == 1, (ra, rb)
         assert da.round == db.round == 3
         assert torch.equal(da.state_dict()["global"], db.state_dict()["global"])
-        assert _contributors(_together([round_a, round_b])) == [2, 2]
+        assert _contributors(together([round_a, round_b])) == [2, 2]
         assert torch.equal(da.state_dict()["global"], db.state_dict()["global"])
     finally:
         for t in transports:
@@ -553,7 +534,7 @@ def test_a_peer_without_the_secret_can_neither_contribute_nor_read(swarm):
         inside = [[torch.full((4,), 1.0)], [torch.full((4,), 3.0)]]
         outside = [[torch.full((4,), 1000.0)], [torch.full((4,), 5000.0)]]
         calls = [lambda t=t, x=x: t.all_reduce(x).wait(30) for t, x in zip(swarm[:2] + outsiders, inside + outside)]
-        results = _together(calls)
+        results = together(calls)
         assert [r.num_contributors for r in results[:2]] == [2, 2], results
         assert all(torch.equal(x[0], torch.full((4,), 2.0)) for x in inside)  # no outsider's value got in
         assert [r.num_contributors for r in results[2:]] == [1, 1]  # outsiders only ever see themselves
@@ -594,7 +575,7 @@ def test_averagers_started_at_once_can_each_be_joined_alone(swarm):
     wait out hivemind's 5 s grace period for a child that has already exited. Before forks were serialized
     this failed in 3 of 3 runs, and closing the test swarm took 5-10 s in 4 of 7."""
     for size in (11, 12, 13):
-        _together(
+        together(
             [lambda t=t, size=size: t._averager("default", size, FP32) for t in swarm]
         )  # what all_reduce does first
         for t in swarm:

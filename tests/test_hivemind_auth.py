@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import threading
 
 import pytest
 import torch
+from world import together
 
 hivemind = pytest.importorskip("hivemind")
 
@@ -24,26 +24,9 @@ FAST = {"host_maddrs": LOCAL, "matchmaking_time": 2.0, "averaging_timeout": 8.0}
 SECRET = "a-long-enough-test-secret"
 
 
-def _together(calls):
-    out: list = [None] * len(calls)
-
-    def body(i):
-        try:
-            out[i] = calls[i]()
-        except Exception as e:  # noqa: BLE001 - the test inspects it
-            out[i] = e
-
-    threads = [threading.Thread(target=body, args=(i,), daemon=True) for i in range(len(calls))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
-    return out
-
-
 def _round(peers, values):
     """One all_reduce of ``values[i]`` on ``peers[i]`` at once: the results (errors as they are)."""
-    return _together([lambda t=t, x=x: t.all_reduce(x).wait(40) for t, x in zip(peers, values)])
+    return together([lambda t=t, x=x: t.all_reduce(x).wait(40) for t, x in zip(peers, values)])
 
 
 def _honest_pair(run_id: str) -> list[HivemindTransport]:

@@ -57,41 +57,9 @@ def test_reduces_that_differ_are_never_paired_and_fail_fast_on_both_ranks(gloo, 
         assert took < 10, took  # the header's exchange, not the 30 s timeout
 
 
-def _diloco_with_a_straggler(transport, rounds: int, stall: float, timeout: float):
-    """Rank 1 stalls past the timeout in round 2's reduce, then goes on (SIGSTOP/SIGCONT, a long GC pause)."""
-    fault = Fault(rank=1, round=2, phase=Phase.WAIT, action=Action.DELAY, seconds=stall, key="diloco/round")
-    t = FaultyTransport(transport, [fault])
-    torch.manual_seed(0)
-    model = torch.nn.Linear(8, 8)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    diloco = DiLoCo(model, opt, t, DiLoCoConfig(inner_steps=1, reduce_timeout=timeout, round_retries=2))
-    start, done = time.monotonic(), []
-    for _ in range(rounds):
-        model(torch.randn(4, 8)).pow(2).mean().backward()
-        try:
-            report = diloco.step()
-        except TransportError as e:
-            return done, str(e), time.monotonic() - start
-        opt.zero_grad()
-        done.append(report.round)
-    return done, "finished", time.monotonic() - start
-
-
-def test_a_straggler_past_the_timeout_ends_in_a_clear_error_on_every_rank_never_a_silent_pairing(gloo):
-    """Before: the timed-out reduce was abandoned, the retry started a new one, the straggler's late call
-    paired with it, and every later round reported 2 contributors while the replicas differed."""
-    results = gloo.run(_diloco_with_a_straggler, 6, 6.0, 3.0, timeout=90, fresh=True)
-    assert not any(isinstance(r, RankError) for r in results), results
-    for rank, (done, error, took) in enumerate(results):
-        assert error != "finished" and len(done) < 6, (rank, done, error)  # nobody trains on past the fault
-        assert "torch.distributed" in error, error  # a clear TransportError: timed out, or the group unusable
-        assert took < 40, took
-    (done0, error0, _), (done1, _, _) = results
-    assert done0 == [1] and "unusable" in error0  # rank 0 timed out in round 2; its retries failed at once
-    assert done1 in ([1], [1, 2])  # the straggler may finish round 2 with rank 0's posted payload, no more
-
-
 def _digests_with_a_straggler(transport, rounds: int, stall: float, timeout: float):
+    """Rank 1 stalls past the timeout in round 2's reduce, then goes on (SIGSTOP/SIGCONT, a long GC pause).
+    Returns [(round, contributors, global params)] and how it ended."""
     fault = Fault(rank=1, round=2, phase=Phase.WAIT, action=Action.DELAY, seconds=stall, key="diloco/round")
     t = FaultyTransport(transport, [fault])
     torch.manual_seed(0)
@@ -108,6 +76,21 @@ def _digests_with_a_straggler(transport, rounds: int, stall: float, timeout: flo
         opt.zero_grad()
         out.append((report.round, report.num_contributors, torch.cat([p.reshape(-1) for p in diloco.global_params])))
     return out, "finished"
+
+
+def test_a_straggler_past_the_timeout_ends_in_a_clear_error_on_every_rank_never_a_silent_pairing(gloo):
+    """Before: the timed-out reduce was abandoned, the retry started a new one, the straggler's late call
+    paired with it, and every later round reported 2 contributors while the replicas differed."""
+    start = time.monotonic()
+    results = gloo.run(_digests_with_a_straggler, 6, 6.0, 3.0, timeout=90, fresh=True)
+    assert time.monotonic() - start < 60
+    assert not any(isinstance(r, RankError) for r in results), results
+    for rank, (rounds, error) in enumerate(results):
+        assert error != "finished" and len(rounds) < 6, (rank, rounds, error)  # nobody trains on past the fault
+        assert "torch.distributed" in error, error  # a clear TransportError: timed out, or the group unusable
+    (done0, error0), (done1, _) = [([r[0] for r in rounds], error) for rounds, error in results]
+    assert done0 == [1] and "unusable" in error0  # rank 0 timed out in round 2; its retries failed at once
+    assert done1 in ([1], [1, 2])  # the straggler may finish round 2 with rank 0's posted payload, no more
 
 
 def test_in_process_a_straggler_past_the_timeout_meets_the_others_retry_never_their_next_round():

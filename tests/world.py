@@ -227,3 +227,21 @@ def make_world(kind: str, world_size: int, tmpdir: str) -> ThreadWorld | GlooWor
     if kind == "hivemind":
         return HivemindWorld(world_size)
     return ThreadWorld(world_size) if kind == "inprocess" else GlooWorld(world_size, tmpdir)
+
+
+def together(calls: list[Callable[[], Any]], timeout: float = 90) -> list:
+    """Run the zero-argument ``calls`` at once (threads); return their results or exceptions."""
+    out: list = [None] * len(calls)
+
+    def body(i: int) -> None:
+        try:
+            out[i] = calls[i]()
+        except Exception as e:  # noqa: BLE001 - the test inspects it
+            out[i] = e
+
+    threads = [threading.Thread(target=body, args=(i,), daemon=True) for i in range(len(calls))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout)
+    return out
