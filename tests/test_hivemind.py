@@ -619,6 +619,7 @@ def test_an_exception_without_close_leaves_nothing_behind():
 # -- DiLoCo peers as processes: rounds, a SIGKILL mid-all-reduce, a restart ----------------------------------
 
 
+@pytest.mark.slow  # ~37 s; the churn soak (tests/test_chaos.py, also slow) kills and restarts peers 6 times
 @pytest.mark.timeout(150)
 def test_diloco_peers_agree_after_every_round_through_a_kill_and_a_restart(tmp_path):
     flag = str(tmp_path / "die")

@@ -76,6 +76,7 @@ def test_torchrun_ranks_without_a_name_share_rank_0s(tmp_path):
     ]
 
 
+@pytest.mark.slow  # ~35 s: with -m slow, to keep the default run under 10 minutes
 @pytest.mark.timeout(240)
 def test_two_hivemind_peers_on_loopback_end_with_identical_global_params(tmp_path):
     pytest.importorskip("hivemind")
