@@ -82,3 +82,11 @@ def writers(pipe: str) -> set[int]:
                 out.add(p.pid)
                 break
     return out
+
+
+def stale_sockets(paths: set[str]) -> set[str]:
+    """The socket files among ``paths`` that no live process listens on (left behind), whatever other
+    processes on the machine (another test run's hivemind peers) create meanwhile."""
+    with open("/proc/net/unix") as f:
+        bound = {line.split()[-1] for line in f.readlines()[1:] if len(line.split()) >= 8}
+    return {p for p in paths if os.path.exists(p) and p not in bound}
