@@ -44,6 +44,9 @@ from .torch_identity import Identity
 
 __all__ = ["TorchDistConfig", "TorchDistTransport"]
 
+# torch 2.13 deprecates all_gather_into_tensor (a FutureWarning in every process) for all_gather_single
+_ALL_GATHER = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
+
 logger = logging.getLogger(__name__)
 
 
@@ -148,7 +151,7 @@ class TorchDistTransport(Transport):
         header = self._identity.header(key, codec, flat.numel(), flat.device)
         gathered = torch.empty(w * header.numel(), dtype=header.dtype, device=header.device)
         try:  # the header first; wait() starts every bucket's first collective once the headers matched
-            work = dist.all_gather_into_tensor(gathered, header, group=self._group, async_op=True)
+            work = _ALL_GATHER(gathered, header, group=self._group, async_op=True)
         except RuntimeError as e:
             self._identity.broken = f"a reduce failed to start ({e})"
             raise TransportError(f"torch.distributed all_reduce failed to start: {e}") from e
