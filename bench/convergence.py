@@ -279,7 +279,6 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     common = [*protocol(steps=args.steps, inner_steps=args.inner_steps, seq_len=args.seq_len, batch=args.batch_size)]
-    common += args.overrides
     start = time.perf_counter()
     outcomes = []
     for seed in seeds:  # seed-major: after the first pass every run has one seed, for an early look
@@ -287,9 +286,8 @@ def main(argv: list[str] | None = None) -> int:
             mode, workers = RUNS[name]
             extra = [f"train.ddp_warm_start={args.warm_start}"] if mode == "diloco" and args.warm_start else []
             extra += OVERLAP.get(name, [])
-            outcomes.append(
-                run_one(name=name, mode=mode, workers=workers, seed=seed, out=out, overrides=common + extra)
-            )
+            overrides = common + extra + args.overrides  # --set wins over a run's own settings
+            outcomes.append(run_one(name=name, mode=mode, workers=workers, seed=seed, out=out, overrides=overrides))
     text, agg = table(outcomes, names)
     checks = verdicts(agg)
     header = (
