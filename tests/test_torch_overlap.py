@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import gc
 import os
 import threading
 import time
@@ -80,6 +81,7 @@ def test_a_reduce_completes_while_its_caller_is_busy_and_never_waits(gloo, wire,
 
 
 def _keys_and_a_broadcast_in_flight(transport):
+    before = _comm_threads()
     t = TorchDistTransport(bucket_mb=0.001)
     a, b = _contribution(t.rank, seed=1), _contribution(t.rank, seed=2)
     handle_a = t.all_reduce(a, codec=codec_for("int8", 256), key="fragment/0")
@@ -87,16 +89,17 @@ def _keys_and_a_broadcast_in_flight(transport):
     state = [torch.full((4,), float(t.rank)), torch.arange(3) * (t.rank + 1)]
     t.broadcast(state, src=1, timeout=30)  # queued behind both reduces: never between their collectives
     results = [handle_a.wait(30), handle_b.wait(30)]
-    t.close()
+    del t, handle_a, handle_b  # dropped without close(): its thread stops all the same
+    gc.collect()
     flat = [torch.cat([v.reshape(-1) for v in x]) for x in (a, b)]
-    return flat, state, [r.num_contributors for r in results]
+    return flat, state, [r.num_contributors for r in results], _left(before)
 
 
 def test_two_keys_and_a_broadcast_in_flight_keep_their_order(gloo):
     results = gloo.run(_keys_and_a_broadcast_in_flight)
     assert not any(isinstance(r, RankError) for r in results), results
-    for (a, b), state, contributors in results:
-        assert contributors == [2, 2]
+    for (a, b), state, contributors, left in results:
+        assert contributors == [2, 2] and left == []
         assert torch.equal(a, _reference(2, codec_for("int8", 256), seed=1))
         torch.testing.assert_close(b, _reference(2, codec_for("fp32"), seed=2), rtol=1e-6, atol=1e-6)
         assert torch.equal(state[0], torch.full((4,), 1.0)) and torch.equal(state[1], torch.arange(3) * 2)

@@ -32,6 +32,7 @@ from __future__ import annotations
 import functools
 import logging
 import time
+import weakref
 from collections.abc import Iterator, Sequence
 
 import torch
@@ -108,6 +109,7 @@ class TorchDistTransport(Transport):
         self._buffers: dict[str, _Buffers] = {}  # per reduce key
         self._identity = Identity()
         self._comm = CommThread(f"diloco-torch-comm-{self._rank}")  # every collective, in call order
+        weakref.finalize(self, self._comm.close)  # a transport dropped without close() stops its thread too
         self.own_timeout = timeout
 
     @property

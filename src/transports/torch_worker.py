@@ -7,8 +7,9 @@ of a background job's. A reduce thus runs to completion while its caller trains 
 waits for it.
 
 A job whose caller gave up on it (its wait timed out) or whose transport closed is cancelled: it issues
-no further collective and touches the caller's tensors no more, from the moment its current wait ends
-(at once for collectives that have a future, within the process group's timeout for point-to-point ones).
+no further collective and no more arithmetic on the caller's tensors (collectives already posted may still
+complete) from the moment its current wait ends (at once for collectives that have a future, within the
+process group's timeout for point-to-point ones).
 """
 
 from __future__ import annotations
@@ -101,10 +102,14 @@ class CommThread:
             self._queue.put(job)
 
     def _loop(self) -> None:
-        while (job := self._queue.get()) is not None:
+        while True:
+            job = self._queue.get()
+            if job is None:
+                return
             job.run()
             with self._lock:
                 self._jobs.discard(job)
+            del job  # its tensors are the caller's handle's to keep, not this thread's
 
     def close(self, timeout: float = 5.0) -> None:
         """Cancel every job not yet done and stop the thread (waiting at most ``timeout`` seconds for it: a
@@ -116,7 +121,8 @@ class CommThread:
             job.cancel("transport is closed")
         if thread is not None:
             self._queue.put(None)
-            thread.join(timeout)
+            if thread is not threading.current_thread():  # a transport collected in this thread closes it too
+                thread.join(timeout)
 
 
 @contextlib.contextmanager
