@@ -18,17 +18,21 @@ piece encodes exactly as its part of the whole contribution: the mean is the ref
 contributor's own ``decode(encode(x))`` is what its peers decoded (error feedback relies on it).
 
 Buffers are kept per reduce key; reduces with different keys may be in flight at once, started and
-waited for in the same order on every rank. Each reduce first exchanges an identity header, and its
-payload starts in ``wait()`` once every rank's header matched; a failed reduce leaves the group unusable
-(``torch_identity``).
+waited for in the same order on every rank. A reduce runs in the transport's communication thread
+(``torch_worker``), in the background from ``all_reduce`` on: it first exchanges an identity header, its
+payload starts once every rank's header matched, and its result is in the caller's tensors when the job
+ends; ``wait()`` only waits for that. Broadcasts go through the same thread, so collectives keep the order
+of the calls. A failed reduce leaves the group unusable (``torch_identity``). While a reduce is in flight,
+nothing else may issue collectives on the same process group from another thread (give DDP or other
+users their own group).
 """
 
 from __future__ import annotations
 
-import datetime
 import functools
 import logging
 import time
+import weakref
 from collections.abc import Iterator, Sequence
 
 import torch
@@ -39,8 +43,9 @@ from diloco_core.transport import ReduceHandle, Transport, TransportError
 from diloco_core.wire import mean_of_payloads
 
 from .torch_group import BACKEND_DEVICE, TorchDistConfig, init_process_group
-from .torch_handle import TorchReduce, transport_error
+from .torch_handle import TorchReduce, finish, transport_error
 from .torch_identity import Identity
+from .torch_worker import CommThread, Job, on_stream
 
 __all__ = ["TorchDistConfig", "TorchDistTransport"]
 
@@ -103,6 +108,8 @@ class TorchDistTransport(Transport):
         self._closed = False
         self._buffers: dict[str, _Buffers] = {}  # per reduce key
         self._identity = Identity()
+        self._comm = CommThread(f"diloco-torch-comm-{self._rank}")  # every collective, in call order
+        weakref.finalize(self, self._comm.close)  # a transport dropped without close() stops its thread too
         self.own_timeout = timeout
 
     @property
@@ -150,16 +157,12 @@ class TorchDistTransport(Transport):
         parts = flat.split(max(codec.block, self._bucket_numel // codec.block * codec.block))
         header = self._identity.header(key, codec, flat.numel(), flat.device)
         gathered = torch.empty(w * header.numel(), dtype=header.dtype, device=header.device)
-        try:  # the header first; wait() starts every bucket's first collective once the headers matched
-            work = _ALL_GATHER(gathered, header, group=self._group, async_op=True)
-        except RuntimeError as e:
-            self._identity.broken = f"a reduce failed to start ({e})"
-            raise TransportError(f"torch.distributed all_reduce failed to start: {e}") from e
         buffers.busy = True
         sent = sum(self._bytes_out(b.numel(), codec) for b in parts)  # payloads (the header's 32 bytes aside)
-        return TorchReduce(
+        handle = TorchReduce(
             lambda: [bucket_fn(b, buffers=buffers, index=i) for i, b in enumerate(parts)],
-            header=(work, gathered, lambda g: self._identity.check(g, self._rank)),
+            start_header=lambda: (_ALL_GATHER(gathered, header, group=self._group, async_op=True), gathered),
+            check_header=lambda g: self._identity.check(g, self._rank),
             identity=self._identity,
             tensors=tensors,
             flat=flat,
@@ -167,7 +170,14 @@ class TorchDistTransport(Transport):
             sent=sent,
             start=start,
             release=lambda: setattr(buffers, "busy", False),
+            stream=_caller_stream(flat),
         )
+        try:
+            self._comm.submit(handle.job)
+        except TransportError:
+            buffers.busy = False
+            raise
+        return handle
 
     def _bytes_out(self, numel: int, codec: Codec) -> int:
         w = self._size
@@ -224,20 +234,38 @@ class TorchDistTransport(Transport):
         tensors = self._check(tensors)
         if not 0 <= src < self._size:
             raise ValueError(f"src={src!r} is invalid: expected a rank in [0, {self._size - 1}]")
-        deadline = time.monotonic() + timeout
-        try:
-            works = [dist.broadcast(t, self._global_rank(src), group=self._group, async_op=True) for t in tensors]
-            for work in works:
-                left = deadline - time.monotonic()
-                if left <= 0 or not work.wait(timeout=datetime.timedelta(seconds=left)):
-                    raise TransportError(f"torch.distributed broadcast did not finish within {timeout:g}s")
-        except RuntimeError as e:
-            self._identity.broken = f"a broadcast failed ({e})"
-            raise transport_error("broadcast", e, timeout, deadline) from e
-        except TransportError as e:
-            self._identity.broken = f"a broadcast failed ({e})"
-            raise
+        stream = _caller_stream(tensors[0]) if tensors else None
+
+        def run(job: Job) -> None:
+            job.check()  # cancelled while queued (the transport closed)
+            self._identity.check_usable()  # an earlier job failed: issue nothing
+            job.stage = "payload"
+            try:
+                with on_stream(stream):
+                    works = [
+                        dist.broadcast(t, self._global_rank(src), group=self._group, async_op=True) for t in tensors
+                    ]
+                    for work in works:
+                        job.await_work(work)
+            except TransportError as e:
+                self._identity.broken = self._identity.broken or f"a broadcast failed ({e})"
+                raise
+            except RuntimeError as e:
+                error = transport_error("broadcast", e)
+                self._identity.broken = self._identity.broken or f"a broadcast failed ({error})"
+                raise error from e
+
+        job = Job(run)
+        self._comm.submit(job)
+        finish(job, timeout, what="broadcast", identity=self._identity)
 
     def close(self) -> None:
-        """Mark the transport closed; the process group stays its creator's to destroy."""
+        """Mark the transport closed and stop its communication thread (a reduce in flight is cancelled); the
+        process group stays its creator's to destroy."""
         self._closed = True
+        self._comm.close()
+
+
+def _caller_stream(t: torch.Tensor) -> torch.cuda.Stream | None:
+    """The calling thread's current stream on ``t``'s GPU, for the job's kernels and collectives."""
+    return torch.cuda.current_stream(t.device) if t.is_cuda else None

@@ -1,8 +1,9 @@
-"""A reduce in flight on the torch transport: its identity header checked first, then its buckets driven."""
+"""A reduce on the torch transport: a job of its communication thread (``torch_worker``) that checks the
+reduce's identity header (``torch_identity``), then drives its buckets and puts the result in place; the
+handle's ``wait`` only waits for that job."""
 
 from __future__ import annotations
 
-import datetime
 import itertools
 import time
 from collections.abc import Callable, Iterator
@@ -13,20 +14,25 @@ import torch
 from diloco_core.transport import ReduceHandle, ReduceResult, TransportError
 
 from .torch_identity import Identity
+from .torch_worker import Job, on_stream
 
-__all__ = ["TorchReduce", "transport_error"]
+__all__ = ["TorchReduce", "finish", "transport_error"]
+
+_NOUN = {"all_reduce": "a reduce", "broadcast": "a broadcast"}
 
 
 class TorchReduce(ReduceHandle):
-    """Checks the reduce's identity header (``torch_identity``), then drives the reduce bucket by bucket.
-    Each bucket is a generator that yields the works it needs finished before its next piece of fp32
-    arithmetic, so later buckets stay on the wire meanwhile. Any failure leaves the group unusable."""
+    """The job (``run``): the header's all-gather, then every bucket's first collective at once, each bucket a
+    generator that yields the works it needs finished before its next piece of fp32 arithmetic, so later
+    buckets stay on the wire meanwhile; then the result copied into the caller's tensors. Any failure
+    leaves the group unusable."""
 
     def __init__(
         self,
         start_buckets: Callable[[], list[Iterator[list]]],
         *,
-        header: tuple[Any, torch.Tensor, Callable[[torch.Tensor], None]],
+        start_header: Callable[[], tuple[Any, torch.Tensor]],
+        check_header: Callable[[torch.Tensor], None],
         tensors: list[torch.Tensor],
         flat: torch.Tensor,
         n: int,
@@ -34,47 +40,70 @@ class TorchReduce(ReduceHandle):
         start: float,
         release: Callable[[], None],
         identity: Identity,
+        stream: torch.cuda.Stream | None,
     ) -> None:
-        self._start_buckets, self._header, self._tensors, self._flat = start_buckets, header, tensors, flat
-        self._n, self._sent, self._start, self._release, self._identity = n, sent, start, release, identity
+        self._start_buckets, self._start_header, self._check_header = start_buckets, start_header, check_header
+        self._tensors, self._flat, self._n, self._sent, self._start = tensors, flat, n, sent, start
+        self._release, self._identity, self._stream = release, identity, stream
+        self.job = Job(self._run)
 
     def wait(self, timeout: float) -> ReduceResult:
+        return finish(self.job, timeout, what="all_reduce", identity=self._identity)
+
+    def _run(self, job: Job) -> ReduceResult:
         try:
-            return self._finish(timeout)
+            job.check()  # cancelled while queued (the transport closed)
+            self._identity.check_usable()  # an earlier job failed: issue nothing
+            with on_stream(self._stream):
+                job.stage = "header"
+                work, gathered = self._start_header()
+                job.await_work(work)
+                self._check_header(gathered)
+                job.stage = "payload"
+                for bucket in [_started(b) for b in self._start_buckets()]:  # every bucket's first collective
+                    for works in bucket:
+                        for w in works:
+                            job.await_work(w)
+                if self._flat.data_ptr() != self._tensors[0].data_ptr() or len(self._tensors) > 1:
+                    _unflatten(self._flat, self._tensors)
+            return ReduceResult(self._n, self._sent, self._sent, time.perf_counter() - self._start)
         except TransportError as e:
-            if self._identity.broken is None:
-                self._identity.broken = f"a reduce failed ({e})"
+            self._mark_broken(e)
             raise
+        except RuntimeError as e:  # gloo/NCCL report a dead peer or a timeout as RuntimeError
+            error = transport_error("all_reduce", e)
+            self._mark_broken(error)
+            raise error from e
         finally:
             self._release()  # the key's cached buffers are free for its next reduce
 
-    def _finish(self, timeout: float) -> ReduceResult:
-        deadline = time.monotonic() + timeout
-        try:
-            work, gathered, check = self._header
-            if not work.wait(timeout=datetime.timedelta(seconds=max(deadline - time.monotonic(), 0.001))):
-                raise TransportError(
-                    f"torch.distributed all_reduce did not start within {timeout:g}s (no peer's header)"
-                )
-            check(gathered)
-            for bucket in [_started(b) for b in self._start_buckets()]:  # every bucket's first collective, now
-                for works in bucket:
-                    for w in works:
-                        left = deadline - time.monotonic()
-                        if left <= 0 or not w.wait(timeout=datetime.timedelta(seconds=left)):
-                            raise TransportError(f"torch.distributed all_reduce did not finish within {timeout:g}s")
-        except TransportError:
-            raise
-        except RuntimeError as e:  # gloo/NCCL report a dead peer or a timeout as RuntimeError
-            raise transport_error("all_reduce", e, timeout, deadline) from e
-        if self._flat.data_ptr() != self._tensors[0].data_ptr() or len(self._tensors) > 1:
-            _unflatten(self._flat, self._tensors)
-        return ReduceResult(self._n, self._sent, self._sent, time.perf_counter() - self._start)
+    def _mark_broken(self, e: TransportError) -> None:
+        if self._identity.broken is None:
+            self._identity.broken = f"a reduce failed ({e})"
 
 
-def transport_error(what: str, e: RuntimeError, timeout: float, deadline: float) -> TransportError:
-    if time.monotonic() >= deadline - 0.01 or "timed out" in str(e).lower():
-        return TransportError(f"torch.distributed {what} did not finish within {timeout:g}s: {e}")
+def finish(job: Job, timeout: float, *, what: str, identity: Identity) -> Any:
+    """Wait up to ``timeout`` seconds for ``job`` and return its value. A job that did not finish is cancelled
+    and leaves the group unusable: its collectives may still be posted here or on other ranks."""
+    if not job.done.wait(timeout):
+        if job.stage == "header":
+            error = TransportError(f"torch.distributed {what} did not start within {timeout:g}s (no peer's header)")
+        elif job.stage == "queued":
+            error = TransportError(
+                f"torch.distributed {what} did not start within {timeout:g}s (an earlier collective still running)"
+            )
+        else:
+            error = TransportError(f"torch.distributed {what} did not finish within {timeout:g}s")
+        if identity.broken is None:
+            identity.broken = f"{_NOUN[what]} failed ({error})"
+        job.cancel(f"torch.distributed {what} was given up ({error})")
+        raise error
+    return job.outcome()
+
+
+def transport_error(what: str, e: RuntimeError) -> TransportError:
+    if "timed out" in str(e).lower():
+        return TransportError(f"torch.distributed {what} did not finish within the process group's timeout: {e}")
     return TransportError(f"torch.distributed {what} failed (a peer died or left?): {e}")
 
 
