@@ -11,14 +11,17 @@ and a joiner that differs refuses itself.
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from .codec import FP32
 from .transport import Transport
 
-__all__ = ["check_settings", "differs_anywhere", "rank0s"]
+if TYPE_CHECKING:
+    from .diloco import DiLoCo
+
+__all__ = ["check_settings", "differs_anywhere", "rank0s", "settings_of"]
 
 
 def rank0s(transport: Transport, value: Any, *, timeout: float, device: torch.device) -> Any:
@@ -58,3 +61,24 @@ def check_settings(transport: Transport, settings: dict[str, Any], *, timeout: f
             f"another rank's DiLoCo settings differ from rank 0's in {', '.join(named)} (rank 0's values); "
             "every worker must use the same"
         )
+
+
+def settings_of(d: DiLoCo) -> dict[str, Any]:
+    """What every worker of ``d`` must agree on: the round's schedule, the outer step, how pseudo-gradients
+    travel, the guard and the overlap."""
+    c = d.config
+    block = d.codec.block if d.codec.elementwise_dtype is None else None  # cast wires have none
+    return {
+        "inner_steps": c.inner_steps,
+        "outer_lr": d.outer_lr,
+        "outer_momentum": c.outer_momentum,
+        "nesterov": c.nesterov,
+        "wire_dtype": d.codec.name,
+        "codec_block": block,
+        "error_feedback": d.fragments[0].feedback.on,
+        "norm_clip": c.norm_clip,
+        "overlap": c.overlap,
+        "fragments": len(d.fragments),
+        "overlap_steps": c.overlap_steps,
+        "merge_alpha": c.merge_alpha,
+    }

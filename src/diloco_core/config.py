@@ -9,7 +9,12 @@ from typing import Any
 
 from .codec import CODECS, check_block
 
-__all__ = ["DiLoCoConfig", "check_field", "from_mapping", "is_finite_number", "outer_lr_for"]
+__all__ = ["OVERLAP_MODES", "DiLoCoConfig", "check_field", "from_mapping", "is_finite_number", "outer_lr_for"]
+
+OVERLAP_MODES = ("none", "streaming", "eager")
+"""How a round's reduce meets training (docs/overlap.md): ``none`` blocks; ``streaming`` syncs the model's
+fragments one after another, each reduce behind ``overlap_steps`` inner steps; ``eager`` runs the whole
+round's reduce behind the next ``inner_steps`` and applies this worker's fresh pseudo-gradient at once."""
 
 
 def check_field(name: str, value: object, ok: bool, valid: str) -> None:
@@ -67,6 +72,16 @@ class DiLoCoConfig:
     norm_clip: float | None = None
     """The norm guard (``diloco_core.guard``): clip each worker's pseudo-gradient, and the round's mean, to
     this many times their norms in the last round it did not clip. Unset: off. A number > 1 (e.g. 4)."""
+    overlap: str = "none"
+    """One of ``OVERLAP_MODES``: ``none`` (every worker waits for the round's mean), ``streaming`` or ``eager``."""
+    fragments: int = 1
+    """Streaming: P, the fragments synchronized one after another, every ``inner_steps // P`` steps (strided
+    blocks of the model: block i in fragment i % P; an integer in [1, inner_steps])."""
+    overlap_steps: int = 0
+    """Streaming: tau, inner steps a fragment's reduce runs behind before its outer step is applied (an integer
+    in [0, inner_steps - 1]; 0 waits at once)."""
+    merge_alpha: float = 0.0
+    """Streaming: a synced fragment becomes ``alpha * local + (1 - alpha) * global`` (0: the global params)."""
     global_device: str = "cpu"
     """Where the fp32 global copy and the outer optimizer state live (CPU saves accelerator memory)."""
 
@@ -87,6 +102,7 @@ class DiLoCoConfig:
         check_field("round_retries", r, isinstance(r, int) and not isinstance(r, bool) and r >= 0, "an integer >= 0")
         k = self.norm_clip
         check_field("norm_clip", k, k is None or (is_finite_number(k) and k > 1), "a finite number > 1 (or unset)")
+        self._check_overlap()
         check_field("global_device", self.global_device, isinstance(self.global_device, str), "a torch device string")
         try:
             import torch
@@ -94,6 +110,20 @@ class DiLoCoConfig:
             torch.device(self.global_device)
         except RuntimeError as e:
             raise ValueError(f"global_device={self.global_device!r} is invalid: {e}") from None
+
+    def _check_overlap(self) -> None:
+        mode, h, p, tau, alpha = self.overlap, self.inner_steps, self.fragments, self.overlap_steps, self.merge_alpha
+        check_field("overlap", mode, mode in OVERLAP_MODES, f"one of {list(OVERLAP_MODES)}")
+        is_int = isinstance(p, int) and not isinstance(p, bool)
+        check_field("fragments", p, is_int and 1 <= p <= h, f"an integer in [1, inner_steps={h}]")
+        is_int = isinstance(tau, int) and not isinstance(tau, bool)
+        check_field("overlap_steps", tau, is_int and 0 <= tau < h, f"an integer in [0, inner_steps - 1 = {h - 1}]")
+        check_field("merge_alpha", alpha, is_finite_number(alpha) and 0 <= alpha <= 1, "a number in [0, 1]")
+        if mode != "streaming" and (p, tau, alpha) != (1, 0, 0):
+            raise ValueError(
+                f"fragments={p}, overlap_steps={tau}, merge_alpha={alpha:g} are streaming's settings: "
+                f"set overlap='streaming' or leave them at 1, 0, 0 (overlap={mode!r})"
+            )
 
 
 def from_mapping(cls: type, section: Mapping[str, Any], where: str) -> Any:

@@ -4,19 +4,24 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable, Sequence
+from dataclasses import replace
 from typing import Any
 
 import torch
 
-from .agreement import check_settings
+from .agreement import check_settings, settings_of
 from .codec import codec_for
 from .config import DiLoCoConfig, outer_lr_for
-from .feedback import ErrorFeedback
-from .flat import FlatBuffer, local_of, norm_of
-from .guard import ContributionGuard
+from .diloco_state import load_state, state_of
+from .eager import Eager, eager_flush, eager_round
+from .flat import FlatBuffer, local_of
+from .fragment import Fragment, cut
+from .guard import reset_if_nonfinite
 from .model_state import ModelState
-from .report import PendingRound, RoundReport, log_round
+from .report import PendingRound, RoundReport, log_round, report_of
 from .run_state import RunState
+from .streaming import begins_at, strided_fragments, user_fragments
 from .transport import StateReplaced, Transport, TransportError
 
 __all__ = ["DiLoCo", "PendingRound", "RoundReport"]
@@ -45,6 +50,11 @@ class DiLoCo:
     the transport loaded the group's state into it), ``step()`` returns None and training goes on.
     The inner optimizer's state is kept across rounds and never communicated.
 
+    Overlap (``config.overlap``, docs/overlap.md): ``streaming`` cuts the model into ``fragments`` synced one
+    after another (``diloco_core.streaming``), each reduce running behind ``overlap_steps`` inner steps;
+    ``eager`` runs each round's reduce behind the next ``inner_steps`` (``diloco_core.eager``). Call
+    ``flush()`` at the end of training to apply what is still in flight.
+
     FSDP2 islands: a model sharded by ``fully_shard`` has DTensor parameters; DiLoCo works on each one's
     local shard (``local``), so its transport's group must be the ranks holding the same shards, one per
     island (``transports.islands.island_transport`` builds it from a DeviceMesh and checks the layout).
@@ -56,7 +66,11 @@ class DiLoCo:
         inner_optimizer: torch.optim.Optimizer,
         transport: Transport,
         config: DiLoCoConfig,
+        *,
+        fragments: Sequence[Sequence[str]] | None = None,
     ) -> None:
+        """``fragments`` (streaming): the trainable parameters' names of each fragment, instead of strided
+        blocks (``diloco_core.streaming``)."""
         self.model, self.inner_optimizer, self.transport, self.config = model, inner_optimizer, transport, config
         own = transport.own_timeout
         if own is not None and own > config.reduce_timeout:
@@ -64,6 +78,11 @@ class DiLoCo:
                 f"reduce_timeout={config.reduce_timeout:g} is shorter than the transport's own timeout ({own:g}s): "
                 f"the core would give up on reduces the transport still runs; set reduce_timeout >= {own:g} "
                 "or lower the transport's timeout"
+            )
+        if config.overlap != "none" and not transport.fixed_ranks:
+            raise ValueError(
+                f"overlap={config.overlap!r} needs a transport with fixed ranks (in-process, torch): where peers come "
+                "and go (hivemind) it is not built yet; use overlap='none'"
             )
         self.params = [p for p in model.parameters() if p.requires_grad]
         if not self.params:
@@ -75,23 +94,22 @@ class DiLoCo:
         self.inner_step, self.round = 0, 0
         self.codec = codec_for(config.wire_dtype, config.codec_block)
         """How pseudo-gradients travel (``config.wire_dtype`` names it)."""
-        self.reduce_key = "diloco/round"
-        """The key of every round's reduce (a transport keeps its buffers per key)."""
-
-        self._global = FlatBuffer(self.local, config.global_device)
-        numel = self._global.flat.numel()
-        self.guard = ContributionGuard(
-            self.codec, norm_clip=config.norm_clip, numel=numel, compare=transport.fixed_ranks
+        names = self.model_state.names
+        groups = (
+            user_fragments(names, fragments, config.fragments)
+            if fragments is not None
+            else strided_fragments(model, self.params, config.fragments)
         )
-        """Leaves out non-finite contributions; with ``norm_clip``, clips outliers (``diloco_core.guard``)."""
-        # After the pseudo-gradient, each in a codec block of its own (zeros pad up to it): the valid flag and
-        # this worker's pseudo-gradient RMS, averaged in the same reduce (on the scale of the values, so they
-        # survive the wire).
-        self._pseudo_grad = FlatBuffer(self.local, config.global_device, extra=self.guard.tail_size)
-        fed, on = self._global.flat.numel(), config.error_feedback
-        self._feedback = ErrorFeedback(self.codec, self._pseudo_grad.flat, fed=fed, on=on)
-        self._global_param = torch.nn.Parameter(self._global.flat, requires_grad=False)
-        self._global_param.grad = self._pseudo_grad.body
+        self._order = [i for g in groups for i in g]  # the global copy holds the fragments one after another
+        self._global = FlatBuffer([self.local[i] for i in self._order], config.global_device)
+        self.fragments = cut(
+            groups, self.local, self._global, codec=self.codec, config=config, compare=transport.fixed_ranks
+        )
+        """The parts synchronized on their own, each a slice of the global copy (one unless streaming)."""
+        self.guard = self.fragments[0].guard
+        """The first fragment's contribution guard (``diloco_core.guard``; the only one unless streaming)."""
+        self.reduce_key = self.fragments[0].key
+        """The key of a round's reduce (a transport keeps its buffers per key; streaming: one per fragment)."""
         momentum = config.outer_momentum
         self.outer_lr = config.outer_lr if config.outer_lr is not None else outer_lr_for(transport.world_size, momentum)
         """The outer SGD's learning rate: ``config.outer_lr``, or the rule's for the transport's world size."""
@@ -102,62 +120,72 @@ class DiLoCo:
                 self.outer_lr,
                 transport.world_size,
             )
+        nesterov = config.nesterov and momentum > 0
         self.outer_optimizer = torch.optim.SGD(
-            [self._global_param],
+            [f.param for f in self.fragments],
             lr=self.outer_lr,
             momentum=momentum,
-            nesterov=config.nesterov and momentum > 0,
+            nesterov=nesterov,
             fused=True,  # one pass over the flat buffer instead of three (and no temporary the size of the model)
         )
+        self._pending: list[PendingRound] = []
+        """Reduces in flight (overlap), in the order they began."""
         with torch.no_grad():
-            check_settings(transport, self._settings(), timeout=config.reduce_timeout, device=self._global.flat.device)
+            check_settings(transport, settings_of(self), timeout=config.reduce_timeout, device=self._global.flat.device)
             self.model_state.check_same(transport, config.reduce_timeout)
-            self._global.copy_from(self.local)
+            self._global.copy_from([self.local[i] for i in self._order])
             self.model_state.before_broadcast()
             transport.broadcast([self._global.flat, *self.model_state.shared], src=0, timeout=config.reduce_timeout)
-            self._global.copy_to(self.local)
+            self._global.copy_to([self.local[i] for i in self._order])
             self.model_state.after_broadcast()
+        self.eager = (
+            Eager(self._global.flat, lr=self.outer_lr, momentum=momentum, nesterov=nesterov)
+            if config.overlap == "eager"
+            else None
+        )
+        """Eager updates' own outer parameters and share in flight (``diloco_core.eager``); None otherwise."""
         self.run_state = RunState(self)
         """The outer state a transport whose peers come and go serves to joiners (``Transport.attach``)."""
         self.joined = transport.attach(self.run_state, timeout=config.reduce_timeout)
         """True if this worker joined a run already going: global params, outer momentum and round came
         from its peers (only transports whose peers come and go do that)."""
 
-    def _settings(self) -> dict[str, Any]:
-        """What every worker must agree on (``agreement.check_settings``): the round's schedule, the outer
-        step, how pseudo-gradients travel and the guard."""
-        c = self.config
-        block = self.codec.block if self.codec.elementwise_dtype is None else None  # cast wires have none
-        return {
-            "inner_steps": c.inner_steps,
-            "outer_lr": self.outer_lr,
-            "outer_momentum": c.outer_momentum,
-            "nesterov": c.nesterov,
-            "wire_dtype": self.codec.name,
-            "codec_block": block,
-            "error_feedback": self._feedback.on,
-            "norm_clip": c.norm_clip,
-        }
-
     @property
     def reduce_numel(self) -> int:
-        """Values in one round's all-reduce: the pseudo-gradient, zeros up to a codec block, one diagnostic value."""
-        return self._pseudo_grad.flat.numel()
+        """Values a worker sends per H steps: pseudo-gradient, zeros up to a codec block, the guard's tail (per fragment)."""
+        return sum(f.reduce.flat.numel() for f in self.fragments)
 
     @property
     def global_params(self) -> list[torch.Tensor]:
         """The fp32 global copy, one view per trainable parameter's ``local`` tensor (read only, please)."""
-        return self._global.views
+        views: list[torch.Tensor] = [torch.empty(0)] * len(self.local)
+        for pos, i in enumerate(self._order):
+            views[i] = self._global.views[pos]
+        return views
 
     def step(self) -> RoundReport | None:
-        """Step the inner optimizer; on every ``inner_steps``-th call also run an outer round."""
+        """Step the inner optimizer; at the steps the overlap mode says, begin or finish an outer round
+        (``none``: every ``inner_steps``-th step runs a whole round)."""
         self.inner_optimizer.step()
         self.inner_step += 1
-        if self.inner_step % self.config.inner_steps:
-            return None
+        s, c = self.inner_step, self.config
+        if c.overlap == "eager":
+            return None if s % c.inner_steps else self._with_retries(lambda retry: eager_round(self, retry))
+        report = None
+        for fragment in [p.fragment for p in self._pending if p.finish_at == s]:
+            report = self._with_retries(lambda retry, fragment=fragment: self._finish_scheduled(fragment, retry))
+        p = begins_at(s, inner_steps=c.inner_steps, fragments=len(self.fragments))
+        if p is not None and c.overlap_steps == 0:
+            report = self._with_retries(lambda retry: self.finish_round(self.begin_round(fragment=p)))
+        elif p is not None:
+            self._pending.append(replace(self.begin_round(fragment=p), finish_at=s + c.overlap_steps))
+        return report
+
+    def _with_retries(self, run: Callable[[bool], RoundReport]) -> RoundReport | None:
+        """``run(retry)``, again (``retry=True``) after a ``TransportError``, up to ``round_retries`` times."""
         for attempt in range(self.config.round_retries + 1):
             try:
-                return self.sync()
+                return run(attempt > 0)
             except StateReplaced as e:  # the transport loaded the group's state: nothing to retry
                 logger.warning("this round was dropped (%s); continuing from round %d", e, self.round)
                 return None
@@ -173,32 +201,34 @@ class DiLoCo:
                 )
         raise AssertionError("unreachable")
 
+    def _finish_scheduled(self, fragment: int, retry: bool) -> RoundReport:
+        """A streamed fragment's outer step, ``overlap_steps`` after its reduce began; a retry after its reduce
+        failed takes its pseudo-gradient afresh and waits for it (every worker retries at the same step)."""
+        pending = next(p for p in self._pending if p.fragment == fragment)
+        if retry and pending.settled is None:
+            self._pending = [p for p in self._pending if p is not pending]
+            pending = self.begin_round(fragment=fragment)
+        return self.finish_round(pending)
+
     @torch.no_grad()
     def sync(self) -> RoundReport:
-        """Run one outer round now (phases 1-4 of the class docstring): ``begin_round`` + ``finish_round``."""
+        """Run one outer round of the first fragment now (blocking: the whole model): ``begin_round`` +
+        ``finish_round``."""
         return self.finish_round(self.begin_round())
 
     @torch.no_grad()
-    def begin_round(self) -> PendingRound:
-        """Phases 1-2 of a round: compute this worker's pseudo-gradient and start its reduce. The model may
-        train on meanwhile (the reduce reads a copy), though ``finish_round`` then sets it to the new global
-        params; nothing else changes until ``finish_round``. A pseudo-gradient the guard refuses (NaN,
-        infinite, out of the wire's range) is sent as zeros, flagged not valid (``diloco_core.guard``)."""
+    def begin_round(self, fragment: int = 0) -> PendingRound:
+        """Phases 1-2 of a round of ``fragment``: compute this worker's pseudo-gradient and start its reduce.
+        The model may train on meanwhile (the reduce reads a copy); nothing else changes until
+        ``finish_round``. A pseudo-gradient the guard refuses (NaN, infinite, out of the wire's range) is sent
+        as zeros, flagged not valid (``diloco_core.guard``)."""
         start = time.perf_counter()
         self.model_state.check_trainable()
-        pg, flat = self._pseudo_grad.body, self._pseudo_grad.flat
-        self._pseudo_grad.copy_from(self.local)
-        torch.sub(self._global.flat, pg, out=pg)
-        local_norm = norm_of(pg)
-        excluded, clipped, sent_norm = self.guard.admit(pg, local_norm)
-        if not excluded:
-            try:
-                self._feedback.feed(flat)  # the norm is the pseudo-gradient's own, without the residual
-            except ValueError:  # with the residual, past what the wire carries (fp16)
-                excluded = True
-        self.guard.mark(flat, excluded=excluded, norm=sent_norm, global_flat=self._global.flat)
-        handle = self.transport.all_reduce([flat], codec=self.codec, key=self.reduce_key)
-        buffers = self.model_state.begin(self.transport)
+        f = self.fragments[fragment]
+        local_norm, excluded, clipped, sent_norm = f.pseudo_gradient()
+        handle, excluded = f.send(self.transport, excluded=excluded, norm=sent_norm)
+        last = fragment == len(self.fragments) - 1  # the buffers travel once per H steps, with the last fragment
+        buffers = self.model_state.begin(self.transport) if last else None
         return PendingRound(
             round=self.round + 1,
             handle=handle,
@@ -207,93 +237,64 @@ class DiLoCo:
             buffers=buffers,
             excluded=excluded,
             clipped=clipped,
+            fragment=fragment,
+            sent_norm=sent_norm,
         )
+
+    def _settle(self, pending: PendingRound) -> PendingRound:
+        """Wait for a reduce in flight and put its mean in place (not yet used); idempotent."""
+        if pending.settled is not None:
+            return pending
+        result = self.model_state.wait(pending.handle, pending.buffers, timeout=self.config.reduce_timeout)
+        f = self.fragments[pending.fragment]
+        settled = replace(pending, settled=f.settle(result, excluded=pending.excluded))
+        self._pending = [settled if p is pending else p for p in self._pending]
+        return settled
 
     @torch.no_grad()
     def finish_round(self, pending: PendingRound) -> RoundReport:
-        """Phases 2-4: wait for the mean, take the outer step, copy the new global params into the model.
-        If the reduce raises ``TransportError`` nothing has changed (call ``begin_round`` again)."""
-        if pending.round != self.round + 1:
+        """Phases 2-4: wait for the mean, take the fragment's outer step, and set the fragment's tensors of the
+        model to the new global params (streaming: ``merge_alpha`` of them stays local). If the reduce raises
+        ``TransportError`` nothing has changed (call ``begin_round`` again)."""
+        if not any(p is pending for p in self._pending) and pending.round != self.round + 1:
             raise ValueError(f"pending round {pending.round} cannot finish: this worker is at round {self.round}")
-        result = self.model_state.wait(pending.handle, pending.buffers, timeout=self.config.reduce_timeout)
-        valid, contributors_norm = self.guard.settle(self._pseudo_grad.flat, result.num_contributors)
-        if not pending.excluded:  # an excluded worker still owes the residual it had
-            self._feedback.commit()
-        pg = self._pseudo_grad.body
-        mean_norm, mean_clipped = norm_of(pg), False
-        if valid:
-            mean_clipped, mean_norm = self.guard.clip_mean(pg, mean_norm=mean_norm, contributors_norm=contributors_norm)
-            self.outer_optimizer.step()
-        self._global.copy_to(self.local)
+        pending = self._settle(pending)
+        self._pending = [p for p in self._pending if p is not pending]
+        f, settled = self.fragments[pending.fragment], pending.settled
+        assert settled is not None
+        mean_clipped, mean_norm = f.clip_mean(settled)
+        if settled.valid:
+            self._outer_step(f)
+        f.load_global(self.config.merge_alpha)
         if pending.excluded:
-            self._reset_nonfinite_inner_state()
+            reset_if_nonfinite(self.inner_optimizer, self.round + 1)
+        return self._advanced(pending, mean_norm=mean_norm, mean_clipped=mean_clipped)
+
+    def _outer_step(self, fragment: Fragment) -> None:
+        for f in self.fragments:  # SGD steps the parameters that have a gradient
+            f.param.grad = f.reduce.body if f is fragment else None
+        self.outer_optimizer.step()
+
+    def _advanced(self, pending: PendingRound, *, mean_norm: float, mean_clipped: bool) -> RoundReport:
         self.round += 1
         self.run_state.advanced()
-        report = RoundReport(
-            round=self.round,
-            num_contributors=result.num_contributors,
-            bytes_sent=result.bytes_sent,
-            bytes_received=result.bytes_received,
-            comm_seconds=result.seconds,
-            round_seconds=time.perf_counter() - pending.started,
-            pseudo_grad_norm=pending.pseudo_grad_norm,
-            mean_pseudo_grad_norm=mean_norm,
-            agreement=mean_norm / contributors_norm if contributors_norm > 0 else 1.0,
-            valid_contributors=valid,
-            excluded=pending.excluded,
-            clipped=pending.clipped,
-            mean_clipped=mean_clipped,
-        )
+        report = report_of(pending, round=self.round, mean_norm=mean_norm, mean_clipped=mean_clipped)
         log_round(report)
         return report
 
-    def _reset_nonfinite_inner_state(self) -> None:
-        """A worker whose training diverged restarts its inner optimizer if its moments hold NaN or inf."""
-        tensors = [v for s in self.inner_optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
-        if not all(bool(torch.isfinite(t).all()) for t in tensors):
-            logger.warning("round %d: the inner optimizer's state is not finite: it starts afresh", self.round + 1)
-            self.inner_optimizer.state.clear()
+    @torch.no_grad()
+    def flush(self) -> None:
+        """Complete every reduce in flight and apply it (streaming: as if its ``overlap_steps`` had passed;
+        eager: ``Eager.flush``). Call it at the end of training; without overlap, nothing is in flight."""
+        if self.eager is not None:
+            eager_flush(self)
+        for pending in list(self._pending):
+            self.finish_round(pending)
 
     def state_dict(self) -> dict[str, Any]:
-        """Everything needed to continue bit-identically: model (trainable parameters, their names, and by
-        name its frozen parameters and persistent buffers), global copy, both optimizers, counters, the
-        error-feedback residual (None without), the contribution guard's references and what the transport keeps
-        about the run's state."""
-        return {
-            "model": [p.detach() for p in self.local],
-            "param_names": list(self.model_state.names),
-            "model_state": self.model_state.state_dict(),
-            "global": self._global.flat,
-            "outer_optimizer": self.outer_optimizer.state_dict(),
-            "inner_optimizer": self.inner_optimizer.state_dict(),
-            "inner_step": self.inner_step,
-            "round": self.round,
-            "residual": self._feedback.residual,
-            "guard": self.guard.state_dict(),
-            "transport": self.transport.state_dict(),
-        }
+        """Everything needed to continue bit-identically (``diloco_state.state_of``); reduces in flight are
+        waited for and their means kept, to be applied at their step."""
+        return state_of(self)
 
-    @torch.no_grad()
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        missing = {"model", "global", "outer_optimizer", "inner_optimizer", "inner_step", "round"} - set(state)
-        if missing:
-            raise ValueError(f"DiLoCo state is missing {sorted(missing)}")
-        model, flat = state["model"], state["global"]
-        shapes = [tuple(t.shape) for t in model]
-        if shapes != self._global.shapes or flat.shape != self._global.flat.shape:
-            raise ValueError(
-                f"DiLoCo state holds {len(shapes)} tensors ({flat.numel()} values); this model has "
-                f"{len(self._global.shapes)} ({self._global.flat.numel()} values)"
-            )
-        self.model_state.check_loadable(state)  # absent names and model_state (older checkpoints) pass
-        torch._foreach_copy_(self.local, list(model))
-        self._global.flat.copy_(flat)
-        self.model_state.load(state)
-        self.outer_optimizer.load_state_dict(state["outer_optimizer"])
-        self.inner_optimizer.load_state_dict(state["inner_optimizer"])
-        self.inner_step = int(state["inner_step"])
-        self.round = int(state["round"])
-        self._feedback.load(state.get("residual"))  # absent (older checkpoints) or None: zero
-        self.guard.load_state_dict(state.get("guard"))  # absent (older checkpoints): no reference yet
-        if "transport" in state:  # absent from checkpoints written before it existed
-            self.transport.load_state_dict(state["transport"])
+        load_state(self, state)

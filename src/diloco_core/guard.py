@@ -23,6 +23,7 @@
 
 from __future__ import annotations
 
+import logging
 import math
 import zlib
 
@@ -31,7 +32,18 @@ import torch
 from .codec import Codec
 from .flat import norm_of
 
-__all__ = ["ContributionGuard"]
+logger = logging.getLogger("diloco_core.diloco")
+
+
+def reset_if_nonfinite(optimizer: torch.optim.Optimizer, round: int) -> None:
+    """An excluded worker (its training diverged) restarts its inner optimizer if its moments hold NaN or inf."""
+    tensors = [v for s in optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
+    if not all(bool(torch.isfinite(t).all()) for t in tensors):
+        logger.warning("round %d: the inner optimizer's state is not finite: it starts afresh", round)
+        optimizer.state.clear()
+
+
+__all__ = ["ContributionGuard", "reset_if_nonfinite"]
 
 
 class ContributionGuard:

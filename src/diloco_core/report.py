@@ -3,11 +3,16 @@
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from .transport import ReduceHandle
+from .transport import ReduceHandle, ReduceResult
 
-__all__ = ["PendingRound", "RoundReport", "log_round"]
+if TYPE_CHECKING:
+    from .fragment import Settled
+
+__all__ = ["PendingRound", "RoundReport", "log_round", "report_of"]
 
 logger = logging.getLogger("diloco_core.diloco")
 
@@ -18,7 +23,8 @@ class PendingRound:
 
     round: int
     """The round it completes (1 for the first)."""
-    handle: ReduceHandle
+    handle: ReduceHandle | None
+    """None once ``settled`` (a round restored from a checkpoint has no reduce in flight)."""
     pseudo_grad_norm: float
     started: float
     """``time.perf_counter()`` when the round began."""
@@ -29,6 +35,14 @@ class PendingRound:
     its wire's range)."""
     clipped: bool = False
     """The norm guard scaled this worker's pseudo-gradient down before it was sent."""
+    fragment: int = 0
+    """The fragment whose round this is (0 unless streaming)."""
+    finish_at: int = 0
+    """The inner step after which its outer step is applied (overlap: ``overlap_steps`` after it began)."""
+    sent_norm: float = 0.0
+    """The norm of what was sent (the guard may have clipped it), for a retry that sends it again."""
+    settled: Settled | None = None
+    """Its mean once in place, before the outer step (a checkpoint taken meanwhile settles it)."""
 
 
 @dataclass(frozen=True)
@@ -62,6 +76,31 @@ class RoundReport:
     """The norm guard (``DiLoCoConfig.norm_clip``) scaled this worker's pseudo-gradient down."""
     mean_clipped: bool = False
     """The norm guard scaled the round's mean down (the same on every worker)."""
+    fragment: int = 0
+    """The fragment this round synchronized (streaming; 0 otherwise)."""
+
+
+def report_of(pending: PendingRound, *, round: int, mean_norm: float, mean_clipped: bool) -> RoundReport:
+    """The report of ``pending`` once its outer step is taken (no reduce settled: eager's first boundary)."""
+    settled = pending.settled
+    result = settled.result if settled is not None else ReduceResult(0, 0, 0, 0.0)
+    contributors_norm = settled.contributors_norm if settled is not None else 0.0
+    return RoundReport(
+        round=round,
+        num_contributors=result.num_contributors,
+        bytes_sent=result.bytes_sent,
+        bytes_received=result.bytes_received,
+        comm_seconds=result.seconds,
+        round_seconds=time.perf_counter() - pending.started,
+        pseudo_grad_norm=pending.pseudo_grad_norm,
+        mean_pseudo_grad_norm=mean_norm,
+        agreement=mean_norm / contributors_norm if contributors_norm > 0 else 1.0,
+        valid_contributors=settled.valid if settled is not None else 0,
+        excluded=pending.excluded,
+        clipped=pending.clipped,
+        mean_clipped=mean_clipped,
+        fragment=pending.fragment,
+    )
 
 
 def log_round(report: RoundReport) -> None:
@@ -89,7 +128,7 @@ def log_round(report: RoundReport) -> None:
     elif left_out:
         logger.warning("round %d: %d of %d contributions left out (not finite)", report.round, left_out,
                        report.num_contributors)  # fmt: skip
-    if report.valid_contributors == 0:
+    if report.valid_contributors == 0 and report.num_contributors:  # 0 contributors: eager's first boundary
         logger.warning("round %d: no valid contribution: no outer step, the global params are unchanged", report.round)
     if report.clipped or report.mean_clipped:
         what = " and ".join(w for w, on in (("this worker's", report.clipped), ("the mean", report.mean_clipped)) if on)

@@ -1,0 +1,145 @@
+"""Eager updates (arXiv 2502.12996): a round's reduce runs behind the next H inner steps.
+
+At boundary t worker m has its fresh pseudo-gradient Δ_m(t) and the mean of the previous round's,
+Δ̄(t-1) (its reduce ran during the last H steps). It steps its own outer parameters x_m with
+
+    Δ̃_m = Δ̄(t-1) - Δ_m(t-1) / V + Δ_m(t) / M = (Δ_m(t) + Σ_{m'≠m} Δ_m'(t-1)) / M   (V = M contributors),
+
+its fresh share in place of its stale share of the average, and starts the reduce of Δ_m(t). So the
+workers' x_m differ by their own fresh shares, by design. Beside x_m every worker keeps the consensus
+global copy (the fragment's ``flat``), stepped with the plain delayed means Δ̄(t-1): it is the same on
+every worker, and it is what the replica digest compares, what a resumed run checks, and what the model
+becomes at ``DiLoCo.flush()`` (the end of training). x_m, its outer momentum and the share in flight are in
+``DiLoCo.state_dict()``.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import replace
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from .guard import reset_if_nonfinite
+from .report import PendingRound, RoundReport
+
+if TYPE_CHECKING:
+    from .diloco import DiLoCo
+
+__all__ = ["Eager", "eager_flush", "eager_round"]
+
+
+class Eager:
+    """One worker's eager state: its outer parameters x (``flat``) with their own outer SGD, and the
+    pseudo-gradient it last sent (``sent``, its share of the reduce in flight)."""
+
+    def __init__(self, global_flat: torch.Tensor, *, lr: float, momentum: float, nesterov: bool) -> None:
+        self.flat = global_flat.detach().clone()
+        self.param = torch.nn.Parameter(self.flat, requires_grad=False)
+        self.param.grad = torch.zeros_like(self.flat)
+        self.optimizer = torch.optim.SGD([self.param], lr=lr, momentum=momentum, nesterov=nesterov, fused=True)
+        self.sent = torch.zeros_like(self.flat)
+        self.sent_valid = False
+        """``sent`` went into the reduce in flight as a valid contribution (False: none in flight, or excluded)."""
+        self.sent_norm = 0.0
+
+    def stale_removed(self, mean: torch.Tensor | None, *, valid: int) -> torch.Tensor:
+        """``param.grad`` set to the previous round's mean (None: none finished yet) less this worker's stale
+        share of it (none where its contribution was excluded); the fresh share is added to it next."""
+        d = self.param.grad
+        if mean is None:
+            return d.zero_()
+        d.copy_(mean)
+        return d.sub_(self.sent, alpha=1.0 / valid) if self.sent_valid and valid else d
+
+    def reset(self, global_flat: torch.Tensor, outer: torch.optim.Optimizer) -> None:
+        """x becomes the consensus global copy, with its momentum (a flush, or a joiner's start)."""
+        self.flat.copy_(global_flat)
+        state = outer.state_dict()["state"]
+        mine = self.optimizer.state_dict()
+        mine["state"] = {k: {"momentum_buffer": s["momentum_buffer"].clone()} for k, s in state.items()}  # one param
+        self.optimizer.load_state_dict(mine)
+        self.sent.zero_()
+        self.sent_valid, self.sent_norm = False, 0.0
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "x": self.flat,
+            "optimizer": self.optimizer.state_dict(),
+            "sent": self.sent,
+            "sent_valid": self.sent_valid,
+            "sent_norm": self.sent_norm,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        for name in ("x", "sent"):
+            t = state[name]
+            if not isinstance(t, torch.Tensor) or t.shape != self.flat.shape:
+                raise ValueError(f"the saved eager state's {name!r} does not fit this model ({tuple(self.flat.shape)})")
+        self.flat.copy_(state["x"])
+        self.sent.copy_(state["sent"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.sent_valid, self.sent_norm = bool(state["sent_valid"]), float(state["sent_norm"])
+
+
+@torch.no_grad()
+def eager_round(d: DiLoCo, retry: bool) -> RoundReport:
+    """Eager updates' boundary: settle the previous round's reduce (a retry sends the same share again), step
+    the consensus copy with its mean and this worker's own params with Δ̃, send the fresh pseudo-gradient."""
+    eager, f, world = d.eager, d.fragments[0], d.transport.world_size
+    assert eager is not None
+    start = time.perf_counter()
+    last = d._pending[0] if d._pending else None
+    if last is not None and retry and last.settled is None:
+        f.reduce.body.copy_(eager.sent)
+        handle, _ = f.send(d.transport, excluded=not eager.sent_valid, norm=eager.sent_norm)
+        last = replace(last, handle=handle, buffers=d.model_state.begin(d.transport))
+        d._pending = [last]
+    last = d._settle(last) if last is not None else None
+    settled = last.settled if last is not None else None
+    mean_clipped, mean_norm = f.clip_mean(settled) if settled is not None else (False, 0.0)
+    if settled is not None and settled.valid:
+        d._outer_step(f)
+    grad = eager.stale_removed(f.reduce.body if settled is not None else None, valid=settled.valid if settled else 0)
+    local_norm, excluded, clipped, sent_norm = f.pseudo_gradient(start=eager.flat)  # the mean is used: overwrite it
+    if not excluded:
+        grad.add_(f.reduce.body, alpha=1.0 / world)
+    eager.optimizer.step()
+    eager.sent.copy_(f.reduce.body)
+    handle, excluded = f.send(d.transport, excluded=excluded, norm=sent_norm)
+    eager.sent_valid, eager.sent_norm = not excluded, sent_norm
+    parts = eager.flat.split([t.numel() for t in f.local])
+    torch._foreach_copy_(f.local, [x.view_as(t) for x, t in zip(parts, f.local)])
+    if excluded:
+        reset_if_nonfinite(d.inner_optimizer, d.round + 1)
+    fresh = PendingRound(
+        round=d.round + 2,
+        handle=handle,
+        pseudo_grad_norm=local_norm,
+        started=start,
+        buffers=d.model_state.begin(d.transport),
+        excluded=excluded,
+        clipped=clipped,
+        sent_norm=sent_norm,
+    )
+    d._pending = [fresh]
+    done = replace(last or fresh, pseudo_grad_norm=local_norm, clipped=clipped, excluded=excluded, started=start)
+    return d._advanced(done, mean_norm=mean_norm, mean_clipped=mean_clipped)
+
+
+@torch.no_grad()
+def eager_flush(d: DiLoCo) -> None:
+    """The last round's reduce settled and stepped into the consensus copy; the model and this worker's own
+    params become it (the same on every worker)."""
+    eager, f = d.eager, d.fragments[0]
+    assert eager is not None
+    for pending in list(d._pending):
+        settled = d._settle(pending).settled
+        assert settled is not None
+        f.clip_mean(settled)
+        if settled.valid:
+            d._outer_step(f)
+    d._pending = []
+    f.load_global()
+    eager.reset(f.flat, d.outer_optimizer)
