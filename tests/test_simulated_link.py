@@ -154,11 +154,21 @@ def test_any_kind_takes_the_link_keys_and_is_wrapped():
     links = spec.connect(2)
     assert all(isinstance(t, SimulatedLink) for t in links)
     assert links[0].bandwidth == 80e6 and links[0].latency == pytest.approx(0.02) and links[1].rank == 1
-    assert "link_mbit" not in spec.section
+    assert spec.section["link_mbit"] == 80  # the run's config keeps it (config.toml, resume)
     assert not isinstance(transport_spec({"kind": "inprocess"}).connect(1)[0], SimulatedLink)
     wrapped = create_transport({"kind": "inprocess", "link_mbit": 1.5})
     assert isinstance(wrapped, SimulatedLink) and wrapped.bandwidth == 1.5e6
     spec = transport_spec({"kind": "torch", "link_mbit": 100, "timeout": 5})
-    assert spec.link is not None and spec.link.link_mbit == 100 and "link_mbit" not in spec.section
+    assert spec.link is not None and spec.link.link_mbit == 100 and spec.section["link_mbit"] == 100
     with pytest.raises(ValueError, match="valid keys: \\['kind', 'link_latency_ms', 'link_mbit'\\]"):
         transport_spec({"kind": "inprocess", "bandwidth": 1})
+
+
+@pytest.mark.timeout(30)
+def test_the_trainer_config_keeps_the_link_and_its_workers_sit_behind_it():
+    from diloco_train.config import build_config
+
+    config = build_config(overrides=["transport.link_mbit=100", "transport.link_latency_ms=5"])
+    assert config.transport == {"kind": "inprocess", "link_mbit": 100, "link_latency_ms": 5}
+    with pytest.raises(ValueError, match=re.escape("[transport] link_mbit=-3 is invalid")):
+        build_config(overrides=["transport.link_mbit=-3"])

@@ -116,7 +116,7 @@ class TransportSpec:
         if self.threads:
             group = InProcessGroup(workers)
             return [_behind(self.link, group.transport(rank)) for rank in range(workers)]
-        return [_behind(self.link, create_transport(self.section, reduce_timeout=reduce_timeout))]
+        return [create_transport(self.section, reduce_timeout=reduce_timeout)]
 
     def connect_islands(self, model: Any, mesh: Any, *, reduce_timeout: float | None = None) -> Transport:
         """The transport between FSDP2 islands for ``model``, sharded over ``mesh["shard"]`` (a 2-D DeviceMesh,
@@ -126,7 +126,7 @@ class TransportSpec:
         from .islands import island_transport
         from .torch_group import TorchDistConfig
 
-        section = {k: v for k, v in self.section.items() if k != "kind"}
+        section = {k: v for k, v in self.section.items() if k != "kind" and k not in LINK_KEYS}
         if reduce_timeout is not None:
             section.setdefault("timeout", reduce_timeout)
         config = from_mapping(TorchDistConfig, section, "transport")
@@ -139,12 +139,12 @@ def _local_world_size() -> int:
 
 def transport_spec(section: Mapping[str, Any]) -> TransportSpec:
     """How ``section``'s workers launch; ValueError for an unknown kind, or keys a launch cannot take.
-    The spec's ``section`` holds the kind's keys; a simulated link's are in its ``link``."""
+    A simulated link's keys stay in the spec's ``section`` and are read into its ``link``."""
     kind = _kind_of(section)
-    link, section = link_from_section(section)
-    section["kind"] = kind
+    link, own = link_from_section(section)
+    section = {**section, "kind": kind}
     if kind == "inprocess":
-        extra = sorted(set(section) - {"kind"})
+        extra = sorted(set(own) - {"kind"})
         if extra:
             raise ValueError(
                 f"unknown key(s) {extra} in [transport] for kind 'inprocess'; valid keys: "
