@@ -38,7 +38,20 @@ RUNS: dict[str, tuple[str, int]] = {
     "diloco-1": ("diloco", 1),
     "diloco-2": ("diloco", 2),
     "diloco-4": ("diloco", 4),
+    "streaming-4": ("diloco", 4),
+    "eager-4": ("diloco", 4),
 }
+
+OVERLAP: dict[str, list[str]] = {
+    "streaming-4": [
+        "diloco.overlap=streaming",
+        "diloco.fragments=2",
+        "diloco.overlap_steps=2",
+        "diloco.merge_alpha=0.5",
+    ],
+    "eager-4": ["diloco.overlap=eager"],
+}
+"""The overlap runs' settings (docs/overlap.md); they are judged against diloco-4, same seeds and H."""
 
 
 @dataclass(frozen=True)
@@ -172,6 +185,13 @@ def verdicts(agg: dict[str, dict[str, float]]) -> list[str]:
             out.append("seed spread: n/a with one seed")
         if agg["diloco-4"]["bytes"]:
             out.append(f"diloco-4 sends {agg['ddp-4']['bytes'] / agg['diloco-4']['bytes']:.1f}x less than DDP")
+    for name, target in (("streaming-4", 0.005), ("eager-4", 0.03)):
+        if {name, "diloco-4"} <= set(agg):
+            worse = agg[name]["eval_loss"] / agg["diloco-4"]["eval_loss"] - 1
+            out.append(
+                f"{name} ends {100 * worse:+.2f}% against diloco-4 (target <= +{100 * target:g}%): "
+                + ("PASS" if worse <= target else "MISS")
+            )
     if {"single", "diloco-1"} <= set(agg):
         worse = agg["diloco-1"]["eval_loss"] / agg["single"]["eval_loss"] - 1
         out.append(
@@ -233,7 +253,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=1100, help="inner steps per worker in every run")
     p.add_argument("--inner-steps", type=int, default=10, help="DiLoCo's H")
     p.add_argument("--seeds", default="0,1,2", help="comma-separated seeds")
-    p.add_argument("--runs", default=",".join(RUNS), help=f"comma-separated subset of {list(RUNS)}")
+    p.add_argument(
+        "--runs", default=",".join(n for n in RUNS if n not in OVERLAP), help=f"comma-separated subset of {list(RUNS)}"
+    )
     p.add_argument("--seq-len", type=int, default=64, help="window length in bytes (data.seq_len)")
     p.add_argument("--batch-size", type=int, default=16, help="sequences per step per worker (train.batch_size)")
     p.add_argument("--warm-start", type=int, default=100, help="DiLoCo runs: DDP steps before the first round")
@@ -264,6 +286,7 @@ def main(argv: list[str] | None = None) -> int:
         for name in names:
             mode, workers = RUNS[name]
             extra = [f"train.ddp_warm_start={args.warm_start}"] if mode == "diloco" and args.warm_start else []
+            extra += OVERLAP.get(name, [])
             outcomes.append(
                 run_one(name=name, mode=mode, workers=workers, seed=seed, out=out, overrides=common + extra)
             )

@@ -345,3 +345,39 @@ def test_a_lost_peer_during_an_eager_reduce_fails_the_round_and_changes_nothing(
         return True
 
     assert run_threads(2, worker)[0] is True
+
+
+# -- the trainer ---------------------------------------------------------------------------------------------
+
+TRAINER_MODES = {
+    "none": [],
+    "eager": ["--set", "diloco.overlap=eager"],
+    "streaming": [
+        "--set",
+        "diloco.overlap=streaming",
+        "--set",
+        "diloco.fragments=2",
+        "--set",
+        "diloco.overlap_steps=1",
+    ],
+}
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("mode", sorted(TRAINER_MODES))
+def test_the_trainer_resumes_an_overlapped_run_from_a_checkpoint_with_a_reduce_in_flight_exactly(tmp_path, mode):
+    """Checkpoints fall on round boundaries (step 4, 8), where eager's reduce and streaming's second fragment
+    are in flight; the resumed run's losses are the uninterrupted run's, and both end on the same eval."""
+    from test_train_cli import FAST, _losses
+
+    from diloco_train.cli import main
+
+    fast = [
+        a.replace("diloco.inner_steps=3", "diloco.inner_steps=4").replace("num_layers=1", "num_layers=2") for a in FAST
+    ]
+    common = ["--set", f"train.runs_dir={tmp_path!s}", *fast, *TRAINER_MODES[mode]]
+    assert main(["train", "--name", "whole", *common]) == 0
+    assert main(["train", "--name", "split", *common, "--set", "train.stop_after=8"]) == 0
+    assert main(["train", "--name", "split", "--resume", "--set", f"train.runs_dir={tmp_path!s}", "-q"]) == 0
+    whole, split = _losses(tmp_path / "whole"), _losses(tmp_path / "split")
+    assert len(whole) == 12 and split == whole

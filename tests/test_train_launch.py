@@ -157,8 +157,28 @@ def test_two_hivemind_peers_on_loopback_end_with_identical_global_params(tmp_pat
     assert [r["num_contributors"] for r in rounds if r["type"] == "round"] == [2, 2]
 
 
+OVERLAPS = {
+    "none": [],
+    "eager": ["--set", "diloco.overlap=eager"],
+    "streaming": [
+        "--set",
+        "diloco.overlap=streaming",
+        "--set",
+        "diloco.fragments=2",
+        "--set",
+        "diloco.overlap_steps=2",
+    ],
+}
+
+
 @pytest.mark.timeout(300)
-def test_torchrun_restarts_a_killed_worker_and_the_run_resumes_to_the_end(tmp_path):
+@pytest.mark.parametrize(
+    "overlap",
+    ["none", pytest.param("eager", marks=pytest.mark.slow), pytest.param("streaming", marks=pytest.mark.slow)],
+)
+def test_torchrun_restarts_a_killed_worker_and_the_run_resumes_to_the_end(tmp_path, overlap):
+    """The kill lands after the step-20 checkpoint: with overlap, while a reduce is in flight (eager's round,
+    streaming's fragments); the survivor's wait fails, torchrun restarts both and they resume alike."""
     env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo"}
     cmd = [
         sys.executable,
@@ -190,6 +210,7 @@ def test_torchrun_restarts_a_killed_worker_and_the_run_resumes_to_the_end(tmp_pa
         "train.checkpoint_every=1",
         "--set",
         f"train.runs_dir={str(tmp_path)!r}",
+        *OVERLAPS[overlap],
     ]
     agent = subprocess.Popen(cmd, env=env, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
@@ -209,7 +230,9 @@ def test_torchrun_restarts_a_killed_worker_and_the_run_resumes_to_the_end(tmp_pa
     assert agent.returncode == 0, err[-3000:]
     cores = [torch.load(ckpt / f"step00000060-rank{r}.pt", weights_only=True)["core"] for r in (0, 1)]
     # the default warm start: 60 // 12 = 5 DDP steps, then 5 rounds of 10 (the last 5 inner steps end no round)
-    assert cores[0]["round"] == cores[1]["round"] == 5
+    assert cores[0]["round"] == cores[1]["round"] == (5 if overlap != "streaming" else 11)
     assert torch.equal(cores[0]["global"], cores[1]["global"])
+    if overlap == "eager":  # flushed at the end: every worker's model is the consensus global copy
+        assert all(torch.equal(a, b) for a, b in zip(cores[0]["model"], cores[1]["model"]))
     rows = [json.loads(line) for line in (tmp_path / "lan" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows if r["type"] == "step"] == list(range(1, 61))  # nothing logged twice

@@ -69,8 +69,7 @@ class DiLoCo:
         *,
         fragments: Sequence[Sequence[str]] | None = None,
     ) -> None:
-        """``fragments`` (streaming): the trainable parameters' names of each fragment, instead of strided
-        blocks (``diloco_core.streaming``)."""
+        """``fragments`` (streaming): each fragment's trainable parameter names, instead of strided blocks."""
         self.model, self.inner_optimizer, self.transport, self.config = model, inner_optimizer, transport, config
         own = transport.own_timeout
         if own is not None and own > config.reduce_timeout:
@@ -106,10 +105,8 @@ class DiLoCo:
             groups, self.local, self._global, codec=self.codec, config=config, compare=transport.fixed_ranks
         )
         """The parts synchronized on their own, each a slice of the global copy (one unless streaming)."""
-        self.guard = self.fragments[0].guard
-        """The first fragment's contribution guard (``diloco_core.guard``; the only one unless streaming)."""
-        self.reduce_key = self.fragments[0].key
-        """The key of a round's reduce (a transport keeps its buffers per key; streaming: one per fragment)."""
+        self.guard, self.reduce_key = self.fragments[0].guard, self.fragments[0].key
+        """The first fragment's contribution guard (``diloco_core.guard``) and reduce key (the only ones unless streaming)."""
         momentum = config.outer_momentum
         self.outer_lr = config.outer_lr if config.outer_lr is not None else outer_lr_for(transport.world_size, momentum)
         """The outer SGD's learning rate: ``config.outer_lr``, or the rule's for the transport's world size."""
@@ -128,8 +125,9 @@ class DiLoCo:
             nesterov=nesterov,
             fused=True,  # one pass over the flat buffer instead of three (and no temporary the size of the model)
         )
-        self._pending: list[PendingRound] = []
-        """Reduces in flight (overlap), in the order they began."""
+        self._pending: list[PendingRound] = []  # reduces in flight (overlap), in the order they began
+        self.outer_seconds = 0.0
+        """Seconds the last ``step()`` spent on outer rounds (what training waited for; 0: none due)."""
         with torch.no_grad():
             check_settings(transport, settings_of(self), timeout=config.reduce_timeout, device=self._global.flat.device)
             self.model_state.check_same(transport, config.reduce_timeout)
@@ -168,7 +166,12 @@ class DiLoCo:
         (``none``: every ``inner_steps``-th step runs a whole round)."""
         self.inner_optimizer.step()
         self.inner_step += 1
-        s, c = self.inner_step, self.config
+        start = time.perf_counter()
+        report = self._outer(self.inner_step, self.config)
+        self.outer_seconds = time.perf_counter() - start
+        return report
+
+    def _outer(self, s: int, c: DiLoCoConfig) -> RoundReport | None:
         if c.overlap == "eager":
             return None if s % c.inner_steps else self._with_retries(lambda retry: eager_round(self, retry))
         report = None
@@ -246,8 +249,7 @@ class DiLoCo:
         if pending.settled is not None:
             return pending
         result = self.model_state.wait(pending.handle, pending.buffers, timeout=self.config.reduce_timeout)
-        f = self.fragments[pending.fragment]
-        settled = replace(pending, settled=f.settle(result, excluded=pending.excluded))
+        settled = replace(pending, settled=self.fragments[pending.fragment].settle(result, excluded=pending.excluded))
         self._pending = [settled if p is pending else p for p in self._pending]
         return settled
 
@@ -278,9 +280,7 @@ class DiLoCo:
     def _advanced(self, pending: PendingRound, *, mean_norm: float, mean_clipped: bool) -> RoundReport:
         self.round += 1
         self.run_state.advanced()
-        report = report_of(pending, round=self.round, mean_norm=mean_norm, mean_clipped=mean_clipped)
-        log_round(report)
-        return report
+        return log_round(report_of(pending, round=self.round, mean_norm=mean_norm, mean_clipped=mean_clipped))
 
     @torch.no_grad()
     def flush(self) -> None:
@@ -292,8 +292,7 @@ class DiLoCo:
             self.finish_round(pending)
 
     def state_dict(self) -> dict[str, Any]:
-        """Everything needed to continue bit-identically (``diloco_state.state_of``); reduces in flight are
-        waited for and their means kept, to be applied at their step."""
+        """All needed to continue bit-identically (``diloco_state``); reduces in flight settle, kept for their step."""
         return state_of(self)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:

@@ -42,6 +42,10 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
             self.last_report = report
         return loss
 
+    def flush(self) -> None:
+        """``DiLoCo.flush()``: after the last step, apply the outer rounds still in flight (overlap modes)."""
+        self.diloco.flush()
+
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.diloco.inner_optimizer.zero_grad(set_to_none=set_to_none)
 

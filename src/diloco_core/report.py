@@ -103,7 +103,7 @@ def report_of(pending: PendingRound, *, round: int, mean_norm: float, mean_clipp
     )
 
 
-def log_round(report: RoundReport) -> None:
+def log_round(report: RoundReport) -> RoundReport:
     """The round's line at INFO, and a WARNING where the guard left a contribution out or clipped one."""
     logger.info(
         "round %d: %d contributors, %.1f MB sent, %.1f MB received, %.3fs comm, %.3fs round, "
@@ -133,3 +133,4 @@ def log_round(report: RoundReport) -> None:
     if report.clipped or report.mean_clipped:
         what = " and ".join(w for w, on in (("this worker's", report.clipped), ("the mean", report.mean_clipped)) if on)
         logger.warning("round %d: the norm guard clipped %s pseudo-gradient", report.round, what)
+    return report

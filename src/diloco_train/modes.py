@@ -101,12 +101,17 @@ class Sync:
         report: RoundReport | None = None
         if self.diloco is not None:
             report = self.diloco.step()
-            if report is not None:
-                comm = Comm(report.comm_seconds, report.bytes_sent, report.bytes_received)
+            sent = (report.bytes_sent, report.bytes_received) if report is not None else (0, 0)
+            comm = Comm(self.diloco.outer_seconds, *sent)  # what the step waited for (overlap: not the reduce)
         else:
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         return comm, report
+
+    def flush(self) -> None:
+        """At the end of training: apply the outer rounds still in flight (DiLoCo's overlap modes)."""
+        if self.diloco is not None:
+            self.diloco.flush()
 
     def state_dict(self) -> dict[str, Any]:
         """The mode's part of a checkpoint: DiLoCo's state, else the weights and the optimizer's."""

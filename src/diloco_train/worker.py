@@ -130,6 +130,8 @@ class Worker:
             loss.backward()
             comm, report = sync.step(t.grad_clip)
             step += 1
+            if step == t.steps:  # the end of training (not a stop_after): apply the rounds still in flight
+                sync.flush()
             loss_value = loss.item()  # the one host sync per step
             elapsed = time.perf_counter() - t0
             if reporter is not None:
