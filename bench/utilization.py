@@ -15,10 +15,12 @@ same rate:
 Utilization = useful compute / wall, per run, rank 0's (the trainer's metrics.jsonl is rank 0's only):
 compute = steps x the median over steps of the step's compute seconds (a step's wall time minus the reduce
 it waited for; most DiLoCo steps wait for none), wall = the training loop's seconds up to the last step
-(``time_s`` of the last step record: no final eval or checkpoint; evals only at the end). The trainer's own
-figure (summary ``utilization``: compute / wall, with each step's compute its wall minus the reduce's
-``seconds``) is shown beside it; in the overlap modes a reduce's ``seconds`` run from its start, mostly
-behind compute, so that figure understates them. A run already finished in ``--out`` is read, not rerun.
+(``time_s`` of the last step record: no final eval or checkpoint; evals only at the end). "Steady" is the
+same up to the last multiple of H before the end: without the end of training, where the overlap modes wait
+for their last reduces with nothing left to hide them behind (``DiLoCo.flush``). The trainer's own figure
+(summary ``utilization``: compute / wall, each step's compute its wall minus what it waited for) is shown
+beside it; before main's be505f8 it subtracted a reduce's whole ``seconds`` (mostly behind compute in the
+overlap modes) and understated them; since, it counts the end-of-training flush as compute. A run already finished in ``--out`` is read, not rerun.
 
     sudo true; PYTHONPATH=src python bench/utilization.py --out runs/utilization          # about 7 minutes
     PYTHONPATH=src python bench/utilization.py --out runs/util --links simulated --modes blocking,ddp
@@ -28,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import statistics
 import subprocess
@@ -92,8 +95,10 @@ def command(*, link: str, mode: str, run_dir: Path, args: argparse.Namespace) ->
     return cmd
 
 
-def measure(run_dir: Path) -> dict[str, Any] | None:
-    """Rank 0's figures of a finished run (None if it has not finished)."""
+def measure(run_dir: Path, *, inner_steps: int) -> dict[str, Any] | None:
+    """Rank 0's figures of a finished run (None if it has not finished). ``steady_utilization``: the same up
+    to the last multiple of ``inner_steps`` before the end, without the end of training, where the overlap
+    modes wait for the last reduces with nothing left to hide them behind (DiLoCo.flush; DDP: the whole run)."""
     path = run_dir / "metrics.jsonl"
     if not path.is_file():
         return None
@@ -106,11 +111,15 @@ def measure(run_dir: Path) -> dict[str, Any] | None:
     syncs = rounds or [s for s in steps if s["bytes_sent"]]  # DDP: every step's gradient reduce
     per_step = statistics.median(s["compute_s"] for s in steps)
     wall = steps[-1]["time_s"]
+    cut = (len(steps) - 1) // inner_steps * inner_steps if rounds else len(steps)
+    steady = cut * per_step / steps[cut - 1]["time_s"] if cut else math.nan
     return {
         "steps": len(steps),
         "wall_s": wall,
         "compute_s_per_step": per_step,
         "utilization": len(steps) * per_step / wall,
+        "steady_steps": cut,
+        "steady_utilization": steady,
         "trainer_utilization": summary["utilization"],
         "syncs": len(syncs),
         "peak_bytes_per_sync": max((s["bytes_sent"] for s in syncs), default=0),
@@ -126,14 +135,15 @@ def table(results: dict[str, dict[str, Any]], args: argparse.Namespace) -> str:
         f"streaming P={args.fragments}, tau={args.overlap_steps}; rank 0's figures\n\n"
     )
     lines = [
-        "| link | mode | steps | wall s | compute s/step | utilization | trainer's figure | syncs | peak MB/sync |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| link | mode | steps | wall s | compute s/step | utilization | steady (steps) | trainer's figure | syncs | peak MB/sync |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name, r in results.items():
         link, mode = name.split("/")
         lines.append(
             f"| {link} | {mode} | {r['steps']} | {r['wall_s']:.1f} | {r['compute_s_per_step']:.3f} | "
-            f"{100 * r['utilization']:.1f}% | {100 * r['trainer_utilization']:.1f}% | {r['syncs']} | "
+            f"{100 * r['utilization']:.1f}% | {100 * r['steady_utilization']:.1f}% ({r['steady_steps']}) | "
+            f"{100 * r['trainer_utilization']:.1f}% | {r['syncs']} | "
             f"{r['peak_bytes_per_sync'] / 1e6:.2f} |"
         )
     diffs = []
@@ -141,15 +151,16 @@ def table(results: dict[str, dict[str, Any]], args: argparse.Namespace) -> str:
         for mode in MODES:
             a, b = results.get(f"{sim}/{mode}"), results.get(f"shaped/{mode}")
             if a and b:
-                diff = 100 * (a["utilization"] - b["utilization"])
-                diffs.append(
-                    f"| {sim} | {mode} | {100 * a['utilization']:.1f}% | {100 * b['utilization']:.1f}% | {diff:+.1f} |"
-                )
+                cells = [
+                    f"{100 * a[k]:.1f}% | {100 * b[k]:.1f}% | {100 * (a[k] - b[k]):+.1f}"
+                    for k in ("utilization", "steady_utilization")
+                ]
+                diffs.append(f"| {sim} | {mode} | {' | '.join(cells)} |")
     if diffs:
         lines += [
             "",
-            "| prediction | mode | predicted | shaped | difference (points) |",
-            "|---|---|---|---|---|",
+            "| prediction | mode | predicted | shaped | difference (points) | steady: predicted | shaped | difference |",
+            "|---|---|---|---|---|---|---|---|",
             *diffs,
         ]
     return head + "\n".join(lines) + "\n"
@@ -184,7 +195,7 @@ def main(argv: list[str] | None = None) -> int:
     for link in links:
         for mode in modes:
             run_dir = args.out / f"{link}-{mode}"
-            if measure(run_dir) is not None:
+            if measure(run_dir, inner_steps=args.inner_steps) is not None:
                 continue
             if run_dir.exists():
                 import shutil
@@ -198,7 +209,7 @@ def main(argv: list[str] | None = None) -> int:
     results = {}
     for link in LINKS:  # every finished run in --out, also of earlier invocations
         for mode in MODES:
-            r = measure(args.out / f"{link}-{mode}")
+            r = measure(args.out / f"{link}-{mode}", inner_steps=args.inner_steps)
             if r is not None:
                 results[f"{link}/{mode}"] = r
     text = table(results, args)
