@@ -15,6 +15,7 @@ from diloco_core.config import from_mapping
 from diloco_core.transport import Transport
 
 from .inprocess import InProcessConfig, InProcessGroup, InProcessTransport
+from .simulated_link import LINK_KEYS, LinkConfig, SimulatedLink, link_from_section
 
 __all__ = ["DEFAULT_KIND", "TRANSPORT_KINDS", "TransportSpec", "create_transport", "transport_spec"]
 
@@ -56,16 +57,22 @@ def _kind_of(section: Mapping[str, Any]) -> str:
     return kind
 
 
+def _behind(link: LinkConfig | None, transport: Transport) -> Transport:
+    return transport if link is None else SimulatedLink.from_config(transport, link)
+
+
 def create_transport(section: Mapping[str, Any], *, reduce_timeout: float | None = None) -> Transport:
-    """``section["kind"]`` picks the transport; the other keys are that transport's config fields.
-    ``reduce_timeout`` (the core's, ``[diloco] reduce_timeout``) is the default of the transport's own
-    collective timeout, so that one setting bounds a round unless the section says otherwise."""
-    section = dict(section)
+    """``section["kind"]`` picks the transport; the other keys are that transport's config fields, but
+    ``link_mbit`` and ``link_latency_ms``, which any kind takes: they put it behind a simulated link
+    (``transports.simulated_link``). ``reduce_timeout`` (the core's, ``[diloco] reduce_timeout``) is the
+    default of the transport's own collective timeout, so that one setting bounds a round unless the
+    section says otherwise."""
     kind = _kind_of(section)
+    link, section = link_from_section(section)
     section.pop("kind", None)
     if reduce_timeout is not None and kind in _DERIVED_TIMEOUT:
         section.setdefault(_DERIVED_TIMEOUT[kind], reduce_timeout)
-    return TRANSPORT_KINDS[kind](section)
+    return _behind(link, TRANSPORT_KINDS[kind](section))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -93,6 +100,8 @@ class TransportSpec:
     are not joined by address."""
     fsdp_islands: bool = False
     """``connect_islands`` can put this process's worker between FSDP2 islands (torch.distributed)."""
+    link: LinkConfig | None = None
+    """The simulated link every transport ``connect`` makes sits behind (``link_mbit``); None: none."""
 
     def describe(self, workers: int) -> str:
         """How a run's workers are laid out, in words; ``workers`` counts this process's threads."""
@@ -106,7 +115,7 @@ class TransportSpec:
         ``create_transport``)."""
         if self.threads:
             group = InProcessGroup(workers)
-            return [group.transport(rank) for rank in range(workers)]
+            return [_behind(self.link, group.transport(rank)) for rank in range(workers)]
         return [create_transport(self.section, reduce_timeout=reduce_timeout)]
 
     def connect_islands(self, model: Any, mesh: Any, *, reduce_timeout: float | None = None) -> Transport:
@@ -117,7 +126,7 @@ class TransportSpec:
         from .islands import island_transport
         from .torch_group import TorchDistConfig
 
-        section = {k: v for k, v in self.section.items() if k != "kind"}
+        section = {k: v for k, v in self.section.items() if k != "kind" and k not in LINK_KEYS}
         if reduce_timeout is not None:
             section.setdefault("timeout", reduce_timeout)
         config = from_mapping(TorchDistConfig, section, "transport")
@@ -129,17 +138,19 @@ def _local_world_size() -> int:
 
 
 def transport_spec(section: Mapping[str, Any]) -> TransportSpec:
-    """How ``section``'s workers launch; ValueError for an unknown kind, or keys a launch cannot take."""
+    """How ``section``'s workers launch; ValueError for an unknown kind, or keys a launch cannot take.
+    A simulated link's keys stay in the spec's ``section`` and are read into its ``link``."""
     kind = _kind_of(section)
+    link, own = link_from_section(section)
     section = {**section, "kind": kind}
     if kind == "inprocess":
-        extra = sorted(set(section) - {"kind"})
+        extra = sorted(set(own) - {"kind"})
         if extra:
             raise ValueError(
-                f"unknown key(s) {extra} in [transport] for kind 'inprocess'; valid keys: ['kind'] "
-                "(the trainer sets world size and ranks from train.workers)"
+                f"unknown key(s) {extra} in [transport] for kind 'inprocess'; valid keys: "
+                f"{['kind', *sorted(LINK_KEYS)]} (the trainer sets world size and ranks from train.workers)"
             )
-        return TransportSpec(kind=kind, section=section, threads=True, fixed_ranks=True)
+        return TransportSpec(kind=kind, section=section, threads=True, fixed_ranks=True, link=link)
     if kind == "torch":
         return TransportSpec(
             kind=kind,
@@ -148,6 +159,7 @@ def transport_spec(section: Mapping[str, Any]) -> TransportSpec:
             fixed_ranks=True,
             processes_on_machine=_local_world_size(),
             fsdp_islands=True,
+            link=link,
         )
     if kind == "hivemind":
         return TransportSpec(
@@ -158,5 +170,6 @@ def transport_spec(section: Mapping[str, Any]) -> TransportSpec:
             processes_on_machine=_local_world_size(),
             secret_keys=frozenset({"secret"}),
             join_key="initial_peers",
+            link=link,
         )
     raise AssertionError(f"transport kind {kind!r} has no launch spec")  # every kind in TRANSPORT_KINDS needs one
