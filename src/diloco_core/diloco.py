@@ -108,8 +108,9 @@ class DiLoCo:
         self.guard, self.reduce_key = self.fragments[0].guard, self.fragments[0].key
         """The first fragment's contribution guard (``diloco_core.guard``) and reduce key (the only ones unless streaming)."""
         momentum = config.outer_momentum
-        self.outer_lr = config.outer_lr if config.outer_lr is not None else outer_lr_for(transport.world_size, momentum)
-        """The outer SGD's learning rate: ``config.outer_lr``, or the rule's for the transport's world size."""
+        rule_m = 1 if config.overlap == "eager" else transport.world_size  # eager: M's share of each step lags
+        self.outer_lr = config.outer_lr if config.outer_lr is not None else outer_lr_for(rule_m, momentum)
+        """The outer SGD's learning rate: ``config.outer_lr``, or the rule's for the world size (eager: for 1)."""
         if config.outer_lr is None and not transport.fixed_ranks:
             logger.warning(
                 "outer_lr is unset and the transport's peers come and go: using %.3g, the rule's value "

@@ -130,8 +130,6 @@ class Worker:
             loss.backward()
             comm, report = sync.step(t.grad_clip)
             step += 1
-            if step == t.steps:  # the end of training (not a stop_after): apply the rounds still in flight
-                sync.flush()
             loss_value = loss.item()  # the one host sync per step
             elapsed = time.perf_counter() - t0
             if reporter is not None:
@@ -152,6 +150,8 @@ class Worker:
                         "time_s": reporter.clock(),
                     }
                 )
+            if step == t.steps:  # the end of training (not a stop_after): apply the rounds still in flight
+                sync.flush()  # after the step's record: waiting for the last reduce is not compute
             if evaluating and (step % eval_every == 0 or step == end):
                 last_eval = evaluate(model, val=job.corpus.val, config=c, device=self.device)
                 if reporter is not None:
