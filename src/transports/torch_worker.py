@@ -43,7 +43,8 @@ class Job:
 
     def run(self) -> None:
         try:
-            self._value = self._body(self)
+            with torch.no_grad():  # grad mode is per thread: the caller's no_grad does not reach this one
+                self._value = self._body(self)
         except BaseException as e:  # noqa: BLE001 - every failure is the caller's, raised by its wait
             self._error = e
         finally:
