@@ -217,8 +217,32 @@ def main(argv: list[str] | None = None) -> int:
     (args.out / "utilization.json").write_text(
         json.dumps({"settings": vars(args) | {"out": str(args.out)}, "runs": results}, indent=1)
     )
+    plot(results, args.out / "utilization.png")
     print(text)
     return 0
+
+
+def plot(results: dict[str, dict[str, Any]], path: Path) -> None:
+    """Utilization per mode, one group of bars per link (the table's figures)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    links = [link for link in LINKS if any(k.startswith(f"{link}/") for k in results)]
+    fig, ax = plt.subplots(figsize=(7, 3.5))
+    width = 0.8 / len(MODES)
+    for i, mode in enumerate(MODES):
+        values = [100 * results.get(f"{link}/{mode}", {}).get("utilization", float("nan")) for link in links]
+        ax.bar([x + i * width for x in range(len(links))], values, width, label=mode)
+    ax.set_xticks([x + 0.4 - width / 2 for x in range(len(links))], links)
+    ax.set_ylabel("compute utilization (%)")
+    ax.set_ylim(0, 115)
+    ax.axhline(95, color="grey", lw=0.5, ls="--")
+    ax.legend(fontsize=8, ncol=len(MODES), loc="upper center")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
 
 
 if __name__ == "__main__":
