@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import io
 import threading
-from collections.abc import Callable
 
 import pytest
 import torch
+from test_diloco import run_threads
 from torch import nn
 
 from diloco_core import DiLoCo, DiLoCoConfig, ForwardingTransport, Transport, TransportError
@@ -53,26 +53,6 @@ def _inner_step(model: nn.Module, opt: torch.optim.Optimizer, rank: int, step: i
 
 def _params(model: nn.Module) -> list[torch.Tensor]:
     return [p.detach().clone() for p in model.parameters()]
-
-
-def run_threads(world_size: int, fn: Callable[[Transport], object]) -> list:
-    group = InProcessGroup(world_size)
-    results: list = [None] * world_size
-    errors: list = []
-
-    def body(rank: int) -> None:
-        try:
-            results[rank] = fn(group.transport(rank))
-        except BaseException as e:  # noqa: BLE001
-            errors.append(e)
-
-    threads = [threading.Thread(target=body, args=(r,), daemon=True) for r in range(world_size)]
-    [t.start() for t in threads]
-    [t.join(50) for t in threads]
-    assert not any(t.is_alive() for t in threads), "a rank is still running"
-    if errors:
-        raise errors[0]
-    return results
 
 
 def _train(t: Transport, config: DiLoCoConfig, steps: range, state: dict | None = None, save_at: int = -1):

@@ -15,6 +15,7 @@ from pathlib import Path
 import procs
 import pytest
 import torch
+from test_overlap import TRAINER_MODES
 
 
 @pytest.mark.timeout(240)
@@ -157,20 +158,6 @@ def test_two_hivemind_peers_on_loopback_end_with_identical_global_params(tmp_pat
     assert [r["num_contributors"] for r in rounds if r["type"] == "round"] == [2, 2]
 
 
-OVERLAPS = {
-    "none": [],
-    "eager": ["--set", "diloco.overlap=eager"],
-    "streaming": [
-        "--set",
-        "diloco.overlap=streaming",
-        "--set",
-        "diloco.fragments=2",
-        "--set",
-        "diloco.overlap_steps=2",
-    ],
-}
-
-
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize(
     "overlap",
@@ -210,7 +197,7 @@ def test_torchrun_restarts_a_killed_worker_and_the_run_resumes_to_the_end(tmp_pa
         "train.checkpoint_every=1",
         "--set",
         f"train.runs_dir={str(tmp_path)!r}",
-        *OVERLAPS[overlap],
+        *TRAINER_MODES[overlap],
     ]
     agent = subprocess.Popen(cmd, env=env, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
