@@ -3,8 +3,10 @@
     python tests/hivemind_peer.py '{"name": 1, "transport": {...}, "die_flag": "/tmp/x"}'
 
 Prints one JSON line per event on stdout: {"addr": [...]} once up, {"ready": ...} once DiLoCo is built
-(state loaded from peers when joining), then one {"round": ...} or {"error": ...} per "round" command ("round-nan": a NaN enters this peer's
-weights in the round's last step, as when its training diverges).
+(state loaded from peers when joining), then one {"round": ...} or {"error": ...} per "round" command (``INNER_STEPS``
+inner steps; with overlap, ``{"diloco": {"overlap": ...}}``, the round whose mean they applied) ("round-nan": a NaN enters this peer's
+weights in the round's last step, as when its training diverges; round-die: the die flag is created before the
+round's last step, so that the peer dies in the reduce that begins or finishes there).
 "exit" closes the transport. With ``die_flag``: once that file exists, the peer kills its whole process
 group (itself, its DHT, its averagers) and its p2pd (in a group of its own) with SIGKILL as soon as, acting as a reducer, it has
 received a part of someone's tensors — a peer lost in the middle of an all-reduce.
@@ -59,9 +61,12 @@ def main() -> None:
         say(addr=transport.join_addresses)
         name = int(args["name"])
         torch.manual_seed(name)  # different initial weights on every peer: the broadcast must fix that
-        model = torch.nn.Linear(32, 32)
+        overlap = args.get("diloco", {})  # e.g. {"overlap": "eager"}: DiLoCoConfig's overlap settings
+        blocks = 2 if overlap.get("overlap") == "streaming" else 1  # streaming cuts a Sequential's blocks
+        model = torch.nn.Sequential(*(torch.nn.Linear(32, 32) for _ in range(blocks)))
         inner = torch.optim.SGD(model.parameters(), lr=0.1)
-        config = DiLoCoConfig(inner_steps=INNER_STEPS, wire_dtype="fp16", reduce_timeout=60)
+        lr = {"outer_lr": 0.7} if overlap else {}  # set: where peers come and go the rule knows no M
+        config = DiLoCoConfig(inner_steps=INNER_STEPS, wire_dtype="fp16", reduce_timeout=60, **overlap, **lr)
         diloco = DiLoCo(model, inner, transport, config)  # a joiner loads the run's state here (attach)
         say(ready=True, loaded=diloco.joined, round=diloco.round, digest=digest(diloco))
         data = torch.Generator().manual_seed(100 + name)
@@ -69,7 +74,7 @@ def main() -> None:
             cmd = line.strip()
             if cmd == "exit":
                 break
-            if cmd not in ("round", "round-nan"):  # round-nan: this peer's training diverges in the round
+            if cmd not in ("round", "round-nan", "round-die"):  # round-nan: this peer's training diverges in the round
                 continue
             report = None
             try:
@@ -79,8 +84,10 @@ def main() -> None:
                     loss.backward()
                     if cmd == "round-nan" and step == INNER_STEPS - 1:
                         with torch.no_grad():
-                            model.weight[0, 0] = float("nan")
-                    report = diloco.step()
+                            model[0].weight[0, 0] = float("nan")
+                    if cmd == "round-die" and step == INNER_STEPS - 1 and flag:
+                        open(flag, "w").close()  # armed: it dies in the next reduce it helps to reduce
+                    report = diloco.step() or report  # streaming: the round's last fragment to finish
                     inner.zero_grad()
                 assert report is not None
                 say(

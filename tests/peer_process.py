@@ -25,8 +25,10 @@ def kill_session(session: int) -> None:
 
 
 class PeerProcess:
-    def __init__(self, name: int, transport: dict, log: str, die_flag: str | None = None) -> None:
-        args = json.dumps({"name": name, "transport": transport, "die_flag": die_flag})
+    def __init__(
+        self, name: int, transport: dict, log: str, die_flag: str | None = None, diloco: dict | None = None
+    ) -> None:
+        args = json.dumps({"name": name, "transport": transport, "die_flag": die_flag, "diloco": diloco or {}})
         env = {**os.environ, "PYTHONPATH": os.pathsep.join([HERE, os.path.join(os.path.dirname(HERE), "src")])}
         with open(log, "a") as stderr:  # the peer holds its own copy of the file
             self.proc = subprocess.Popen(

@@ -12,8 +12,9 @@ from test_diloco import run_threads
 from torch import nn
 
 from diloco_core import DiLoCo, DiLoCoConfig, ForwardingTransport, Transport, TransportError
+from diloco_core.codec import FP32
 from diloco_core.streaming import begins_at, strided_fragments, user_fragments
-from diloco_core.transport import Capabilities
+from diloco_core.transport import Capabilities, ReduceHandle, ReduceResult
 from transports import InProcessGroup
 
 pytestmark = pytest.mark.timeout(60)
@@ -272,15 +273,60 @@ def test_overlap_settings_are_validated_with_the_field_and_its_range(settings, m
     assert message in str(e.value)
 
 
+class _Done(ReduceHandle):
+    def __init__(self, result: ReduceResult) -> None:
+        self._result = result
+
+    def wait(self, timeout: float) -> ReduceResult:
+        return self._result
+
+    def completed(self) -> ReduceResult | None:
+        return self._result
+
+
 class _Swarm(ForwardingTransport):
+    """Peers that come and go, whose reduces complete in the background (as hivemind's): here at once."""
+
     capabilities = Capabilities(fixed_ranks=False)
 
+    def all_reduce(self, tensors, *, codec=FP32, key="default"):
+        return _Done(self.inner.all_reduce(tensors, codec=codec, key=key).wait(10))
 
-def test_overlap_is_refused_where_peers_come_and_go():
-    model = Tower()
-    with pytest.raises(ValueError, match="overlap='eager' needs a transport with fixed ranks"):
-        DiLoCo(model, torch.optim.SGD(model.parameters(), lr=0.1), _Swarm(InProcessGroup(1).transport(0)),
-               DiLoCoConfig(overlap="eager"))  # fmt: skip
+
+@pytest.mark.parametrize(("mode", "taken_at"), [("eager", 5), ("streaming", 2), ("streaming", 6)])
+def test_a_peer_that_loads_the_run_state_mid_overlap_applies_the_same_means_at_the_same_steps(mode, taken_at):
+    """What a hivemind joiner or re-synced peer gets: the completed means in flight and the step, with the round
+    and momentum; from the same local params and data it then holds the same global copy as its donor."""
+    settings = {"fragments": 2, "overlap_steps": 1} if mode == "streaming" else {}
+    config = DiLoCoConfig(inner_steps=4, outer_lr=0.7, outer_momentum=0.5, overlap=mode, **settings)
+
+    def build() -> tuple[DiLoCo, nn.Module]:
+        model = Tower()
+        return DiLoCo(model, torch.optim.SGD(model.parameters(), lr=0.05), _Swarm(InProcessGroup(1).transport(0)),
+                      config), model  # fmt: skip
+
+    (donor, dmodel), (peer, pmodel) = build(), build()
+    for s in range(taken_at):
+        _inner_step(dmodel, None, 0, s)
+        donor.step()
+        donor.inner_optimizer.zero_grad()
+    meta, tensors = donor.run_state.snapshot()
+    assert meta["inner_step"] == taken_at and len(meta["in_flight"]) == 1, meta
+    with pytest.raises(ValueError, match="overlap settings"):
+        build()[0].run_state.loader({k: v for k, v in meta.items() if k != "inner_step"}, tensors)
+    torch._foreach_copy_(peer.global_params, donor.global_params)  # what the broadcast does on a joiner
+    peer.run_state.loader(meta, tensors)()
+    assert (peer.round, peer.inner_step) == (donor.round, donor.inner_step)
+    with torch.no_grad():  # the same local training from here
+        torch._foreach_copy_(list(pmodel.parameters()), list(dmodel.parameters()))
+    ends = 8 if mode == "eager" else 16  # eager: its own params differ by design; the consensus copy matches
+    for s in range(taken_at, ends):
+        for dl, model in ((donor, dmodel), (peer, pmodel)):
+            _inner_step(model, None, 0, s)
+            dl.step()
+            dl.inner_optimizer.zero_grad()
+        assert all(torch.equal(a, b) for a, b in zip(donor.global_params, peer.global_params)), s + 1
+    assert donor.round == peer.round and peer._pending != []
 
 
 def test_workers_with_different_overlap_settings_are_refused():

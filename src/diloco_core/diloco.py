@@ -78,11 +78,6 @@ class DiLoCo:
                 f"the core would give up on reduces the transport still runs; set reduce_timeout >= {own:g} "
                 "or lower the transport's timeout"
             )
-        if config.overlap != "none" and not transport.fixed_ranks:
-            raise ValueError(
-                f"overlap={config.overlap!r} needs a transport with fixed ranks (in-process, torch): where peers come "
-                "and go (hivemind) it is not built yet; use overlap='none'"
-            )
         self.params = [p for p in model.parameters() if p.requires_grad]
         if not self.params:
             raise ValueError("model has no trainable parameters")
@@ -127,6 +122,8 @@ class DiLoCo:
             fused=True,  # one pass over the flat buffer instead of three (and no temporary the size of the model)
         )
         self._pending: list[PendingRound] = []  # reduces in flight (overlap), in the order they began
+        self.run_state = RunState(self)
+        """The outer state a transport whose peers come and go serves to joiners (``Transport.attach``)."""
         self.outer_seconds = 0.0
         """Seconds the last ``step()`` spent on outer rounds (what training waited for; 0: none due)."""
         with torch.no_grad():
@@ -143,8 +140,6 @@ class DiLoCo:
             else None
         )
         """Eager updates' own outer parameters and share in flight (``diloco_core.eager``); None otherwise."""
-        self.run_state = RunState(self)
-        """The outer state a transport whose peers come and go serves to joiners (``Transport.attach``)."""
         self.joined = transport.attach(self.run_state, timeout=config.reduce_timeout)
         """True if this worker joined a run already going: global params, outer momentum and round came
         from its peers (only transports whose peers come and go do that)."""
@@ -168,7 +163,8 @@ class DiLoCo:
         self.inner_optimizer.step()
         self.inner_step += 1
         start = time.perf_counter()
-        report = self._outer(self.inner_step, self.config)
+        with self.run_state.lock:  # a transport may snapshot the run state from its own thread
+            report = self._outer(self.inner_step, self.config)
         self.outer_seconds = time.perf_counter() - start
         return report
 
@@ -287,14 +283,17 @@ class DiLoCo:
     def flush(self) -> None:
         """Complete every reduce in flight and apply it (streaming: as if its ``overlap_steps`` had passed;
         eager: ``Eager.flush``). Call it at the end of training; without overlap, nothing is in flight."""
-        if self.eager is not None:
-            eager_flush(self)
-        for pending in list(self._pending):
-            self.finish_round(pending)
+        with self.run_state.lock:
+            if self.eager is not None:
+                eager_flush(self)
+            for pending in list(self._pending):
+                self.finish_round(pending)
 
     def state_dict(self) -> dict[str, Any]:
         """All needed to continue bit-identically (``diloco_state``); reduces in flight settle, kept for their step."""
-        return state_of(self)
+        with self.run_state.lock:
+            return state_of(self)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        load_state(self, state)
+        with self.run_state.lock:
+            load_state(self, state)

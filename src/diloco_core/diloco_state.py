@@ -20,7 +20,7 @@ from .transport import ReduceResult
 if TYPE_CHECKING:
     from .diloco import DiLoCo
 
-__all__ = ["load_state", "state_of"]
+__all__ = ["in_flight_entry", "load_state", "restored", "state_of"]
 
 _IN_FLIGHT = ("fragment", "finish_at", "round", "excluded", "clipped", "pseudo_grad_norm", "sent_norm")
 
@@ -50,12 +50,14 @@ def state_of(d: DiLoCo) -> dict[str, Any]:
     if d.eager is not None:
         state["eager"] = d.eager.state_dict()
     if d._pending:
-        state["in_flight"] = [_in_flight(d, p) for p in d._pending]
+        state["in_flight"] = [in_flight_entry(p, mean=d.fragments[p.fragment].reduce.flat) for p in d._pending]
     return state
 
 
-def _in_flight(d: DiLoCo, p: PendingRound) -> dict[str, Any]:
-    s = p.settled
+def in_flight_entry(p: PendingRound, *, mean: torch.Tensor, settled: Settled | None = None) -> dict[str, Any]:
+    """A reduce in flight whose mean is ``mean`` (settled: ``p.settled`` unless given), as checkpoints and
+    ``RunState`` keep it: numbers, and the mean."""
+    s = settled or p.settled
     assert s is not None
     r = s.result
     sums = {"num_contributors": r.num_contributors, "bytes_sent": r.bytes_sent, "bytes_received": r.bytes_received}
@@ -65,7 +67,7 @@ def _in_flight(d: DiLoCo, p: PendingRound) -> dict[str, Any]:
         "seconds": r.seconds,
         "valid": s.valid,
         "contributors_norm": s.contributors_norm,
-        "mean": d.fragments[p.fragment].reduce.flat,
+        "mean": mean,
     }
 
 
@@ -99,7 +101,7 @@ def load_state(d: DiLoCo, state: dict[str, Any]) -> None:
         f.guard.load_state_dict(guards[i] if isinstance(guards, list) else guards)
     if d.eager is not None:
         d.eager.load_state_dict(state["eager"])
-    d._pending = [_restored(d, p) for p in state.get("in_flight", [])]
+    d._pending = [restored(d, p) for p in state.get("in_flight", [])]
     if "transport" in state:  # absent from checkpoints written before it existed
         d.transport.load_state_dict(state["transport"])
 
@@ -109,11 +111,13 @@ def _fragments_in(state: dict[str, Any]) -> int:
     return len(guards) if isinstance(guards, list) else 1
 
 
-def _restored(d: DiLoCo, saved: dict[str, Any]) -> PendingRound:
+def restored(d: DiLoCo, saved: dict[str, Any], *, copy: bool = True) -> PendingRound:
+    """The settled ``PendingRound`` of an ``in_flight_entry``, its mean put in place (unless not ``copy``)."""
     f = d.fragments[int(saved["fragment"])]
     if saved["mean"].shape != f.reduce.flat.shape:
         raise ValueError(f"DiLoCo state's mean in flight for fragment {saved['fragment']} does not fit this model")
-    f.reduce.flat.copy_(saved["mean"])
+    if copy:
+        f.reduce.flat.copy_(saved["mean"])
     result = ReduceResult(
         int(saved["num_contributors"]), int(saved["bytes_sent"]), int(saved["bytes_received"]), float(saved["seconds"])
     )

@@ -4,15 +4,24 @@ The transport never reads DiLoCo: it gets a ``RunState`` at ``Transport.attach``
 ``snapshot`` returns as opaque (a msgpack-able dict and tensors) to be handed to another peer's
 ``loader``. The global params are not in it: they travel by the broadcast ``DiLoCo`` makes when it
 is built (a joiner downloads them there), and loading a state makes the model those global params.
+
+With overlap the state also holds the means of the reduces in flight that have completed (not yet
+applied: they are due at a later step) and the inner step it was taken at, so that a peer that loads it
+applies the same means at the same steps as the peers it came from (docs/overlap.md). A transport that
+snapshots from another thread holds ``frozen()`` first, so that no round is half applied meanwhile.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
 import torch
 
+from .diloco_state import in_flight_entry, restored
+from .fragment import Settled
 from .guard import ContributionGuard
 
 if TYPE_CHECKING:
@@ -22,16 +31,31 @@ __all__ = ["RunState"]
 
 
 class RunState:
-    """The outer momentum, round and guard references of one ``DiLoCo``, for peers that join or fall behind."""
+    """The outer momentum, round and guard references of one ``DiLoCo`` (with overlap: also the inner step and
+    the completed means in flight), for peers that join or fall behind."""
 
     def __init__(self, diloco: DiLoCo) -> None:
         self._diloco = diloco
         self._listeners: list[Callable[[], None]] = []
+        self.lock = threading.RLock()
+        """Held by ``DiLoCo`` while it changes its outer state (a round's boundary, a load)."""
 
     @property
-    def key(self) -> str:
-        """The key of the reduces whose results advance this state (DiLoCo's rounds)."""
-        return self._diloco.reduce_key
+    def keys(self) -> frozenset[str]:
+        """The keys of the reduces whose results advance this state (DiLoCo's rounds, one per fragment)."""
+        return frozenset(f.key for f in self._diloco.fragments)
+
+    @property
+    def means_in_flight(self) -> bool:
+        """True (overlap) if the state holds the completed means in flight: a reduce's completion changes it too,
+        so serve a snapshot taken after each (under ``frozen()``)."""
+        return self._diloco.config.overlap != "none"
+
+    @contextmanager
+    def frozen(self) -> Iterator[None]:
+        """No round changes the state while in it (DiLoCo's own thread may still enter: the lock is reentrant)."""
+        with self.lock:
+            yield
 
     def subscribe(self, listener: Callable[[], None]) -> None:
         """Call ``listener()`` after every outer round, once the new state is in place."""
@@ -43,13 +67,34 @@ class RunState:
             listener()
 
     def snapshot(self) -> tuple[dict[str, Any], list[torch.Tensor]]:
-        """(round, number of momentum buffers and the guard's references; the buffers cloned): safe to keep
-        while training goes on."""
+        """(round, number of momentum buffers and the guard's references; with overlap the inner step, the guards
+        and the completed reduces in flight; the tensors cloned): safe to keep while training goes on."""
         d = self._diloco
-        state = d.outer_optimizer.state_dict()["state"].values()
-        buffers = [s["momentum_buffer"] for s in state if s.get("momentum_buffer") is not None]
-        meta = {"round": d.round, "num_momentum": len(buffers), "guard": d.guard.state_dict()}
-        return meta, [b.detach().clone() for b in buffers]
+        with self.lock:
+            state = d.outer_optimizer.state_dict()["state"].values()
+            buffers = [s["momentum_buffer"] for s in state if s.get("momentum_buffer") is not None]
+            meta: dict[str, Any] = {"round": d.round, "num_momentum": len(buffers), "guard": d.guard.state_dict()}
+            tensors = [b.detach().clone() for b in buffers]
+            if d.config.overlap != "none":
+                flights = [e for e in map(self._completed, d._pending) if e is not None]
+                meta["inner_step"] = d.inner_step
+                meta["guards"] = [f.guard.state_dict() for f in d.fragments]
+                meta["in_flight"] = [{k: v for k, v in e.items() if k != "mean"} for e in flights]
+                tensors += [e["mean"] for e in flights]
+        return meta, tensors
+
+    def _completed(self, p: Any) -> dict[str, Any] | None:
+        """A reduce in flight as ``in_flight_entry`` (its mean cloned), if it has completed; else None."""
+        f = self._diloco.fragments[p.fragment]
+        if p.settled is not None:
+            return in_flight_entry(p, mean=f.reduce.flat.detach().clone())
+        result = p.handle.completed() if p.handle is not None else None
+        if result is None:
+            return None
+        mean = f.reduce.flat.detach().clone()  # what the fragment's settle will make of it, on a copy
+        valid, contributors_norm = f.guard.settle(mean, result.num_contributors)
+        settled = Settled(result=result, valid=valid, contributors_norm=contributors_norm)
+        return in_flight_entry(p, mean=mean, settled=settled)
 
     def loader(self, meta: Any, tensors: list[torch.Tensor]) -> Callable[[], None]:
         """Check a peer's ``snapshot()`` against this DiLoCo (``ValueError`` if it does not fit, changing
@@ -58,29 +103,58 @@ class RunState:
         d = self._diloco
         n = meta.get("num_momentum") if isinstance(meta, dict) else None
         rnd = meta.get("round") if isinstance(meta, dict) else None
-        if not isinstance(n, int) or not isinstance(rnd, int) or rnd < 0 or len(tensors) != n:
+        flights = meta.get("in_flight", []) if isinstance(meta, dict) else None
+        if not isinstance(n, int) or not isinstance(rnd, int) or rnd < 0 or not isinstance(flights, list):
+            raise ValueError(f"a peer's DiLoCo state does not fit: {meta!r} with {len(tensors)} tensor(s)")
+        if ("inner_step" in meta) != (d.config.overlap != "none"):
+            raise ValueError("a peer's DiLoCo state was made with other overlap settings than this peer's")
+        if len(tensors) != n + len(flights):
             raise ValueError(f"a peer's DiLoCo state does not fit: {meta!r} with {len(tensors)} tensor(s)")
         keys = list(d.outer_optimizer.state_dict()["param_groups"][0]["params"])
         if n not in (0, len(keys)):
             raise ValueError(f"a peer's DiLoCo state holds {n} momentum buffers for {len(keys)} outer parameter(s)")
-        like = d._global.flat
-        for t in tensors:
-            if not isinstance(t, torch.Tensor) or t.dtype != torch.float32 or t.shape != like.shape:
-                raise ValueError(f"a peer's outer momentum must be {tuple(like.shape)} x float32")
-            if not bool(torch.isfinite(t).all()):
-                raise ValueError("a peer's outer momentum holds NaN or infinite values")
-
-        guard = ContributionGuard(d.codec, norm_clip=d.config.norm_clip, numel=d.guard.numel)
-        guard.load_state_dict(meta.get("guard"))  # checks it (absent from older peers: no reference yet)
+        for t, f in zip(tensors[:n], d.fragments):
+            _check(t, f.param, "outer momentum")
+        pending = []
+        for entry, mean in zip(flights, tensors[n:]):
+            frag = entry.get("fragment") if isinstance(entry, dict) else None
+            if not isinstance(frag, int) or not 0 <= frag < len(d.fragments):
+                raise ValueError(f"a peer's DiLoCo state holds a mean in flight of no fragment here: {entry!r}")
+            _check(mean, d.fragments[frag].reduce.flat, "mean in flight")
+            try:
+                pending.append(({**entry, "mean": mean}, restored(d, {**entry, "mean": mean}, copy=False)))
+            except (KeyError, TypeError, ValueError) as e:
+                raise ValueError(f"a peer's DiLoCo mean in flight does not fit: {e!r}") from None
+        step = meta.get("inner_step", rnd * d.config.inner_steps)
+        if not isinstance(step, int) or step < 0:
+            raise ValueError(f"a peer's DiLoCo state holds inner_step={step!r}: expected an integer >= 0")
+        refs = meta.get("guards") or [meta.get("guard")] * len(d.fragments)
+        guards = [ContributionGuard(d.codec, norm_clip=d.config.norm_clip, numel=f.guard.numel) for f in d.fragments]
+        if not isinstance(refs, list) or len(refs) != len(guards):
+            raise ValueError(f"a peer's DiLoCo state holds {refs!r} as guards for {len(guards)} fragment(s)")
+        for g, r in zip(guards, refs):
+            g.load_state_dict(r)  # checks it (absent from older peers: no reference yet)
 
         def load() -> None:  # never calls back into the transport, which may hold its own locks
-            with torch.no_grad():
-                d._global.copy_to(d.local)  # after a round the model is the global copy
-            outer = d.outer_optimizer.state_dict()
-            outer["state"] = {k: {"momentum_buffer": t.clone()} for k, t in zip(keys, tensors)}  # none before round 1
-            d.outer_optimizer.load_state_dict(outer)
-            d.round = rnd
-            d.guard.load_state_dict(guard.state_dict())
-            d.inner_step = rnd * d.config.inner_steps
+            with self.lock, torch.no_grad():
+                d._global.copy_to([d.local[i] for i in d._order])  # after a round the model is the global copy
+                outer = d.outer_optimizer.state_dict()
+                outer["state"] = {k: {"momentum_buffer": t.clone()} for k, t in zip(keys, tensors[:n])}  # none before 1
+                d.outer_optimizer.load_state_dict(outer)
+                d.round, d.inner_step = rnd, step
+                for f, g in zip(d.fragments, guards):
+                    f.guard.load_state_dict(g.state_dict())
+                for entry, _ in pending:
+                    d.fragments[entry["fragment"]].reduce.flat.copy_(entry["mean"])
+                d._pending = [p for _, p in pending]
+                if d.eager is not None:  # its own params start as the consensus copy, nothing of its own in flight
+                    d.eager.reset(d._global.flat, d.outer_optimizer)
 
         return load
+
+
+def _check(t: Any, like: torch.Tensor, what: str) -> None:
+    if not isinstance(t, torch.Tensor) or t.dtype != torch.float32 or t.shape != like.shape:
+        raise ValueError(f"a peer's {what} must be {tuple(like.shape)} x float32")
+    if not bool(torch.isfinite(t).all()):
+        raise ValueError(f"a peer's {what} holds NaN or infinite values")

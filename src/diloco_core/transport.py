@@ -78,6 +78,11 @@ class ReduceHandle(ABC):
     def wait(self, timeout: float) -> ReduceResult:
         """Block until the result is in place; raise ``TransportError`` after ``timeout`` seconds."""
 
+    def completed(self) -> ReduceResult | None:
+        """The result if the mean is in place already, without waiting; else None (also where unknown).
+        Another thread may call it: a transport whose peers come and go serves completed means to joiners."""
+        return None
+
 
 class FutureHandle(ReduceHandle):
     """A handle over a ``concurrent.futures.Future`` that resolves to a ``ReduceResult``."""
@@ -95,6 +100,10 @@ class FutureHandle(ReduceHandle):
             raise
         except Exception as e:  # a backend error surfaces as the transport's typed error
             raise TransportError(f"{self._what} failed: {type(e).__name__}: {e}") from e
+
+    def completed(self) -> ReduceResult | None:
+        f = self._future
+        return f.result() if f.done() and not f.cancelled() and f.exception() is None else None
 
 
 class Transport(ABC):

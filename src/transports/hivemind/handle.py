@@ -2,6 +2,7 @@
 
 import concurrent.futures
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from diloco_core.transport import FutureHandle, ReduceResult, StateReplaced
@@ -14,14 +15,17 @@ class Outcome:
     abandoned: bool = False
     """The caller's wait ran out: nothing may be copied into its tensors or state any more."""
     replaced: StateReplaced | None = None
-    """The caller's state was replaced by the group's (set before the reduce's future completes)."""
+    """The caller's state is to be replaced by the group's (set before the reduce's future completes)."""
+    load: Callable[[], None] | None = None
+    """Loads the group's state (checked already): run by the caller's wait, once, before it raises ``replaced``."""
     result: ReduceResult | None = None
     """The reduce committed (set with the commit, before the future completes)."""
 
 
 class Handle(FutureHandle):
     """Marks the reduce abandoned when the caller's wait times out, so a late result is never copied
-    into tensors the caller has taken back (the reduce checks the mark under the same lock)."""
+    into tensors the caller has taken back (the reduce checks the mark under the same lock). When the
+    group's state replaces the caller's, the wait loads it, in the caller's thread."""
 
     def __init__(self, future: concurrent.futures.Future, outcome: Outcome, lock: threading.Lock) -> None:
         super().__init__(future, "hivemind all_reduce")
@@ -39,6 +43,13 @@ class Handle(FutureHandle):
                 raise  # Ctrl+C still stops the caller
             if committed is not None:
                 return committed  # it committed just as the wait ran out
-            if replaced is not None:
-                raise replaced from None  # the state was replaced just as the wait ran out
+            if replaced is not None:  # the caller's thread loads the group's state: nothing changes under its training
+                load, self._outcome.load = self._outcome.load, None
+                if load is not None:
+                    load()
+                raise replaced from None
             raise
+
+    def completed(self) -> ReduceResult | None:
+        with self._lock:
+            return None if self._outcome.abandoned else self._outcome.result

@@ -1,6 +1,7 @@
 """State for joiners: the snapshot a peer serves (its broadcast values, the run state ``attach`` was given, its state
 tag) and the download of another peer's snapshot, on joining or when re-syncing from its group."""
 
+import contextlib
 import logging
 import threading
 import time
@@ -45,21 +46,43 @@ class StateServer:
         self.joining = joining
         self.shared: list[list[torch.Tensor]] = []  # the tensors of every broadcast, in call order
         self.extra_fn: Callable[[], State] | None = None
+        self.frozen: Callable[[], contextlib.AbstractContextManager[Any]] = contextlib.nullcontext
+        """Held around a snapshot, before the lock: the run state changes no round meanwhile (``RunState.frozen``)."""
         self.downloaded: State | None = None
         self.averager: Any = None  # the 1-value averager that serves the snapshot (it never averages)
         self._snapshot: State = ({"ready": False}, [])
+        self._wanted: threading.Event | None = None  # a snapshot is asked for (``snapshot_soon``)
         self._res, self._lock, self._tags = resources, lock, tags
 
     def take_snapshot(self) -> None:
         if self.joining and self.downloaded is None:
             return  # a joiner serves nothing until it holds the run's state
-        extra_meta, extra = self.extra_fn() if self.extra_fn is not None else ({}, [])
-        tensors = [t.detach().clone() for group in self.shared for t in group] + [t.detach().clone() for t in extra]
-        counts = [len(g) for g in self.shared]
-        meta = {"ready": True, "broadcasts": counts, "extra": extra_meta, "num_tensors": len(tensors)}
-        with self._lock:
+        # Values, run state and tags from one moment: no round is applied (frozen) nor committed (lock) meanwhile.
+        with self.frozen(), self._lock:
+            extra_meta, extra = self.extra_fn() if self.extra_fn is not None else ({}, [])
+            tensors = [t.detach().clone() for group in self.shared for t in group] + [t.detach().clone() for t in extra]
+            counts = [len(g) for g in self.shared]
+            meta = {"ready": True, "broadcasts": counts, "extra": extra_meta, "num_tensors": len(tensors)}
             meta.update(self._tags())
             self._snapshot = (meta, tensors)
+
+    def snapshot_soon(self) -> None:
+        """Take a snapshot in a thread of its own (started on first use): a reduce that just committed asks
+        for one, and must not wait for the training thread, which may be waiting for that reduce."""
+        if self._wanted is None:
+            self._wanted = threading.Event()
+            threading.Thread(target=self._snapshots, name="hivemind-snapshots", daemon=True).start()
+        self._wanted.set()
+
+    def _snapshots(self) -> None:
+        assert self._wanted is not None
+        while not self._res.closed:
+            if self._wanted.wait(0.2):
+                self._wanted.clear()
+                try:
+                    self.take_snapshot()
+                except Exception:  # a bug: say it, keep serving the last snapshot
+                    logger.exception("hivemind: taking a snapshot of the run's state failed")
 
     def serve(self) -> State:
         with self._lock:

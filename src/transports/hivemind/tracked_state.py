@@ -1,7 +1,8 @@
 """The run's state as this peer holds it: its state tag, and taking its group's state when it is behind.
 
-Only the results of the tracked all-reduce (the run state's key: DiLoCo's rounds) make up the run's state;
-groupmates compare their tags before averaging it (``state_tag.py``).
+Only the results of the tracked all-reduces (the run state's keys: DiLoCo's rounds, one key per fragment) make
+up the run's state; groupmates compare their tags before averaging them (``state_tag.py``). A tag counts the
+reduces completed, applied or not: with overlap the run state serves the completed means still in flight.
 """
 
 import logging
@@ -33,19 +34,19 @@ class TrackedState:
     Read and changed under the transport's lock."""
 
     def __init__(self, *, server: StateServer, resources: Resources, lock: threading.RLock) -> None:
-        self.key: str | None = None  # the reduce key whose results count
+        self.keys: frozenset[str] = frozenset()  # the reduce keys whose results count
         self.tag: Tag = INITIAL_TAG
         self.prev_tag: Tag | None = None
         self.on_resync: Loader | None = None
         self._server, self._res, self._lock = server, resources, lock
 
-    def track(self, key: str, on_resync: Loader) -> None:
+    def track(self, keys: frozenset[str], on_resync: Loader) -> None:
         with self._lock:
-            self.key, self.on_resync = key, on_resync
+            self.keys, self.on_resync = keys, on_resync
 
     def served(self) -> dict:
         """The tags a snapshot carries (none until an all-reduce is tracked); called under the lock."""
-        tracked = self.key is not None
+        tracked = bool(self.keys)
         return {
             "tag": list(self.tag) if tracked else None,
             "prev_tag": list(self.prev_tag) if tracked and self.prev_tag else None,
@@ -88,23 +89,36 @@ class TrackedState:
             raise TransportError(
                 f"hivemind: this peer is behind its group (round {group_tag[0]}) and no peer served that state"
             )
-        self._load(best, outcome)
-        self._server.take_snapshot()
-        logger.warning("hivemind: %s", outcome.replaced)
-        raise outcome.replaced
-
-    def _load(self, best: State, outcome: Outcome) -> None:
-        meta, got = best
-        shared = self._server.shared
-        # Everything is checked before anything changes.
-        values = [broadcast_values(best, index, tensors) for index, tensors in enumerate(shared)]
-        load_extra = self.on_resync(meta["extra"], got[sum(meta["broadcasts"]) :])
+        load = self._loader(best)
         with self._lock:
             if outcome.abandoned or self._res.closed:
                 raise TransportError("hivemind: re-sync finished after the caller had given up")
-            for tensors, v in zip(shared, values):
-                torch._foreach_copy_(tensors, v)
-            load_extra()
-            self.tag, self.prev_tag, self._server.downloaded = _tag_of(meta, "tag"), _tag_of(meta, "prev_tag"), best
-            replaced = f"this peer was behind its group; it took the group's state of round {meta['tag'][0]}"
-            outcome.replaced = StateReplaced(replaced)
+            outcome.load = load
+            outcome.replaced = StateReplaced(
+                f"this peer was behind its group; it took the group's state of round {best[0]['tag'][0]}"
+            )
+        raise outcome.replaced
+
+    def _loader(self, best: State) -> Callable[[], None]:
+        """Check everything in ``best`` now; return what loads it, which the caller's wait runs (``Handle``): in
+        its own thread, so that no state changes under training that goes on while a reduce is in flight."""
+        meta, got = best
+        shared = self._server.shared
+        values = [broadcast_values(best, index, tensors) for index, tensors in enumerate(shared)]
+        load_extra = self.on_resync(meta["extra"], got[sum(meta["broadcasts"]) :])
+
+        def load() -> None:
+            with self._server.frozen(), self._lock:  # in the order snapshots take them
+                if self._res.closed:
+                    raise TransportError("hivemind: re-sync finished after the transport was closed")
+                for tensors, v in zip(shared, values):
+                    torch._foreach_copy_(tensors, v)
+                load_extra()
+                self.tag, self.prev_tag = _tag_of(meta, "tag"), _tag_of(meta, "prev_tag")
+                self._server.downloaded = best
+            self._server.take_snapshot()
+            logger.warning(
+                "hivemind: this peer was behind its group; it took the group's state of round %d", self.tag[0]
+            )
+
+        return load

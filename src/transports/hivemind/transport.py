@@ -62,6 +62,7 @@ class HivemindTransport(Transport):
         self._averagers: dict[tuple[str, int, str], Averager] = {}  # per (key, size, codec)
         self._last_group: list[bytes] = []
         self._closed = False
+        self._snapshot_on_commit = False
         joining = bool(config.initial_peers)
         self._server = StateServer(
             joining=joining, resources=self._res, lock=self._lock, tags=lambda: self._state.served()
@@ -134,11 +135,13 @@ class HivemindTransport(Transport):
             self._state.adopt(self._server.downloaded[0])
             joined = True
         self._server.extra_fn = state.snapshot  # served with the broadcast values, refreshed after every round
+        self._server.frozen = state.frozen
+        self._snapshot_on_commit = state.means_in_flight  # overlap: a completed reduce changes the state too
         state.subscribe(self._take_snapshot)
         # From now on groupmates compare state tags before averaging a round: a peer that is behind or has
         # diverged takes its group's state instead (checked by ``loader`` first) and its all_reduce raises
         # StateReplaced.
-        self._state.track(state.key, loader)
+        self._state.track(state.keys, loader)
         self._take_snapshot()
         self._swarm.declare(round=self._state.tag[0])  # runs rounds: counted by the others' rounds now
         return joined
@@ -213,7 +216,7 @@ class HivemindTransport(Transport):
         self, averager: Averager, tensors: list[torch.Tensor], *, codec: Codec, key: str, outcome: Outcome, start: float
     ) -> ReduceResult:
         cfg = self.config
-        tracked = key == self._state.key  # DiLoCo's rounds: groupmates compare state tags
+        tracked = key in self._state.keys  # DiLoCo's rounds: groupmates compare state tags
         # The peers this reduce waits for (swarm.py); nobody: alone at once, without matchmaking.
         expected = self._swarm.expected(key, tracked=tracked, timeout=min(2.0, cfg.matchmaking_time))
         target = cfg.target_group_size or (max(2, expected) if expected else None)
@@ -275,6 +278,8 @@ class HivemindTransport(Transport):
             result, self._last_group = commit(averager, tensors, state=self._state, me=self._me, **kwargs)
         if kwargs["tracked"]:
             self._swarm.committed(self._state.tag[0])
+            if self._snapshot_on_commit:  # joiners get this mean with the state, and the tag that counts it
+                self._server.snapshot_soon()
         return result
 
     # -- state for joiners ---------------------------------------------------------------------------
