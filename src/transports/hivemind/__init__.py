@@ -44,7 +44,9 @@ values, a joining peer downloads them from any peer that already holds them (``s
 meaning "whoever holds the run's state"). Peers serve a snapshot taken at each broadcast and at the
 start of each all-reduce and after each round, plus the run state ``DiLoCo`` hands to
 ``HivemindTransport.attach`` (``diloco_core.RunState``: outer momentum and round, opaque here; loaded
-on joining and when a round finds this peer behind its group).
+on joining and, by the caller's wait, when a round finds this peer behind its group). With overlap the
+run state also holds the completed means in flight: a snapshot is then also taken after each completed
+reduce (its tag counts it), in a thread of its own, under ``RunState.frozen()``.
 
 Only peers that know the run's ``secret`` can take part (``auth``): a slow KDF (scrypt) derives the run's
 namespace and a MAC key from it; the run's DHT records, matchmaking requests and confirmations carry

@@ -137,12 +137,12 @@ class HivemindTransport(Transport):
         self._server.extra_fn = state.snapshot  # served with the broadcast values, refreshed after every round
         self._server.frozen = state.frozen
         self._snapshot_on_commit = state.means_in_flight  # overlap: a completed reduce changes the state too
-        state.subscribe(self._take_snapshot)
+        state.subscribe(self._server.take_snapshot)
         # From now on groupmates compare state tags before averaging a round: a peer that is behind or has
         # diverged takes its group's state instead (checked by ``loader`` first) and its all_reduce raises
         # StateReplaced.
         self._state.track(state.keys, loader)
-        self._take_snapshot()
+        self._server.take_snapshot()
         self._swarm.declare(round=self._state.tag[0])  # runs rounds: counted by the others' rounds now
         return joined
 
@@ -155,7 +155,7 @@ class HivemindTransport(Transport):
         """Take back the tags of a checkpoint (DiLoCo's state is in place by now) and serve that state."""
         self._state.load_state_dict(state)
         self._swarm.declare(round=self._state.tag[0])
-        self._take_snapshot()  # joiners now get the loaded state, not the one from before it
+        self._server.take_snapshot()  # joiners now get the loaded state, not the one from before it
 
     @property
     def _me(self) -> bytes:
@@ -196,7 +196,7 @@ class HivemindTransport(Transport):
         # A point between rounds: what joiners download. A joiner that takes it while this round is in
         # flight trains from it and meets this round's group if it matchmakes in time (tested); telling
         # joiners to wait instead made them miss the round and average a round behind.
-        self._take_snapshot()
+        self._server.take_snapshot()
         self._averager(key, sum(t.numel() for t in tensors), codec)  # created here: it starts a process
         # The caller's tensors are the contribution (untouched until commit, so a retry re-reads them).
         outcome = Outcome()
@@ -283,9 +283,6 @@ class HivemindTransport(Transport):
         return result
 
     # -- state for joiners ---------------------------------------------------------------------------
-
-    def _take_snapshot(self) -> None:
-        self._server.take_snapshot()
 
     def broadcast(self, tensors: Sequence[torch.Tensor], *, src: int = 0, timeout: float) -> None:
         """Make ``tensors`` the run's values: kept on the swarm's first peer, downloaded on a joiner."""
