@@ -3,7 +3,7 @@
 Not part of the test run. Two gloo workers (``diloco torchrun --nproc-per-node=2``, one torch thread each on
 this 2-core machine) train the same model in each mode: DiLoCo blocking (``diloco.overlap=none``), streaming
 (``fragments``, ``overlap_steps``), eager, and DDP (``train.mode=ddp``). Each mode runs over two links of the
-same rate:
+same rate (``--transport hivemind``: two hivemind peers instead, ``bench/hivemind_pair.py``, no DDP):
 
 - ``shaped``: the workers run inside ``bench/shaped_link.sh RATE`` (a network namespace whose loopback is
   shaped with ``tc tbf``; root only). Both directions of both workers share that one queue.
@@ -86,10 +86,22 @@ def command(*, link: str, mode: str, run_dir: Path, args: argparse.Namespace) ->
     if link.startswith("simulated"):
         rate = args.rate / 2 if link == "simulated-shared" else args.rate
         sets += [f"transport.link_mbit={rate:g}", f"transport.link_latency_ms={args.latency_ms:g}"]
-    cmd = [sys.executable, "-m", "diloco_train.cli", "torchrun", "--standalone", "--nproc-per-node=2"]
-    cmd += ["train", "-q", "--name", run_dir.name]
-    for s in sets:
-        cmd += ["--set", s]
+    if args.transport == "hivemind":  # two peers, the joiner measured (bench/hivemind_pair.py)
+        sets = [s for s in sets if not s.startswith(("transport.kind=", "train.runs_dir="))]
+        cmd = [
+            sys.executable,
+            str(HERE / "hivemind_pair.py"),
+            "--runs-dir",
+            str(run_dir.parent),
+            "--name",
+            run_dir.name,
+        ]
+        cmd += ["--", *sets]
+    else:
+        cmd = [sys.executable, "-m", "diloco_train.cli", "torchrun", "--standalone", "--nproc-per-node=2"]
+        cmd += ["train", "-q", "--name", run_dir.name]
+        for s in sets:
+            cmd += ["--set", s]
     if link == "shaped":
         cmd = [str(HERE / "shaped_link.sh"), f"{args.rate:g}mbit", *cmd]
     return cmd
@@ -132,7 +144,12 @@ def table(results: dict[str, dict[str, Any]], args: argparse.Namespace) -> str:
     head = (
         f"rate {args.rate:g} Mbit/s, latency {args.latency_ms:g} ms; model {args.hidden}x{args.layers} "
         f"(intermediate {args.intermediate}), batch {args.batch}x64, H={args.inner_steps}, wire {args.wire}; "
-        f"streaming P={args.fragments}, tau={args.overlap_steps}; rank 0's figures\n\n"
+        f"streaming P={args.fragments}, tau={args.overlap_steps}; "
+        + (
+            "rank 0's figures\n\n"
+            if getattr(args, "transport", "torch") == "torch"
+            else "hivemind, the joining peer's figures\n\n"
+        )
     )
     lines = [
         "| link | mode | steps | wall s | compute s/step | utilization | steady (steps) | trainer's figure | syncs | peak MB/sync |",
@@ -176,6 +193,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=60, help="inner steps of the DiLoCo runs")
     p.add_argument("--ddp-steps", type=int, default=10, help="steps of the DDP runs (a sync every step)")
     p.add_argument("--inner-steps", type=int, default=20)
+    p.add_argument("--transport", default="torch", choices=("torch", "hivemind"), help="hivemind: two peers, no DDP")
     p.add_argument("--fragments", type=int, default=4)
     p.add_argument("--overlap-steps", type=int, default=4)
     p.add_argument("--wire", default="fp32")
@@ -189,6 +207,8 @@ def main(argv: list[str] | None = None) -> int:
         bad = sorted(set(names) - set(valid))
         if bad:
             p.error(f"--{what}: {bad} invalid, expected some of {list(valid)}")
+    if args.transport == "hivemind" and "ddp" in modes:
+        p.error("--modes: ddp runs on torch only; leave it out with --transport hivemind")
     if "shaped" in links and os.geteuid() != 0:
         p.error("--links shaped needs root (ip netns, tc); leave it out or run as root")
     args.out.mkdir(parents=True, exist_ok=True)

@@ -12,6 +12,7 @@ import pytest
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "bench"))
 
+from hivemind_pair import join_addresses
 from utilization import command, measure, table
 
 
@@ -58,7 +59,7 @@ def test_utilization_is_compute_over_the_loops_wall_and_steady_leaves_out_the_en
 def test_the_simulated_link_is_set_through_the_transport_section_and_the_shaped_one_wraps_the_command() -> None:
     args = argparse.Namespace(
         rate=100.0, latency_ms=5.0, hidden=8, layers=1, intermediate=16, batch=2, inner_steps=4, wire="fp32",
-        fragments=2, overlap_steps=1, steps=8, ddp_steps=2,
+        fragments=2, overlap_steps=1, steps=8, ddp_steps=2, transport="torch",
     )  # fmt: skip
     sim = command(link="simulated-shared", mode="streaming", run_dir=Path("/x/r"), args=args)
     assert "transport.link_mbit=50" in sim and "transport.link_latency_ms=5" in sim
@@ -66,3 +67,17 @@ def test_the_simulated_link_is_set_through_the_transport_section_and_the_shaped_
     shaped = command(link="shaped", mode="ddp", run_dir=Path("/x/r"), args=args)
     assert shaped[0].endswith("shaped_link.sh") and shaped[1] == "100mbit" and "train.mode=ddp" in shaped
     assert not any(a.startswith("transport.link") for a in shaped) and "train.steps=2" in shaped
+    args.transport = "hivemind"  # two peers under one command (in the shaped namespace alike), the joiner measured
+    pair = command(link="shaped", mode="eager", run_dir=Path("/x/r"), args=args)
+    assert pair[0].endswith("shaped_link.sh") and pair[3].endswith("hivemind_pair.py")
+    assert pair[pair.index("--runs-dir") + 1] == "/x" and pair[pair.index("--name") + 1] == "r"
+    assert "diloco.overlap=eager" in pair and not any(a.startswith(("transport.kind", "train.runs_dir")) for a in pair)
+
+
+def test_the_pair_launcher_reads_the_join_command_the_first_peer_prints(tmp_path: Path) -> None:
+    err = tmp_path / "first.err"
+    assert join_addresses(err) is None
+    err.write_text(
+        "starting\n  diloco train --set 'transport.initial_peers=[\"/ip4/127.0.0.1/tcp/5/p2p/Qm\"]' --set x=1\n"
+    )
+    assert join_addresses(err) == ["/ip4/127.0.0.1/tcp/5/p2p/Qm"]
