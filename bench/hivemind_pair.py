@@ -27,6 +27,7 @@ COMMON = [
     "transport.matchmaking_time=15.0",  # the first peer's first round waits for the joiner's
     "transport.averaging_timeout=120.0",
     "train.num_shards=2",
+    "train.threads=1",  # one torch thread per peer, as the trainer gives each of two torchrun workers
 ]
 
 

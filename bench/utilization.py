@@ -199,7 +199,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--wire", default="fp32")
     p.add_argument("--hidden", type=int, default=256)
     p.add_argument("--intermediate", type=int, default=768)
-    p.add_argument("--layers", type=int, default=6)
+    p.add_argument(
+        "--layers", type=int, default=8, help="blocks (streaming's fragments are P of them each: P | layers)"
+    )
     p.add_argument("--batch", type=int, default=8)
     args = p.parse_args(argv)
     links, modes = args.links.split(","), args.modes.split(",")
