@@ -329,6 +329,22 @@ def test_a_peer_that_loads_the_run_state_mid_overlap_applies_the_same_means_at_t
     assert donor.round == peer.round and peer._pending != []
 
 
+def test_the_run_state_is_not_served_while_a_reduce_in_flight_has_not_completed_and_inside_a_boundary_is_a_step_back():
+    model = Tower()
+    config = DiLoCoConfig(inner_steps=4, outer_lr=0.7, overlap="eager")
+    dl = DiLoCo(model, torch.optim.SGD(model.parameters(), lr=0.05), InProcessGroup(1).transport(0), config)
+    for s in range(5):  # the in-process reduce puts its mean in place only when waited for: never "completed"
+        _inner_step(model, None, 0, s)
+        dl.step()
+        dl.inner_optimizer.zero_grad()
+    assert dl._pending and dl.run_state.snapshot() is None
+    with dl.run_state.boundary(9):  # as a reduce starts at step 9: the state before that step's outer work
+        dl._pending = []
+        meta, _ = dl.run_state.snapshot()
+    assert meta["inner_step"] == 8 and meta["in_flight"] == []
+    assert dl.run_state.snapshot()[0]["inner_step"] == 5
+
+
 def test_workers_with_different_overlap_settings_are_refused():
     def worker(t: Transport):
         model = Tower()

@@ -163,7 +163,7 @@ class DiLoCo:
         self.inner_optimizer.step()
         self.inner_step += 1
         start = time.perf_counter()
-        with self.run_state.lock:  # a transport may snapshot the run state from its own thread
+        with self.run_state.boundary(self.inner_step):  # a transport may snapshot it from its own thread
             report = self._outer(self.inner_step, self.config)
         self.outer_seconds = time.perf_counter() - start
         return report

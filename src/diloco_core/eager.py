@@ -101,6 +101,7 @@ def eager_round(d: DiLoCo, retry: bool) -> RoundReport:
     mean_clipped, mean_norm = f.clip_mean(settled) if settled is not None else (False, 0.0)
     if settled is not None and settled.valid:
         d._outer_step(f)
+    d._pending = []  # applied: a snapshot of the run state taken as the fresh reduce starts must not hold it
     grad = eager.stale_removed(f.reduce.body if settled is not None else None, valid=settled.valid if settled else 0)
     local_norm, excluded, clipped, sent_norm = f.pseudo_gradient(start=eager.flat)  # the mean is used: overwrite it
     if not excluded:

@@ -39,6 +39,7 @@ class RunState:
         self._listeners: list[Callable[[], None]] = []
         self.lock = threading.RLock()
         """Held by ``DiLoCo`` while it changes its outer state (a round's boundary, a load)."""
+        self._at: int | None = None  # inside the boundary of this inner step: its outer work not yet done
 
     @property
     def keys(self) -> frozenset[str]:
@@ -50,6 +51,18 @@ class RunState:
         """True (overlap) if the state holds the completed means in flight: a reduce's completion changes it too,
         so serve a snapshot taken after each (under ``frozen()``)."""
         return self._diloco.config.overlap != "none"
+
+    @contextmanager
+    def boundary(self, step: int) -> Iterator[None]:
+        """``DiLoCo.step``'s outer work after inner step ``step``, under the lock: a snapshot taken inside it
+        (as a reduce starts) is of the state before it, ``step - 1`` steps done, so that a peer loading it
+        runs that boundary itself and begins the same reduce as the peers it came from."""
+        with self.lock:
+            self._at = step
+            try:
+                yield
+            finally:
+                self._at = None
 
     @contextmanager
     def frozen(self) -> Iterator[None]:
@@ -66,9 +79,11 @@ class RunState:
         for listener in self._listeners:
             listener()
 
-    def snapshot(self) -> tuple[dict[str, Any], list[torch.Tensor]]:
+    def snapshot(self) -> tuple[dict[str, Any], list[torch.Tensor]] | None:
         """(round, number of momentum buffers and the guard's references; with overlap the inner step, the guards
-        and the completed reduces in flight; the tensors cloned): safe to keep while training goes on."""
+        and the completed reduces in flight; the tensors cloned): safe to keep while training goes on. None
+        (overlap) while a reduce in flight has not completed: a peer loading the state then would miss its
+        mean; serve the last one instead (taken as that reduce started)."""
         d = self._diloco
         with self.lock:
             state = d.outer_optimizer.state_dict()["state"].values()
@@ -76,8 +91,10 @@ class RunState:
             meta: dict[str, Any] = {"round": d.round, "num_momentum": len(buffers), "guard": d.guard.state_dict()}
             tensors = [b.detach().clone() for b in buffers]
             if d.config.overlap != "none":
-                flights = [e for e in map(self._completed, d._pending) if e is not None]
-                meta["inner_step"] = d.inner_step
+                flights = [self._completed(p) for p in d._pending]
+                if None in flights:
+                    return None
+                meta["inner_step"] = d.inner_step if self._at is None else self._at - 1
                 meta["guards"] = [f.guard.state_dict() for f in d.fragments]
                 meta["in_flight"] = [{k: v for k, v in e.items() if k != "mean"} for e in flights]
                 tensors += [e["mean"] for e in flights]

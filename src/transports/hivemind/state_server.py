@@ -45,7 +45,7 @@ class StateServer:
         """``tags()``: the state tags to serve (called under ``lock``, which guards the snapshot too)."""
         self.joining = joining
         self.shared: list[list[torch.Tensor]] = []  # the tensors of every broadcast, in call order
-        self.extra_fn: Callable[[], State] | None = None
+        self.extra_fn: Callable[[], State | None] | None = None
         self.frozen: Callable[[], contextlib.AbstractContextManager[Any]] = contextlib.nullcontext
         """Held around a snapshot, before the lock: the run state changes no round meanwhile (``RunState.frozen``)."""
         self.downloaded: State | None = None
@@ -59,7 +59,10 @@ class StateServer:
             return  # a joiner serves nothing until it holds the run's state
         # Values, run state and tags from one moment: no round is applied (frozen) nor committed (lock) meanwhile.
         with self.frozen(), self._lock:
-            extra_meta, extra = self.extra_fn() if self.extra_fn is not None else ({}, [])
+            extra = self.extra_fn() if self.extra_fn is not None else ({}, [])
+            if extra is None:  # the run state cannot be served now (a reduce in flight): keep the last snapshot
+                return
+            extra_meta, extra = extra
             tensors = [t.detach().clone() for group in self.shared for t in group] + [t.detach().clone() for t in extra]
             counts = [len(g) for g in self.shared]
             meta = {"ready": True, "broadcasts": counts, "extra": extra_meta, "num_tensors": len(tensors)}
