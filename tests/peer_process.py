@@ -63,3 +63,10 @@ class PeerProcess:
     def kill(self) -> None:
         kill_session(self.proc.pid)  # the peer, its DHT, its averagers and its p2pd
         self.proc.wait(10)
+
+
+def exit_all(peers: list[PeerProcess]) -> bool:
+    """Tell every peer to exit; True if each says it closed its transport."""
+    for p in peers:
+        p.send("exit")
+    return all(p.next().get("closed") for p in peers)

@@ -19,6 +19,7 @@ import procs
 import pytest
 import torch
 from peer_process import PeerProcess as _Peer
+from peer_process import exit_all
 from peer_process import kill_session as _kill_session
 from world import together
 
@@ -672,9 +673,7 @@ def test_diloco_peers_agree_after_every_round_through_a_kill_and_a_restart(tmp_p
         out = round_on(peers)
         assert [o.get("round") for o in out] == [5] * 3 and {o["contributors"] for o in out} == {3}, out
         assert len({o["digest"] for o in out}) == 1
-        for p in peers:
-            p.send("exit")
-        assert all(p.next().get("closed") for p in peers)
+        assert exit_all(peers)
     finally:
         for p in peers:
             p.kill()

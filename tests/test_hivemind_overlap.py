@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 
 import pytest
-from peer_process import PeerProcess
+from peer_process import PeerProcess, exit_all
 
 pytest.importorskip("hivemind")
 
@@ -73,9 +73,7 @@ def test_a_peer_killed_with_an_overlapped_reduce_in_flight_leaves_the_survivors_
             out = round_on(peers)
             assert all("error" not in o for o in out) and len({o["digest"] for o in out}) == 1, out
         assert {o["contributors"] for o in out} == {3}, out
-        for p in peers:
-            p.send("exit")
-        assert all(p.next().get("closed") for p in peers)
+        assert exit_all(peers)
     finally:
         for p in peers:
             p.kill()
