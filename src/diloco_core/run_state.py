@@ -8,7 +8,7 @@ is built (a joiner downloads them there), and loading a state makes the model th
 With overlap the state also holds the means of the reduces in flight that have completed (not yet
 applied: they are due at a later step) and the inner step it was taken at, so that a peer that loads it
 applies the same means at the same steps as the peers it came from (docs/overlap.md). A transport that
-snapshots from another thread holds ``frozen()`` first, so that no round is half applied meanwhile.
+snapshots from another thread holds ``lock`` first, so that no round is half applied meanwhile.
 """
 
 from __future__ import annotations
@@ -38,7 +38,8 @@ class RunState:
         self._diloco = diloco
         self._listeners: list[Callable[[], None]] = []
         self.lock = threading.RLock()
-        """Held by ``DiLoCo`` while it changes its outer state (a round's boundary, a load)."""
+        """Held by ``DiLoCo`` while it changes its outer state (a round's boundary, a load): a transport that
+        snapshots from another thread holds it, so that no round is half applied meanwhile."""
         self._at: int | None = None  # inside the boundary of this inner step: its outer work not yet done
 
     @property
@@ -49,7 +50,7 @@ class RunState:
     @property
     def means_in_flight(self) -> bool:
         """True (overlap) if the state holds the completed means in flight: a reduce's completion changes it too,
-        so serve a snapshot taken after each (under ``frozen()``)."""
+        so serve a snapshot taken after each (under ``lock``)."""
         return self._diloco.config.overlap != "none"
 
     @contextmanager
@@ -63,12 +64,6 @@ class RunState:
                 yield
             finally:
                 self._at = None
-
-    @contextmanager
-    def frozen(self) -> Iterator[None]:
-        """No round changes the state while in it (DiLoCo's own thread may still enter: the lock is reentrant)."""
-        with self.lock:
-            yield
 
     def subscribe(self, listener: Callable[[], None]) -> None:
         """Call ``listener()`` after every outer round, once the new state is in place."""
@@ -105,8 +100,7 @@ class RunState:
         f = self._diloco.fragments[p.fragment]
         if p.settled is not None:
             return in_flight_entry(p, mean=f.reduce.flat.detach().clone())
-        result = p.handle.completed() if p.handle is not None else None
-        if result is None:
+        if (result := p.handle.completed() if p.handle is not None else None) is None:
             return None
         mean = f.reduce.flat.detach().clone()  # what the fragment's settle will make of it, on a copy
         valid, contributors_norm = f.guard.settle(mean, result.num_contributors)
@@ -121,12 +115,16 @@ class RunState:
         n = meta.get("num_momentum") if isinstance(meta, dict) else None
         rnd = meta.get("round") if isinstance(meta, dict) else None
         flights = meta.get("in_flight", []) if isinstance(meta, dict) else None
-        if not isinstance(n, int) or not isinstance(rnd, int) or rnd < 0 or not isinstance(flights, list):
+        if (
+            not isinstance(n, int)
+            or not isinstance(rnd, int)
+            or rnd < 0
+            or not isinstance(flights, list)
+            or (len(tensors) != n + len(flights))
+        ):
             raise ValueError(f"a peer's DiLoCo state does not fit: {meta!r} with {len(tensors)} tensor(s)")
         if ("inner_step" in meta) != (d.config.overlap != "none"):
             raise ValueError("a peer's DiLoCo state was made with other overlap settings than this peer's")
-        if len(tensors) != n + len(flights):
-            raise ValueError(f"a peer's DiLoCo state does not fit: {meta!r} with {len(tensors)} tensor(s)")
         keys = list(d.outer_optimizer.state_dict()["param_groups"][0]["params"])
         if n not in (0, len(keys)):
             raise ValueError(f"a peer's DiLoCo state holds {n} momentum buffers for {len(keys)} outer parameter(s)")

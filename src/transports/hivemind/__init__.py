@@ -46,7 +46,7 @@ start of each all-reduce and after each round, plus the run state ``DiLoCo`` han
 ``HivemindTransport.attach`` (``diloco_core.RunState``: outer momentum and round, opaque here; loaded
 on joining and, by the caller's wait, when a round finds this peer behind its group). With overlap the
 run state also holds the completed means in flight: a snapshot is then also taken after each completed
-reduce (its tag counts it), in a thread of its own, under ``RunState.frozen()``.
+reduce (its tag counts it), in a thread of its own, under ``RunState.lock``.
 
 Only peers that know the run's ``secret`` can take part (``auth``): a slow KDF (scrypt) derives the run's
 namespace and a MAC key from it; the run's DHT records, matchmaking requests and confirmations carry

@@ -46,8 +46,8 @@ class StateServer:
         self.joining = joining
         self.shared: list[list[torch.Tensor]] = []  # the tensors of every broadcast, in call order
         self.extra_fn: Callable[[], State | None] | None = None
-        self.frozen: Callable[[], contextlib.AbstractContextManager[Any]] = contextlib.nullcontext
-        """Held around a snapshot, before the lock: the run state changes no round meanwhile (``RunState.frozen``)."""
+        self.frozen: contextlib.AbstractContextManager[Any] = contextlib.nullcontext()
+        """Held around a snapshot, before the lock: the run state changes no round meanwhile (``RunState.lock``)."""
         self.downloaded: State | None = None
         self.averager: Any = None  # the 1-value averager that serves the snapshot (it never averages)
         self._snapshot: State = ({"ready": False}, [])
@@ -58,7 +58,7 @@ class StateServer:
         if self.joining and self.downloaded is None:
             return  # a joiner serves nothing until it holds the run's state
         # Values, run state and tags from one moment: no round is applied (frozen) nor committed (lock) meanwhile.
-        with self.frozen(), self._lock:
+        with self.frozen, self._lock:
             extra = self.extra_fn() if self.extra_fn is not None else ({}, [])
             if extra is None:  # the run state cannot be served now (a reduce in flight): keep the last snapshot
                 return

@@ -108,7 +108,7 @@ class TrackedState:
         load_extra = self.on_resync(meta["extra"], got[sum(meta["broadcasts"]) :])
 
         def load() -> None:
-            with self._server.frozen(), self._lock:  # in the order snapshots take them
+            with self._server.frozen, self._lock:  # in the order snapshots take them
                 if self._res.closed:
                     raise TransportError("hivemind: re-sync finished after the transport was closed")
                 for tensors, v in zip(shared, values):

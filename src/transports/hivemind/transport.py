@@ -135,7 +135,7 @@ class HivemindTransport(Transport):
             self._state.adopt(self._server.downloaded[0])
             joined = True
         self._server.extra_fn = state.snapshot  # served with the broadcast values, refreshed after every round
-        self._server.frozen = state.frozen
+        self._server.frozen = state.lock
         self._snapshot_on_commit = state.means_in_flight  # overlap: a completed reduce changes the state too
         state.subscribe(self._server.take_snapshot)
         # From now on groupmates compare state tags before averaging a round: a peer that is behind or has
