@@ -210,6 +210,19 @@ def test_reference_mean_with_block_codecs_sums_decoded_payloads_in_order(codec):
     torch.testing.assert_close(got, sum(xs) / 3, atol=float(sum(x.abs().max() for x in xs)) / codec.qmax, rtol=0)
 
 
+@pytest.mark.parametrize("codec", [INT8, INT4], ids=lambda c: c.name)
+def test_the_fused_block_mean_equals_the_plain_definition_bit_for_bit_across_chunks(codec):
+    """``mean_of_payloads`` decodes, sums and divides chunk by chunk (``BlockCodec.mean_of``): over several
+    chunks, a partial last block and three contributions it must equal decode-sum-divide value for value."""
+    g = torch.Generator().manual_seed(1)
+    n = 2 * 2**20 + 3 * codec.block + 77
+    xs = [torch.randn(n, generator=g) * (i + 1) for i in range(3)]
+    out = torch.full((n,), float("nan"))
+    assert mean_of_payloads([codec.encode(x) for x in xs], codec, out=out) is out
+    plain = [codec.decode(codec.encode(x), torch.empty(n)) for x in xs]
+    assert torch.equal(out, ((plain[0] + plain[1]) + plain[2]) / 3)
+
+
 def test_block_codecs_meet_their_byte_targets():
     n = 25_000_000 + 192 + 1  # a 25M-parameter round: pseudo-gradient, zeros up to a block, the RMS
     assert INT8.payload_bytes(n) / FP32.payload_bytes(n) <= 0.27  # 0.254 (bench/codec_bytes.py)

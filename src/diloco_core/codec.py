@@ -10,7 +10,7 @@ quantize blocks of values with one scale each.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
 import torch
 
@@ -186,14 +186,35 @@ class BlockCodec(Codec):
         """(slice, its decoded values) chunk by chunk, in a small reused buffer: no scratch needed."""
         self.check(payload, numel)  # a peer's NaN or negative scale would be a silently wrong mean
         scales, codes = self._parts(payload, numel)
-        half = self.block // 2
         for i, j, part, x in self._chunks(numel, device):
-            if self.bits == 8:
-                x.copy_(codes[i:j].view(torch.int8))
-            else:
-                x[:, :half].copy_((codes[i:j] & 15).view(torch.int8).sub_(8))
-                x[:, half:].copy_((codes[i:j] >> 4).view(torch.int8).sub_(8))
-            yield part, x.mul_(scales[i:j, None]).view(-1)[: part.stop - part.start]
+            yield part, self._rows(scales, codes, i, j, out=x).view(-1)[: part.stop - part.start]
+
+    def _rows(self, scales: torch.Tensor, codes: torch.Tensor, i: int, j: int, *, out: torch.Tensor) -> torch.Tensor:
+        """Blocks i:j decoded into ``out`` (j - i rows of ``block`` values)."""
+        if self.bits == 8:
+            out.copy_(codes[i:j].view(torch.int8))
+        else:
+            half = self.block // 2
+            out[:, :half].copy_((codes[i:j] & 15).view(torch.int8).sub_(8))
+            out[:, half:].copy_((codes[i:j] >> 4).view(torch.int8).sub_(8))
+        return out.mul_(scales[i:j, None])
+
+    def mean_of(self, payloads: Sequence[torch.Tensor], out: torch.Tensor) -> torch.Tensor:
+        """``out`` = the fp32 mean of the decoded ``payloads``, summed in their order and then divided, as
+        ``wire.mean_of_payloads``: the same operations value by value, but chunk by chunk in two small
+        buffers, so ``out`` is written once instead of decoded into, added to and divided in place."""
+        n = out.numel()
+        for p in payloads:
+            self.check(p, n)
+        parts = [self._parts(p, n) for p in payloads]
+        acc_rows: torch.Tensor | None = None
+        for i, j, part, x in self._chunks(n, out.device):
+            acc_rows = torch.empty_like(x) if acc_rows is None else acc_rows
+            acc = self._rows(*parts[0], i, j, out=acc_rows[: j - i])
+            for scales, codes in parts[1:]:
+                acc.add_(self._rows(scales, codes, i, j, out=x))
+            torch.div(acc.view(-1)[: part.stop - part.start], len(payloads), out=out[part])
+        return out
 
     def add_decoded(self, payload: torch.Tensor, into: torch.Tensor, scratch: torch.Tensor | None = None) -> None:
         for part, values in self._decoded(payload, into.numel(), into.device):

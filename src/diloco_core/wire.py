@@ -11,7 +11,7 @@ from collections.abc import Sequence
 
 import torch
 
-from .codec import Codec, codec_for
+from .codec import BlockCodec, Codec, codec_for
 
 __all__ = ["mean_of_payloads", "reference_mean"]
 
@@ -28,6 +28,8 @@ def mean_of_payloads(
     than the arithmetic (page faults).
     """
     assert payloads, "a mean needs at least one contribution"
+    if isinstance(codec, BlockCodec):  # the same arithmetic, fused chunk by chunk
+        return codec.mean_of(payloads, out)
     if len(payloads) > 1 and codec.elementwise_dtype == torch.float32:
         torch.add(payloads[0], payloads[1], out=out)  # one pass for the first two addends
         rest = payloads[2:]
@@ -55,5 +57,10 @@ def reference_mean(
     total = torch.empty(contributions[0].numel(), dtype=torch.float32, device=contributions[0].device)
     if out is not None:
         total = out.view(-1)
-    mean_of_payloads(payloads, codec, out=total, scratch=None if scratch is None else scratch.view(-1))
-    return total.view(contributions[0].shape)
+    # The definition, written plainly (not ``mean_of_payloads``, whose fused paths it checks): decode each
+    # payload, sum in order, divide.
+    decoded = torch.empty_like(total) if scratch is None else scratch.view(-1)
+    codec.decode(payloads[0], total)
+    for p in payloads[1:]:
+        total.add_(codec.decode(p, decoded))
+    return total.div_(len(payloads)).view(contributions[0].shape)
