@@ -164,9 +164,12 @@ class BlockCodec(Codec):
         scales, codes = self._parts(out, flat.numel())
         q, half = self.qmax, self.block // 2
         for i, j, part, x in self._chunks(flat.numel(), flat.device):
-            x.view(-1)[part.stop - part.start :].zero_()
-            x.view(-1)[: part.stop - part.start].copy_(flat[part])
-            absmax = torch.maximum(x.amax(1), x.amin(1).neg_())
+            full = part.stop - part.start == x.numel()  # whole blocks: read in place, no copy
+            src = flat[part].view(x.shape) if full and flat.is_contiguous() else x
+            if src is x:
+                x.view(-1)[part.stop - part.start :].zero_()
+                x.view(-1)[: part.stop - part.start].copy_(flat[part])
+            absmax = torch.maximum(src.amax(1), src.amin(1).neg_())
             if not bool(torch.isfinite(absmax).all()):
                 raise ValueError(
                     f"{self.name} cannot encode NaN or infinite values (one is in [{part.start}, {part.stop}))"
@@ -174,7 +177,7 @@ class BlockCodec(Codec):
             scale = torch.div(absmax, q, out=scales[i:j])
             # absmax / q rounds up for absmax = fp32's max at q = 127: q * scale would decode to inf
             torch.where(torch.isinf(scale * q), scale.nextafter(scale.new_zeros(())), scale, out=scale)
-            x.div_(torch.where(scale > 0, scale, 1.0)[:, None]).round_().clamp_(-q, q)
+            torch.div(src, torch.where(scale > 0, scale, 1.0)[:, None], out=x).round_().clamp_(-q, q)
             if self.bits == 8:
                 codes[i:j].view(torch.int8).copy_(x)
             else:
