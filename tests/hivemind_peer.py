@@ -89,7 +89,9 @@ def main() -> None:
                         open(flag, "w").close()  # armed: it dies in the next reduce it helps to reduce
                     report = diloco.step() or report  # streaming: the round's last fragment to finish
                     inner.zero_grad()
-                assert report is not None
+                if report is None:  # this peer was behind: its group's state replaced its own, its round dropped
+                    say(round=diloco.round, replaced=True, digest=digest(diloco))
+                    continue
                 say(
                     round=report.round,
                     contributors=report.num_contributors,
