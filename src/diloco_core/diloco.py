@@ -100,8 +100,8 @@ class DiLoCo:
             groups, self.local, self._global, codec=self.codec, config=config, compare=transport.fixed_ranks
         )
         """The parts synchronized on their own, each a slice of the global copy (one unless streaming)."""
-        self.guard, self.reduce_key = self.fragments[0].guard, self.fragments[0].key
-        """The first fragment's contribution guard (``diloco_core.guard``) and reduce key (the only ones unless streaming)."""
+        self.guard = self.fragments[0].guard
+        """The first fragment's contribution guard (``diloco_core.guard``; the only one unless streaming)."""
         momentum = config.outer_momentum
         rule_m = 1 if config.overlap == "eager" else transport.world_size  # eager: M's share of each step lags
         self.outer_lr = config.outer_lr if config.outer_lr is not None else outer_lr_for(rule_m, momentum)

@@ -89,17 +89,17 @@ class TrackedState:
             raise TransportError(
                 f"hivemind: this peer is behind its group (round {group_tag[0]}) and no peer served that state"
             )
-        load = self._loader(best)
+        replaced = StateReplaced(
+            f"this peer was behind its group; it took the group's state of round {best[0]['tag'][0]}"
+        )
+        load = self._loader(best, replaced)
         with self._lock:
             if outcome.abandoned or self._res.closed:
                 raise TransportError("hivemind: re-sync finished after the caller had given up")
-            outcome.load = load
-            outcome.replaced = StateReplaced(
-                f"this peer was behind its group; it took the group's state of round {best[0]['tag'][0]}"
-            )
+            outcome.load, outcome.replaced = load, replaced
         raise outcome.replaced
 
-    def _loader(self, best: State) -> Callable[[], None]:
+    def _loader(self, best: State, replaced: StateReplaced) -> Callable[[], None]:
         """Check everything in ``best`` now; return what loads it, which the caller's wait runs (``Handle``): in
         its own thread, so that no state changes under training that goes on while a reduce is in flight."""
         meta, got = best
@@ -117,8 +117,6 @@ class TrackedState:
                 self.tag, self.prev_tag = _tag_of(meta, "tag"), _tag_of(meta, "prev_tag")
                 self._server.downloaded = best
             self._server.take_snapshot()
-            logger.warning(
-                "hivemind: this peer was behind its group; it took the group's state of round %d", self.tag[0]
-            )
+            logger.warning("hivemind: %s", replaced)
 
         return load
