@@ -130,9 +130,10 @@ def test_block_codec_payload_sizes_and_layout():
     x = torch.tensor([7.0, -7.0, 3.0, 2.4, -0.6, 0.0, 0.0, 0.0] + [1.0] * 8 + [14.0] * 16)
     payload = codec_for("int4", block=16).encode(x)
     assert torch.equal(payload[:8].view(torch.float32), torch.tensor([1.0, 2.0]))  # the scales, first
-    # code + 8 per nibble: value i of a block in the low nibble of byte i, value i + 8 in its high nibble
-    low = [7 + 8, -7 + 8, 3 + 8, 2 + 8, -1 + 8, 8, 8, 8]
-    assert payload[8:16].tolist() == [lo | (1 + 8) << 4 for lo in low] and payload[16:].tolist() == [0xFF] * 8
+    # a code's 4-bit two's complement per nibble: value i of a block in the low nibble of byte i, value i + 8
+    # in its high nibble
+    low = [7, -7 & 15, 3, 2, -1 & 15, 0, 0, 0]
+    assert payload[8:16].tolist() == [lo | 1 << 4 for lo in low] and payload[16:].tolist() == [0x77] * 8
     assert INT8.encode(torch.tensor([1.0, -127.0, 3.0]))[4:7].view(torch.int8).tolist() == [1, -127, 3]
 
 
