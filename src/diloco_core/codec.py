@@ -149,22 +149,24 @@ class BlockCodec(Codec):
             blocks, self.block * self.bits // 8
         )
 
-    def _chunks(self, numel: int, device: torch.device) -> Iterator[tuple[int, int, slice, torch.Tensor]]:
-        """(blocks i:j, the slice of their values, a (j - i, block) fp32 buffer) per chunk of ~1M values."""
+    def _chunks(self, numel: int, device: torch.device) -> Iterator[tuple[int, int, slice, torch.Tensor, torch.Tensor]]:
+        """(blocks i:j, the slice of their values, a (j - i, block) fp32 buffer, an int8 one of that shape for
+        int4's codes) per chunk of ~1M values."""
         blocks, b = -(-numel // self.block), self.block
         rows = max(1, min(blocks, 2**20 // b))
         buf = torch.empty(rows, b, device=device)
+        small = torch.empty(rows if self.bits == 4 else 0, b, dtype=torch.int8, device=device)
         for i in range(0, blocks, rows):
             j = min(blocks, i + rows)
-            yield i, j, slice(i * b, min(numel, j * b)), buf[: j - i]
+            yield i, j, slice(i * b, min(numel, j * b)), buf[: j - i], small[: j - i]
 
     def encode(self, values: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         flat = values.reshape(-1)
         if out is None:
             out = torch.empty(self.payload_spec(flat.numel())[0], dtype=torch.uint8, device=flat.device)
         scales, codes = self._parts(out, flat.numel())
-        q, half, small = self.qmax, self.block // 2, None
-        for i, j, part, x in self._chunks(flat.numel(), flat.device):
+        q, half = self.qmax, self.block // 2
+        for i, j, part, x, small in self._chunks(flat.numel(), flat.device):
             full = part.stop - part.start == x.numel()  # whole blocks: read in place, no copy
             src = flat[part].view(x.shape) if full and flat.is_contiguous() else x
             if src is x:
@@ -182,8 +184,7 @@ class BlockCodec(Codec):
             if self.bits == 8:
                 codes[i:j].view(torch.int8).copy_(x)
                 continue
-            small = torch.empty(x.shape, dtype=torch.int8, device=x.device) if small is None else small
-            c = small[: j - i].copy_(x)  # the codes as int8, then packed byte-wide: (hi << 4) | (lo & 15)
+            c = small.copy_(x)  # the codes as int8, then packed byte-wide: (hi << 4) | (lo & 15)
             packed = torch.bitwise_left_shift(c[:, half:], 4, out=codes[i:j].view(torch.int8))
             packed.bitwise_or_(c[:, :half].bitwise_and_(15))
         return out
@@ -192,19 +193,20 @@ class BlockCodec(Codec):
         """(slice, its decoded values) chunk by chunk, in a small reused buffer: no scratch needed."""
         self.check(payload, numel)  # a peer's NaN or negative scale would be a silently wrong mean
         scales, codes = self._parts(payload, numel)
-        for i, j, part, x in self._chunks(numel, device):
-            yield part, self._rows(scales, codes, i, j, out=x).view(-1)[: part.stop - part.start]
+        for i, j, part, x, small in self._chunks(numel, device):
+            yield part, self._rows(scales, codes, i, j, out=x, small=small).view(-1)[: part.stop - part.start]
 
-    def _rows(self, scales: torch.Tensor, codes: torch.Tensor, i: int, j: int, *, out: torch.Tensor) -> torch.Tensor:
-        """Blocks i:j decoded into ``out`` (j - i rows of ``block`` values)."""
+    def _rows(
+        self, scales: torch.Tensor, codes: torch.Tensor, i: int, j: int, *, out: torch.Tensor, small: torch.Tensor
+    ) -> torch.Tensor:
+        """Blocks i:j decoded into ``out`` (j - i rows of ``block`` values; int4 unpacks into ``small``)."""
         if self.bits == 8:
             out.copy_(codes[i:j].view(torch.int8))
         else:  # arithmetic shifts sign-extend each nibble; the int8 codes are widened in one copy
             packed, half = codes[i:j].view(torch.int8), self.block // 2
-            nibbles = torch.empty(out.shape, dtype=torch.int8, device=out.device)
-            torch.bitwise_left_shift(packed, 4, out=nibbles[:, :half]).bitwise_right_shift_(4)
-            torch.bitwise_right_shift(packed, 4, out=nibbles[:, half:])
-            out.copy_(nibbles)
+            torch.bitwise_left_shift(packed, 4, out=small[:, :half]).bitwise_right_shift_(4)
+            torch.bitwise_right_shift(packed, 4, out=small[:, half:])
+            out.copy_(small)
         return out.mul_(scales[i:j, None])
 
     def mean_of(self, payloads: Sequence[torch.Tensor], out: torch.Tensor) -> torch.Tensor:
@@ -216,11 +218,11 @@ class BlockCodec(Codec):
             self.check(p, n)
         parts = [self._parts(p, n) for p in payloads]
         acc_rows: torch.Tensor | None = None
-        for i, j, part, x in self._chunks(n, out.device):
+        for i, j, part, x, small in self._chunks(n, out.device):
             acc_rows = torch.empty_like(x) if acc_rows is None else acc_rows
-            acc = self._rows(*parts[0], i, j, out=acc_rows[: j - i])
+            acc = self._rows(*parts[0], i, j, out=acc_rows[: j - i], small=small)
             for scales, codes in parts[1:]:
-                acc.add_(self._rows(scales, codes, i, j, out=x))
+                acc.add_(self._rows(scales, codes, i, j, out=x, small=small))
             torch.div(acc.view(-1)[: part.stop - part.start], len(payloads), out=out[part])
         return out
 
