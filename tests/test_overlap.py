@@ -106,11 +106,13 @@ def _set(model: nn.Module, flat: torch.Tensor) -> None:
         torch._foreach_copy_(params, [f.view_as(p) for f, p in zip(flat.split([p.numel() for p in params]), params)])
 
 
-def test_eager_updates_follow_a_hand_written_reference_of_the_rule():
-    """Each worker steps its own params with (its fresh pseudo-gradient + the others' previous ones) / M,
-    while the consensus copy steps with the plain one-round-old means; a flush ends on the consensus."""
+@pytest.mark.parametrize("w", [None, 0.6])
+def test_eager_updates_follow_a_hand_written_reference_of_the_rule(w):
+    """Each worker steps its own params with (its fresh pseudo-gradient + the others' previous ones) / M
+    (``eager_fresh_weight`` w: the previous mean + w (fresh - its previous)), while the consensus copy steps
+    with the plain one-round-old means; a flush ends on the consensus."""
     m, h, rounds, lr, mu = 3, 2, 5, 0.8, 0.5
-    config = DiLoCoConfig(inner_steps=h, outer_lr=lr, outer_momentum=mu, overlap="eager")
+    config = DiLoCoConfig(inner_steps=h, outer_lr=lr, outer_momentum=mu, overlap="eager", eager_fresh_weight=w)
 
     def worker(t: Transport):
         params, _reports, glob, _, dl = _train(t, config, range(h * rounds))
@@ -134,7 +136,10 @@ def test_eager_updates_follow_a_hand_written_reference_of_the_rule():
         if r > 0:  # the consensus copy takes last round's mean
             consensus, cbuf = _nesterov(consensus, cbuf, sum(prev) / m, lr, mu)
         for i in range(m):
-            direction = (fresh[i] + sum(prev[j] for j in range(m) if j != i)) / m
+            if w is None:
+                direction = (fresh[i] + sum(prev[j] for j in range(m) if j != i)) / m
+            else:
+                direction = sum(prev) / m + w * (fresh[i] - prev[i])
             x[i], xbuf[i] = _nesterov(x[i], xbuf[i], direction, lr, mu)
             _set(models[i], x[i])
         prev = fresh
@@ -265,6 +270,9 @@ def test_user_fragments_are_used_as_given():
         ),
         ({"overlap": "streaming", "merge_alpha": -0.1}, "merge_alpha=-0.1 is invalid: expected a number in [0, 1]"),
         ({"overlap": "eager", "fragments": 2}, "are streaming's settings: set overlap='streaming'"),
+        ({"overlap": "eager", "eager_fresh_weight": 0}, "eager_fresh_weight=0 is invalid: expected a number in (0, 1]"),
+        ({"overlap": "eager", "eager_fresh_weight": 1.5}, "eager_fresh_weight=1.5 is invalid: expected a number in"),
+        ({"eager_fresh_weight": 0.5}, "eager_fresh_weight=0.5 is eager's setting: set overlap='eager'"),
     ],
 )
 def test_overlap_settings_are_validated_with_the_field_and_its_range(settings, message):

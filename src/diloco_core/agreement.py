@@ -81,4 +81,5 @@ def settings_of(d: DiLoCo) -> dict[str, Any]:
         "fragments": len(d.fragments),
         "overlap_steps": c.overlap_steps,
         "merge_alpha": c.merge_alpha,
+        "eager_fresh_weight": c.eager_fresh_weight,
     }

@@ -83,6 +83,10 @@ class DiLoCoConfig:
     in [0, inner_steps - 1]; 0 waits at once)."""
     merge_alpha: float = 0.0
     """Streaming: a synced fragment becomes ``alpha * local + (1 - alpha) * global`` (0: the global params)."""
+    eager_fresh_weight: float | None = None
+    """Eager: w, how much of the change in this worker's own pseudo-gradient since the last round it adds to
+    the round-old mean: it steps with Δ̄(t-1) + w (Δ_m(t) - Δ_m(t-1)), a number in (0, 1]. Unset: 1 / M,
+    the paper's rule (its stale share of the mean swapped for its fresh one). docs/overlap.md measures w."""
     global_device: str = "cpu"
     """Where the fp32 global copy and the outer optimizer state live (CPU saves accelerator memory)."""
 
@@ -120,6 +124,11 @@ class DiLoCoConfig:
         is_int = isinstance(tau, int) and not isinstance(tau, bool)
         check_field("overlap_steps", tau, is_int and 0 <= tau < h, f"an integer in [0, inner_steps - 1 = {h - 1}]")
         check_field("merge_alpha", alpha, is_finite_number(alpha) and 0 <= alpha <= 1, "a number in [0, 1]")
+        w = self.eager_fresh_weight
+        is_w = w is None or (is_finite_number(w) and 0 < w <= 1)
+        check_field("eager_fresh_weight", w, is_w, "a number in (0, 1] (or unset: 1 / M)")
+        if mode != "eager" and w is not None:
+            raise ValueError(f"eager_fresh_weight={w:g} is eager's setting: set overlap='eager' or leave it unset")
         if mode != "streaming" and (p, tau, alpha) != (1, 0, 0):
             raise ValueError(
                 f"fragments={p}, overlap_steps={tau}, merge_alpha={alpha:g} are streaming's settings: "

@@ -5,8 +5,10 @@ At boundary t worker m has its fresh pseudo-gradient Δ_m(t) and the mean of the
 
     Δ̃_m = Δ̄(t-1) - Δ_m(t-1) / V + Δ_m(t) / M = (Δ_m(t) + Σ_{m'≠m} Δ_m'(t-1)) / M   (V = M contributors),
 
-its fresh share in place of its stale share of the average, and starts the reduce of Δ_m(t). So the
-workers' x_m differ by their own fresh shares, by design. Beside x_m every worker keeps the consensus
+its fresh share in place of its stale share of the average, and starts the reduce of Δ_m(t). With
+``eager_fresh_weight`` w set, both shares weigh w instead of 1 / M: Δ̃_m = Δ̄(t-1) + w (Δ_m(t) - Δ_m(t-1))
+at V = M (the stale one w M / V), as if the others' pseudo-gradients had changed as this worker's did. So
+the workers' x_m differ by their own fresh shares, by design. Beside x_m every worker keeps the consensus
 global copy (the fragment's ``flat``), stepped with the plain delayed means Δ̄(t-1): it is the same on
 every worker, and it is what the replica digest compares, what a resumed run checks, and what the model
 becomes at ``DiLoCo.flush()`` (the end of training). x_m, its outer momentum and the share in flight are in
@@ -44,14 +46,15 @@ class Eager:
         """``sent`` went into the reduce in flight as a valid contribution (False: none in flight, or excluded)."""
         self.sent_norm = 0.0
 
-    def stale_removed(self, mean: torch.Tensor | None, *, valid: int) -> torch.Tensor:
-        """``param.grad`` set to the previous round's mean (None: none finished yet) less this worker's stale
-        share of it (none where its contribution was excluded); the fresh share is added to it next."""
+    def stale_removed(self, mean: torch.Tensor | None, *, valid: int, scale: float) -> torch.Tensor:
+        """``param.grad`` set to the previous round's mean (None: none finished yet) less ``scale`` times this
+        worker's stale share of it (none where its contribution was excluded); the fresh share (``scale``
+        times 1 / M of the fresh pseudo-gradient) is added to it next."""
         d = self.param.grad
         if mean is None:
             return d.zero_()
         d.copy_(mean)
-        return d.sub_(self.sent, alpha=1.0 / valid) if self.sent_valid and valid else d
+        return d.sub_(self.sent, alpha=scale / valid) if self.sent_valid and valid else d
 
     def reset(self, global_flat: torch.Tensor, outer: torch.optim.Optimizer) -> None:
         """x becomes the consensus global copy, with its momentum (a flush, or a joiner's start)."""
@@ -102,10 +105,13 @@ def eager_round(d: DiLoCo, retry: bool) -> RoundReport:
     if settled is not None and settled.valid:
         d._outer_step(f)
     d._pending = []  # applied: a snapshot of the run state taken as the fresh reduce starts must not hold it
-    grad = eager.stale_removed(f.reduce.body if settled is not None else None, valid=settled.valid if settled else 0)
+    w = d.config.eager_fresh_weight
+    scale = 1.0 if w is None else w * world  # the paper's shares (1 / M), or w of the own pseudo-gradient's change
+    mean = f.reduce.body if settled is not None else None
+    grad = eager.stale_removed(mean, valid=settled.valid if settled else 0, scale=scale)
     local_norm, excluded, clipped, sent_norm = f.pseudo_gradient(start=eager.flat)  # the mean is used: overwrite it
     if not excluded:
-        grad.add_(f.reduce.body, alpha=1.0 / world)
+        grad.add_(f.reduce.body, alpha=scale / world)
     eager.optimizer.step()
     eager.sent.copy_(f.reduce.body)
     handle, excluded = f.send(d.transport, excluded=excluded, norm=sent_norm)
