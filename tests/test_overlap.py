@@ -106,11 +106,11 @@ def _set(model: nn.Module, flat: torch.Tensor) -> None:
         torch._foreach_copy_(params, [f.view_as(p) for f, p in zip(flat.split([p.numel() for p in params]), params)])
 
 
-@pytest.mark.parametrize("w", [None, 0.6])
+@pytest.mark.parametrize("w", [1 / 3, None, 0.6])
 def test_eager_updates_follow_a_hand_written_reference_of_the_rule(w):
-    """Each worker steps its own params with (its fresh pseudo-gradient + the others' previous ones) / M
-    (``eager_fresh_weight`` w: the previous mean + w (fresh - its previous)), while the consensus copy steps
-    with the plain one-round-old means; a flush ends on the consensus."""
+    """Each worker steps its own params with the previous mean + w (its fresh pseudo-gradient - its previous
+    one), at w = 1 / M the paper's (fresh + the others' previous ones) / M, unset max(0.5, 1 / M), while the
+    consensus copy steps with the plain one-round-old means; a flush ends on the consensus."""
     m, h, rounds, lr, mu = 3, 2, 5, 0.8, 0.5
     config = DiLoCoConfig(inner_steps=h, outer_lr=lr, outer_momentum=mu, overlap="eager", eager_fresh_weight=w)
 
@@ -136,10 +136,10 @@ def test_eager_updates_follow_a_hand_written_reference_of_the_rule(w):
         if r > 0:  # the consensus copy takes last round's mean
             consensus, cbuf = _nesterov(consensus, cbuf, sum(prev) / m, lr, mu)
         for i in range(m):
-            if w is None:
+            if w == 1 / m:
                 direction = (fresh[i] + sum(prev[j] for j in range(m) if j != i)) / m
             else:
-                direction = sum(prev) / m + w * (fresh[i] - prev[i])
+                direction = sum(prev) / m + (0.5 if w is None else w) * (fresh[i] - prev[i])
             x[i], xbuf[i] = _nesterov(x[i], xbuf[i], direction, lr, mu)
             _set(models[i], x[i])
         prev = fresh

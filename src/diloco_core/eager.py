@@ -5,10 +5,11 @@ At boundary t worker m has its fresh pseudo-gradient Δ_m(t) and the mean of the
 
     Δ̃_m = Δ̄(t-1) - Δ_m(t-1) / V + Δ_m(t) / M = (Δ_m(t) + Σ_{m'≠m} Δ_m'(t-1)) / M   (V = M contributors),
 
-its fresh share in place of its stale share of the average, and starts the reduce of Δ_m(t). With
-``eager_fresh_weight`` w set, both shares weigh w instead of 1 / M: Δ̃_m = Δ̄(t-1) + w (Δ_m(t) - Δ_m(t-1))
-at V = M (the stale one w M / V), as if the others' pseudo-gradients had changed as this worker's did. So
-the workers' x_m differ by their own fresh shares, by design. Beside x_m every worker keeps the consensus
+its fresh share in place of its stale share of the average, and starts the reduce of Δ_m(t). That is the
+paper's rule; ours weighs both shares w (``eager_fresh_weight``; max(0.5, 1 / M) unless set) instead of
+1 / M: Δ̃_m = Δ̄(t-1) + w (Δ_m(t) - Δ_m(t-1)) at V = M (the stale one w M / V), as if the others'
+pseudo-gradients had changed partly as this worker's did. So the workers' x_m differ by their own fresh
+shares, by design. Beside x_m every worker keeps the consensus
 global copy (the fragment's ``flat``), stepped with the plain delayed means Δ̄(t-1): it is the same on
 every worker, and it is what the replica digest compares, what a resumed run checks, and what the model
 becomes at ``DiLoCo.flush()`` (the end of training). x_m, its outer momentum and the share in flight are in
@@ -106,7 +107,7 @@ def eager_round(d: DiLoCo, retry: bool) -> RoundReport:
         d._outer_step(f)
     d._pending = []  # applied: a snapshot of the run state taken as the fresh reduce starts must not hold it
     w = d.config.eager_fresh_weight
-    scale = 1.0 if w is None else w * world  # the paper's shares (1 / M), or w of the own pseudo-gradient's change
+    scale = (max(0.5, 1 / world) if w is None else w) * world  # of the own shares: 1 is the paper's rule
     mean = f.reduce.body if settled is not None else None
     grad = eager.stale_removed(mean, valid=settled.valid if settled else 0, scale=scale)
     local_norm, excluded, clipped, sent_norm = f.pseudo_gradient(start=eager.flat)  # the mean is used: overwrite it
