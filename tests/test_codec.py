@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import pickle
+import threading
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -244,3 +247,27 @@ def test_cast_codecs_refuse_values_their_dtype_would_turn_into_inf(name, ok, bad
         with pytest.raises(ValueError, match=f"{name} cannot encode NaN, infinite or out-of-range values"):
             codec.encode(big)
     assert codec.encode(torch.zeros(0)).numel() == 0
+
+
+@pytest.mark.parametrize("codec", [INT8, INT4], ids=lambda c: c.name)
+def test_block_codecs_reuse_buffers_per_thread_and_survive_pickling(codec):
+    """Threads encoding and summing with one codec at once (each keeps its own chunk buffers) get what one
+    thread alone gets; a pickled copy (a process's averager) encodes the same."""
+    xs = [torch.randn(3 * 2**20 + 5, generator=torch.Generator().manual_seed(s)) for s in range(4)]
+    want = [codec.encode(x) for x in xs]
+    means = [codec.mean_of([want[i], want[(i + 1) % 4]], torch.empty_like(xs[i])) for i in range(4)]
+    got: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def work(i: int) -> None:
+        for _ in range(3):
+            payload = codec.encode(xs[i])
+            got[i] = payload, codec.mean_of([payload, want[(i + 1) % 4]], torch.empty_like(xs[i]))
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    for i in range(4):
+        assert torch.equal(got[i][0], want[i]) and torch.equal(got[i][1], means[i])
+    assert torch.equal(pickle.loads(pickle.dumps(codec)).encode(xs[0]), want[0])

@@ -9,6 +9,7 @@ quantize blocks of values with one scale each.
 
 from __future__ import annotations
 
+import threading
 from abc import ABC, abstractmethod
 from collections.abc import Iterator, Sequence
 
@@ -83,11 +84,6 @@ class Codec(ABC):
         return f"<codec {self.name}>"
 
 
-def _absmax(values: torch.Tensor) -> torch.Tensor:
-    """max |x| of a flat tensor (NaN if it holds one) without the temporary of ``abs()``."""
-    return torch.maximum(values.amax(), values.amin().neg())
-
-
 class CastCodec(Codec):
     """Each value cast to ``dtype`` (round to nearest); decoded by widening back to fp32."""
 
@@ -108,7 +104,7 @@ class CastCodec(Codec):
         for src, dst in zip(flat.split(2**18), out.view(-1).split(2**18)):
             if src.numel():  # an empty tensor splits into one empty chunk, which has no max
                 dst.copy_(src)
-                peaks.append(_absmax(src))
+                peaks.append(torch.maximum(src.amax(), src.amin().neg()))  # max |x|, NaN if any, no abs() temporary
         # fp16 turns |x| >= 65520 into inf: the largest magnitude, cast alone, rounds as every value did
         if peaks and not bool(torch.stack(peaks).amax().to(dtype).isfinite()):
             raise ValueError(
@@ -139,6 +135,10 @@ class BlockCodec(Codec):
     def __init__(self, name: str, bits: int, block: int = 256) -> None:
         check_block(block)
         self.name, self.bits, self.block, self.qmax = name, bits, block, 2 ** (bits - 1) - 1
+        self._workspace = _Workspace()
+
+    def __reduce__(self) -> tuple:  # a copy gets a workspace of its own (a thread-local cannot be pickled)
+        return BlockCodec, (self.name, self.bits, self.block)
 
     def payload_spec(self, numel: int) -> tuple[int, torch.dtype]:
         return -(-numel // self.block) * (4 + self.block * self.bits // 8), torch.uint8
@@ -149,16 +149,26 @@ class BlockCodec(Codec):
             blocks, self.block * self.bits // 8
         )
 
-    def _chunks(self, numel: int, device: torch.device) -> Iterator[tuple[int, int, slice, torch.Tensor, torch.Tensor]]:
+    def _chunks(self, numel: int, device: torch.device, *, acc: bool = False) -> Iterator[tuple]:
         """(blocks i:j, the slice of their values, a (j - i, block) fp32 buffer, an int8 one of that shape for
-        int4's codes) per chunk of ~1M values."""
+        int4's codes, a second fp32 one if ``acc``) per chunk of ~1M values, in this thread's workspace."""
         blocks, b = -(-numel // self.block), self.block
         rows = max(1, min(blocks, 2**20 // b))
-        buf = torch.empty(rows, b, device=device)
-        small = torch.empty(rows if self.bits == 4 else 0, b, dtype=torch.int8, device=device)
-        for i in range(0, blocks, rows):
-            j = min(blocks, i + rows)
-            yield i, j, slice(i * b, min(numel, j * b)), buf[: j - i], small[: j - i]
+        held, self._workspace.held = self._workspace.held, None  # in use: a nested call here gets its own
+        if held is None or held[0].shape[0] < rows or held[0].device != device or (acc and held[2] is None):
+            int4_rows = rows if self.bits == 4 else 0
+            held = (
+                torch.empty(rows, b, device=device),
+                torch.empty(int4_rows, b, dtype=torch.int8, device=device),
+                torch.empty(rows, b, device=device) if acc else None,
+            )
+        try:
+            for i in range(0, blocks, rows):
+                j = min(blocks, i + rows)
+                second = held[2][: j - i] if acc else None
+                yield i, j, slice(i * b, min(numel, j * b)), held[0][: j - i], held[1][: j - i], second
+        finally:
+            self._workspace.held = held
 
     def encode(self, values: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         flat = values.reshape(-1)
@@ -166,7 +176,7 @@ class BlockCodec(Codec):
             out = torch.empty(self.payload_spec(flat.numel())[0], dtype=torch.uint8, device=flat.device)
         scales, codes = self._parts(out, flat.numel())
         q, half = self.qmax, self.block // 2
-        for i, j, part, x, small in self._chunks(flat.numel(), flat.device):
+        for i, j, part, x, small, _ in self._chunks(flat.numel(), flat.device):
             full = part.stop - part.start == x.numel()  # whole blocks: read in place, no copy
             src = flat[part].view(x.shape) if full and flat.is_contiguous() else x
             if src is x:
@@ -193,7 +203,7 @@ class BlockCodec(Codec):
         """(slice, its decoded values) chunk by chunk, in a small reused buffer: no scratch needed."""
         self.check(payload, numel)  # a peer's NaN or negative scale would be a silently wrong mean
         scales, codes = self._parts(payload, numel)
-        for i, j, part, x, small in self._chunks(numel, device):
+        for i, j, part, x, small, _ in self._chunks(numel, device):
             yield part, self._rows(scales, codes, i, j, out=x, small=small).view(-1)[: part.stop - part.start]
 
     def _rows(
@@ -217,10 +227,8 @@ class BlockCodec(Codec):
         for p in payloads:
             self.check(p, n)
         parts = [self._parts(p, n) for p in payloads]
-        acc_rows: torch.Tensor | None = None
-        for i, j, part, x, small in self._chunks(n, out.device):
-            acc_rows = torch.empty_like(x) if acc_rows is None else acc_rows
-            acc = self._rows(*parts[0], i, j, out=acc_rows[: j - i], small=small)
+        for i, j, part, x, small, acc_rows in self._chunks(n, out.device, acc=True):
+            acc = self._rows(*parts[0], i, j, out=acc_rows, small=small)
             for scales, codes in parts[1:]:
                 acc.add_(self._rows(scales, codes, i, j, out=x, small=small))
             torch.div(acc.view(-1)[: part.stop - part.start], len(payloads), out=out[part])
@@ -240,6 +248,13 @@ class BlockCodec(Codec):
         scales = self._parts(payload, numel)[0]
         if not bool(((scales >= 0) & (scales * self.qmax < float("inf"))).all()):  # False for NaN too
             raise ValueError(f"{self.name} payload holds a NaN, infinite or negative scale, or one that decodes to inf")
+
+
+class _Workspace(threading.local):
+    """A thread's chunk buffers, kept from call to call: transports encode and sum parts of ~1M values, one
+    call each, and fresh buffers per call cost more in page faults than the arithmetic done in them."""
+
+    held: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None = None
 
 
 def check_block(block: object, name: str = "block") -> None:

@@ -204,7 +204,8 @@ class TorchDistTransport(Transport):
         payloads = [buffers.get(("payload", index, r), size, dtype) for r in range(self._size)]
         codec.encode(bucket, out=payloads[me])
         yield self._exchange({r: payloads[me] for r in peers}, {r: payloads[r] for r in peers})
-        scratch = buffers.get(("scratch", index), n, torch.float32)
+        cast = codec.elementwise_dtype is not None  # a cast's mean widens into scratch; a block codec's needs none
+        scratch = buffers.get(("scratch", index), n, torch.float32) if cast else None
         mean_of_payloads(payloads, codec, out=bucket, scratch=scratch)
 
     def _scatter_gather(self, bucket: torch.Tensor, *, codec: Codec, buffers: _Buffers, index: int) -> Iterator[list]:
@@ -225,7 +226,7 @@ class TorchDistTransport(Transport):
         yield [dist.all_to_all_single(received, send, group=self._group, async_op=True)]
         gathered = buffers.get(("gathered", index), shard * w, torch.float32)
         shards = list(gathered.split(shard))
-        scratch = buffers.get(("scratch", index), shard, torch.float32)
+        scratch = buffers.get(("scratch", index), shard, torch.float32) if codec.elementwise_dtype is not None else None
         mean_of_payloads(list(received.split(size)), codec, out=shards[me], scratch=scratch)
         yield self._exchange({r: shards[me] for r in peers}, {r: shards[r] for r in peers})
         bucket.copy_(gathered[:n])
