@@ -82,6 +82,7 @@ def command(*, link: str, mode: str, run_dir: Path, args: argparse.Namespace) ->
         f"diloco.wire_dtype={args.wire}",
         f"train.runs_dir={json.dumps(str(run_dir.parent))}",
         *mode_settings(mode, inner_steps=args.inner_steps, fragments=args.fragments, overlap_steps=args.overlap_steps),
+        *args.extra,
     ]
     if link.startswith("simulated"):
         rate = args.rate / 2 if link == "simulated-shared" else args.rate
@@ -203,6 +204,9 @@ def main(argv: list[str] | None = None) -> int:
         "--layers", type=int, default=8, help="blocks (streaming's fragments are P of them each: P | layers)"
     )
     p.add_argument("--batch", type=int, default=8)
+    p.add_argument(
+        "--set", action="append", default=[], dest="extra", help="another trainer setting of every run (repeatable)"
+    )
     args = p.parse_args(argv)
     links, modes = args.links.split(","), args.modes.split(",")
     for what, names, valid in (("links", links, LINKS), ("modes", modes, MODES)):

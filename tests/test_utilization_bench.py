@@ -59,7 +59,7 @@ def test_utilization_is_compute_over_the_loops_wall_and_steady_leaves_out_the_en
 def test_the_simulated_link_is_set_through_the_transport_section_and_the_shaped_one_wraps_the_command() -> None:
     args = argparse.Namespace(
         rate=100.0, latency_ms=5.0, hidden=8, layers=1, intermediate=16, batch=2, inner_steps=4, wire="fp32",
-        fragments=2, overlap_steps=1, steps=8, ddp_steps=2, transport="torch",
+        fragments=2, overlap_steps=1, steps=8, ddp_steps=2, transport="torch", extra=["transport.background_niceness=10"],
     )  # fmt: skip
     sim = command(link="simulated-shared", mode="streaming", run_dir=Path("/x/r"), args=args)
     assert "transport.link_mbit=50" in sim and "transport.link_latency_ms=5" in sim
@@ -72,6 +72,7 @@ def test_the_simulated_link_is_set_through_the_transport_section_and_the_shaped_
     assert pair[0].endswith("shaped_link.sh") and pair[3].endswith("hivemind_pair.py")
     assert pair[pair.index("--runs-dir") + 1] == "/x" and pair[pair.index("--name") + 1] == "r"
     assert "diloco.overlap=eager" in pair and not any(a.startswith(("transport.kind", "train.runs_dir")) for a in pair)
+    assert pair[-1] == "transport.background_niceness=10"  # --set: after the bench's own settings
 
 
 def test_the_pair_launcher_reads_the_join_command_the_first_peer_prints(tmp_path: Path) -> None:

@@ -17,6 +17,7 @@ widening the pin.
 import asyncio
 import hmac
 import logging
+import os
 import signal
 import time
 from collections import OrderedDict
@@ -52,6 +53,8 @@ class Averager(DecentralizedAverager):
     """One flat buffer; the round's result replaces it only after the group confirmed one digest."""
 
     state_fn: Callable[[], tuple[Any, list[torch.Tensor]]] | None = None
+    niceness = 0
+    """Added to this process's niceness as it starts (``HivemindConfig.background_niceness``)."""
 
     def __init__(
         self, *, codec: Codec, faults: HivemindFaults, keys: RunKeys, presence_key: str | None = None, **kwargs: Any
@@ -70,6 +73,7 @@ class Averager(DecentralizedAverager):
         # The process's torch work is per-part (512 KB): one thread runs it faster than a pool whose
         # threads wait for each other (the checks' wall time in a 25M-value round was about twice as long).
         torch.set_num_threads(1)
+        os.nice(self.niceness)
         super().run()
 
     def step(self, *args: Any, target_group_size: int | None = None, **kwargs: Any) -> Any:

@@ -39,7 +39,11 @@ class DHT(hivemind.DHT):
     group p2pd hears only the parent's close. Like every process of a peer, it is still in the peer's session.
     """
 
+    niceness = 0
+    """Added to this process's niceness as it starts (p2pd, its child, inherits it)."""
+
     def run(self) -> None:
+        os.nice(self.niceness)
         spawn = asyncio.subprocess.create_subprocess_exec  # patched in this (the DHT's) process only
 
         async def spawn_in_own_group(*args: Any, **kwargs: Any) -> Any:
@@ -80,6 +84,7 @@ class Resources:
                 announce_maddrs=list(cfg.announce_maddrs) or None,
                 record_validators=[self.keys.record_validator([self.keys.presence_key])],
             )
+            self.dht.niceness = cfg.background_niceness
             self.dht.start()
         _wait_until_ready(self.dht, "DHT")
 
@@ -112,6 +117,7 @@ class Resources:
         )
         # Started by hand: hivemind's run_in_background would make *this* process ignore Ctrl+C
         # (and fails outside the main thread); the child ignores SIGINT itself (Averager.run).
+        averager.niceness = cfg.background_niceness
         with _FORK_LOCK:
             averager.start()
         self.averagers.append(averager)
