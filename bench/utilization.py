@@ -205,7 +205,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--batch", type=int, default=8)
     p.add_argument(
-        "--set", action="append", default=[], dest="extra", help="another trainer setting of every run (repeatable)"
+        "--set",
+        action="append",
+        default=[],
+        dest="extra",
+        help="another trainer setting of every run (repeatable; before the simulated link's, which win)",
     )
     args = p.parse_args(argv)
     links, modes = args.links.split(","), args.modes.split(",")

@@ -66,3 +66,19 @@ def test_on_hivemind_a_joiner_whose_settings_differ_refuses_itself(tmp_path):
         assert first[0] == "built" and joiner[0] == "refused" and here in joiner[1], (first, joiner)
     finally:
         world.close()
+
+
+def test_a_changed_payload_layout_is_part_of_the_settings():
+    """int4's nibbles changed layout (two's complement): a peer of the earlier layout, whose settings have no
+    ``wire_layout``, is refused by the settings check (None vs 2) instead of decoding garbage; layouts that
+    never changed stay None, so peers of either version still agree on them."""
+    from diloco_core.agreement import settings_of
+    from transports import InProcessGroup
+
+    def layout(wire: str):
+        model = torch.nn.Linear(4, 4)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        return settings_of(DiLoCo(model, opt, InProcessGroup(1).transport(0), DiLoCoConfig(wire_dtype=wire)))
+
+    assert layout("int4")["wire_layout"] == 2
+    assert layout("int8")["wire_layout"] is None and layout("fp32")["wire_layout"] is None

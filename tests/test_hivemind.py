@@ -94,14 +94,15 @@ def test_background_niceness_reaches_every_process_of_the_peer():
     with pytest.raises(ValueError, match=r"background_niceness=20 is invalid: expected an integer in \[0, 19\]"):
         HivemindConfig(background_niceness=20)
     base = os.getpriority(os.PRIO_PROCESS, 0)
+    before = {p.pid for p in procs.descendants(os.getpid())}  # earlier tests' helpers (resource tracker, ...)
     peer = HivemindTransport(HivemindConfig(run_id="nice", secret="s", background_niceness=7, **FAST))
     try:
         # torch's shared-memory manager (started for the averagers' shared buffers) only hands out handles
-        kids = [p for p in procs.descendants(os.getpid()) if not p.name.startswith("torch_shm")]
+        kids = [p for p in procs.descendants(os.getpid()) if p.pid not in before and not p.name.startswith("torch_shm")]
         names = sorted(p.name for p in kids)
         assert any(n.startswith("p2pd") for n in names) and len(kids) >= 3, names  # DHT, p2pd, state averager
         assert {(p.pid, p.name): os.getpriority(os.PRIO_PROCESS, p.pid) for p in kids} == {
-            (p.pid, p.name): base + 7 for p in kids
+            (p.pid, p.name): min(19, base + 7) for p in kids
         }
     finally:
         peer.close()

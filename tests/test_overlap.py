@@ -152,6 +152,37 @@ def test_eager_updates_follow_a_hand_written_reference_of_the_rule(w):
     assert all(torch.equal(_flat(g[2]), _flat(got[0][2])) for g in got)  # the consensus does not
 
 
+W = 0.6  # eager_fresh_weight of the outer-gradient test, at M = 4
+
+
+@pytest.mark.parametrize(
+    ("valid", "stale_sent", "fresh_valid", "want"),
+    [
+        (4, True, True, lambda m, s, f: m + W * (f - s)),
+        (2, True, True, lambda m, s, f: m - s / 2 + f / 4 + (W - 1 / 4) * (f - s)),
+        (1, True, True, lambda m, s, f: m - s + f / 4 + (W - 1 / 4) * (f - s)),
+        (3, False, True, lambda m, s, f: m + f / 4),  # this worker's share was excluded from the mean
+        (4, True, False, lambda m, s, f: m - s / 4),  # its fresh one is excluded
+        (0, False, True, lambda m, s, f: m + f / 4),
+    ],
+)
+def test_eager_outer_gradient_keeps_the_papers_shares_where_a_contribution_was_excluded(
+    valid, stale_sent, fresh_valid, want
+):
+    """With fewer valid contributions than workers (V < M) the stale share is 1 / V of the mean, as in the
+    paper's rule; w only moves a change between two valid shares of this worker's."""
+    from diloco_core.eager import Eager
+
+    g = torch.Generator().manual_seed(0)
+    mean, stale, fresh = (torch.randn(5, generator=g) for _ in range(3))
+    e = Eager(torch.zeros(5), lr=1.0, momentum=0.0, nesterov=False)
+    e.sent.copy_(stale)
+    e.sent_valid = stale_sent
+    got = e.outer_gradient(mean.clone(), fresh, valid=valid, world=4, w=W, fresh_valid=fresh_valid)
+    torch.testing.assert_close(got, want(mean, stale, fresh), rtol=1e-6, atol=1e-6)
+    assert torch.equal(e.outer_gradient(None, fresh, valid=0, world=4, w=W, fresh_valid=True), fresh * W)
+
+
 def test_streaming_follows_a_hand_written_reference_of_fragments_overlap_and_merge():
     """P=2, H=4, tau=1, alpha=0.5: fragment 0 begins at steps 2, 6, ..., fragment 1 at 4, 8, ...; each
     one's outer step lands a step later, merged as alpha * local + (1 - alpha) * global."""

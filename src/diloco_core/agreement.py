@@ -75,6 +75,7 @@ def settings_of(d: DiLoCo) -> dict[str, Any]:
         "nesterov": c.nesterov,
         "wire_dtype": d.codec.name,
         "codec_block": block,
+        "wire_layout": d.codec.layout if d.codec.layout != 1 else None,  # None: a layout older peers share
         "error_feedback": d.fragments[0].feedback.on,
         "norm_clip": c.norm_clip,
         "overlap": c.overlap,

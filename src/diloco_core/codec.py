@@ -15,19 +15,8 @@ from collections.abc import Iterator, Sequence
 
 import torch
 
-__all__ = [
-    "BF16",
-    "CODECS",
-    "FP16",
-    "FP32",
-    "INT4",
-    "INT8",
-    "BlockCodec",
-    "CastCodec",
-    "Codec",
-    "check_codec",
-    "codec_for",
-]
+__all__ = ["BF16", "CODECS", "FP16", "FP32", "INT4", "INT8", "BlockCodec", "CastCodec", "Codec"]
+__all__ += ["check_codec", "codec_for"]
 
 
 class Codec(ABC):
@@ -40,6 +29,10 @@ class Codec(ABC):
     """The dtype each value is cast to when the payload is the values themselves, element by element
     (then a slice of a payload is the payload of that slice, and a backend that sums fp32 natively may
     sum an fp32 payload itself). None for codecs whose payload is not one value per element."""
+
+    layout: int = 1
+    """Version of the payload's layout (int4: 2 since its codes travel as two's complement nibbles): peers
+    whose layouts differ never average together (``DiLoCo``'s settings check, hivemind's group names)."""
 
     block: int = 1
     """Values encoded together. The payload of a slice that starts at a multiple of ``block`` decodes to
@@ -135,10 +128,11 @@ class BlockCodec(Codec):
     def __init__(self, name: str, bits: int, block: int = 256) -> None:
         check_block(block)
         self.name, self.bits, self.block, self.qmax = name, bits, block, 2 ** (bits - 1) - 1
+        self.layout = 2 if bits == 4 else 1
         self._workspace = _Workspace()
 
     def __reduce__(self) -> tuple:  # a copy gets a workspace of its own (a thread-local cannot be pickled)
-        return BlockCodec, (self.name, self.bits, self.block)
+        return type(self), (self.name, self.bits, self.block)
 
     def payload_spec(self, numel: int) -> tuple[int, torch.dtype]:
         return -(-numel // self.block) * (4 + self.block * self.bits // 8), torch.uint8
@@ -154,7 +148,9 @@ class BlockCodec(Codec):
         int4's codes, a second fp32 one if ``acc``) per chunk of ~1M values, in this thread's workspace."""
         blocks, b = -(-numel // self.block), self.block
         rows = max(1, min(blocks, 2**20 // b))
-        held, self._workspace.held = self._workspace.held, None  # in use: a nested call here gets its own
+        kept = device.type == "cpu"  # CUDA's allocator is cheap already, and a kept buffer would cross streams
+        held = self._workspace.held if kept else None
+        self._workspace.held = None if kept else self._workspace.held  # in use: a nested call gets its own
         if held is None or held[0].shape[0] < rows or held[0].device != device or (acc and held[2] is None):
             int4_rows = rows if self.bits == 4 else 0
             held = (
@@ -168,7 +164,8 @@ class BlockCodec(Codec):
                 second = held[2][: j - i] if acc else None
                 yield i, j, slice(i * b, min(numel, j * b)), held[0][: j - i], held[1][: j - i], second
         finally:
-            self._workspace.held = held
+            if kept:
+                self._workspace.held = held
 
     def encode(self, values: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         flat = values.reshape(-1)
@@ -204,10 +201,10 @@ class BlockCodec(Codec):
         self.check(payload, numel)  # a peer's NaN or negative scale would be a silently wrong mean
         scales, codes = self._parts(payload, numel)
         for i, j, part, x, small, _ in self._chunks(numel, device):
-            yield part, self._rows(scales, codes, i, j, out=x, small=small).view(-1)[: part.stop - part.start]
+            yield part, self._rows(scales, codes, i=i, j=j, out=x, small=small).view(-1)[: part.stop - part.start]
 
     def _rows(
-        self, scales: torch.Tensor, codes: torch.Tensor, i: int, j: int, *, out: torch.Tensor, small: torch.Tensor
+        self, scales: torch.Tensor, codes: torch.Tensor, *, i: int, j: int, out: torch.Tensor, small: torch.Tensor
     ) -> torch.Tensor:
         """Blocks i:j decoded into ``out`` (j - i rows of ``block`` values; int4 unpacks into ``small``)."""
         if self.bits == 8:
@@ -228,9 +225,9 @@ class BlockCodec(Codec):
             self.check(p, n)
         parts = [self._parts(p, n) for p in payloads]
         for i, j, part, x, small, acc_rows in self._chunks(n, out.device, acc=True):
-            acc = self._rows(*parts[0], i, j, out=acc_rows, small=small)
+            acc = self._rows(*parts[0], i=i, j=j, out=acc_rows, small=small)
             for scales, codes in parts[1:]:
-                acc.add_(self._rows(scales, codes, i, j, out=x, small=small))
+                acc.add_(self._rows(scales, codes, i=i, j=j, out=x, small=small))
             torch.div(acc.view(-1)[: part.stop - part.start], len(payloads), out=out[part])
         return out
 

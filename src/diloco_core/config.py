@@ -128,7 +128,9 @@ class DiLoCoConfig:
         is_w = w is None or (is_finite_number(w) and 0 < w <= 1)
         check_field("eager_fresh_weight", w, is_w, "a number in (0, 1] (or unset)")
         if mode != "eager" and w is not None:
-            raise ValueError(f"eager_fresh_weight={w:g} is eager's setting: set overlap='eager' or leave it unset")
+            raise ValueError(
+                f"eager_fresh_weight={w:g} is eager's setting: set overlap='eager' or leave it unset (overlap={mode!r})"
+            )
         if mode != "streaming" and (p, tau, alpha) != (1, 0, 0):
             raise ValueError(
                 f"fragments={p}, overlap_steps={tau}, merge_alpha={alpha:g} are streaming's settings: "

@@ -6,10 +6,10 @@ At boundary t worker m has its fresh pseudo-gradient Δ_m(t) and the mean of the
     Δ̃_m = Δ̄(t-1) - Δ_m(t-1) / V + Δ_m(t) / M = (Δ_m(t) + Σ_{m'≠m} Δ_m'(t-1)) / M   (V = M contributors),
 
 its fresh share in place of its stale share of the average, and starts the reduce of Δ_m(t). That is the
-paper's rule; ours weighs both shares w (``eager_fresh_weight``; max(0.5, 1 / M) unless set) instead of
-1 / M: Δ̃_m = Δ̄(t-1) + w (Δ_m(t) - Δ_m(t-1)) at V = M (the stale one w M / V), as if the others'
-pseudo-gradients had changed partly as this worker's did. So the workers' x_m differ by their own fresh
-shares, by design. Beside x_m every worker keeps the consensus
+paper's rule; ours adds (w - 1/M) (Δ_m(t) - Δ_m(t-1)) (``eager_fresh_weight`` w; max(0.5, 1 / M) unless
+set), at V = M Δ̃_m = Δ̄(t-1) + w (Δ_m(t) - Δ_m(t-1)), as if the others' pseudo-gradients had changed
+partly as this worker's did; where either share was excluded, the paper's rule. So the workers' x_m differ
+by their own fresh shares, by design. Beside x_m every worker keeps the consensus
 global copy (the fragment's ``flat``), stepped with the plain delayed means Δ̄(t-1): it is the same on
 every worker, and it is what the replica digest compares, what a resumed run checks, and what the model
 becomes at ``DiLoCo.flush()`` (the end of training). x_m, its outer momentum and the share in flight are in
@@ -47,15 +47,21 @@ class Eager:
         """``sent`` went into the reduce in flight as a valid contribution (False: none in flight, or excluded)."""
         self.sent_norm = 0.0
 
-    def stale_removed(self, mean: torch.Tensor | None, *, valid: int, scale: float) -> torch.Tensor:
-        """``param.grad`` set to the previous round's mean (None: none finished yet) less ``scale`` times this
-        worker's stale share of it (none where its contribution was excluded); the fresh share (``scale``
-        times 1 / M of the fresh pseudo-gradient) is added to it next."""
+    def outer_gradient(
+        self, mean: torch.Tensor | None, fresh: torch.Tensor, *, valid: int, world: int, w: float, fresh_valid: bool
+    ) -> torch.Tensor:
+        """``param.grad`` = Δ̃: the previous round's ``mean`` (of ``valid`` contributions; None: no round yet)
+        less this worker's stale share (``sent``, 1 / V of the mean) plus its ``fresh`` one (1 / M), both moved
+        by (w - 1/M) (fresh - stale) where both are valid; before any mean, w * fresh (nothing sent yet)."""
         d = self.param.grad
         if mean is None:
-            return d.zero_()
-        d.copy_(mean)
-        return d.sub_(self.sent, alpha=scale / valid) if self.sent_valid and valid else d
+            return d.copy_(fresh).mul_(w) if fresh_valid else d.zero_()
+        if mean is not d:
+            d.copy_(mean)
+        stale = self.sent_valid and valid > 0
+        if stale:  # w + 1/V - 1/M is w exactly at V = M
+            d.sub_(self.sent, alpha=w + (1.0 / valid - 1.0 / world) if fresh_valid else 1.0 / valid)
+        return d.add_(fresh, alpha=w if stale else 1.0 / world) if fresh_valid else d
 
     def reset(self, global_flat: torch.Tensor, outer: torch.optim.Optimizer) -> None:
         """x becomes the consensus global copy, with its momentum (a flush, or a joiner's start)."""
@@ -107,12 +113,11 @@ def eager_round(d: DiLoCo, retry: bool) -> RoundReport:
         d._outer_step(f)
     d._pending = []  # applied: a snapshot of the run state taken as the fresh reduce starts must not hold it
     w = d.config.eager_fresh_weight
-    scale = (max(0.5, 1 / world) if w is None else w) * world  # of the own shares: 1 is the paper's rule
-    mean = f.reduce.body if settled is not None else None
-    grad = eager.stale_removed(mean, valid=settled.valid if settled else 0, scale=scale)
-    local_norm, excluded, clipped, sent_norm = f.pseudo_gradient(start=eager.flat)  # the mean is used: overwrite it
-    if not excluded:
-        grad.add_(f.reduce.body, alpha=scale / world)
+    w = max(0.5, 1 / world) if w is None else w  # 1 / M: the paper's rule
+    mean = eager.param.grad.copy_(f.reduce.body) if settled is not None else None  # held: the body is reused
+    local_norm, excluded, clipped, sent_norm = f.pseudo_gradient(start=eager.flat)
+    valid = settled.valid if settled else 0
+    eager.outer_gradient(mean, f.reduce.body, valid=valid, world=world, w=w, fresh_valid=not excluded)
     eager.optimizer.step()
     eager.sent.copy_(f.reduce.body)
     handle, excluded = f.send(d.transport, excluded=excluded, norm=sent_norm)
