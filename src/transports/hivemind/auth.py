@@ -140,6 +140,11 @@ class RecordAuth(RecordValidatorBase):
         self._keys = keys
         self._ids = {DHTID.generate(source=k).to_bytes() for k in raw_keys}
 
+    @property
+    def key_ids(self) -> frozenset[bytes]:
+        """The DHT ids of the keys it protects."""
+        return frozenset(self._ids)
+
     def _mac(self, record: DHTRecord, value: bytes) -> bytes:
         return self._keys.mac(b"record", record.key, record.subkey, value, struct.pack(">d", record.expiration_time))
 

@@ -3,6 +3,7 @@ reduce thread: started one fork at a time, closed once (``close``, or a finalize
 
 import asyncio
 import concurrent.futures
+import functools
 import logging
 import os
 import threading
@@ -12,6 +13,10 @@ from typing import Any
 
 import hivemind
 import torch
+from hivemind.dht.crypto import DHTRecord
+from hivemind.dht.protocol import DHTProtocol
+from hivemind.dht.routing import DHTID
+from hivemind.dht.storage import DictionaryDHTValue
 
 from diloco_core.codec import Codec
 from diloco_core.transport import TransportError
@@ -51,6 +56,30 @@ class DHT(hivemind.DHT):
 
         asyncio.subprocess.create_subprocess_exec = spawn_in_own_group  # type: ignore[assignment]
         super().run()
+
+    def add_validators(self, record_validators: Any) -> None:
+        """hivemind's, then this node forgets what it holds under the keys they protect and that fails their
+        check: a value taken in while its key was not yet the run's (another node's junk, stored or cached
+        here) was never checked, and read back it would be stripped as if MACed and hang the lookup."""
+        validators = list(record_validators)
+        super().add_validators(validators)
+        ids = [key_id for v in validators for key_id in getattr(v, "key_ids", ())]
+        self.run_coroutine(functools.partial(DHT._forget_unchecked, ids=ids))
+
+    @staticmethod
+    async def _forget_unchecked(_dht: Any, node: Any, ids: list[bytes]) -> None:
+        protocol = node.protocol
+        for key in ids:
+            for store in (protocol.storage, protocol.cache):
+                held = store.get(DHTID.from_bytes(key))
+                if held is None:
+                    continue
+                if isinstance(held.value, DictionaryDHTValue):
+                    items = [(protocol.serializer.dumps(k), v, t) for k, (v, t) in held.value.items()]
+                else:
+                    items = [(DHTProtocol.IS_REGULAR_VALUE, held.value, held.expiration_time)]
+                if not all(protocol.record_validator.validate(DHTRecord(key, *item)) for item in items):
+                    del store[DHTID.from_bytes(key)]
 
 
 def _wait_until_ready(process: Any, what: str, timeout: float = 60.0) -> None:
