@@ -150,7 +150,8 @@ class BlockCodec(Codec):
         rows = max(1, min(blocks, 2**20 // b))
         kept = device.type == "cpu"  # CUDA's allocator is cheap already, and a kept buffer would cross streams
         held = self._workspace.held if kept else None
-        self._workspace.held = None if kept else self._workspace.held  # in use: a nested call gets its own
+        if kept:
+            self._workspace.held = None  # in use: a nested call on this thread gets its own
         if held is None or held[0].shape[0] < rows or held[0].device != device or (acc and held[2] is None):
             int4_rows = rows if self.bits == 4 else 0
             held = (
@@ -248,8 +249,7 @@ class BlockCodec(Codec):
 
 
 class _Workspace(threading.local):
-    """A thread's chunk buffers, kept from call to call: transports encode and sum parts of ~1M values, one
-    call each, and fresh buffers per call cost more in page faults than the arithmetic done in them."""
+    """A thread's chunk buffers, kept from call to call (fresh ones cost more in page faults than the arithmetic)."""
 
     held: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None = None
 

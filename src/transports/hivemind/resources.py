@@ -68,6 +68,7 @@ class DHT(hivemind.DHT):
 
     @staticmethod
     async def _forget_unchecked(_dht: Any, node: Any, ids: list[bytes]) -> None:
+        # Reads hivemind's DHTNode.protocol.storage / .cache (private): check them before widening the pin.
         protocol = node.protocol
         for key in ids:
             for store in (protocol.storage, protocol.cache):
