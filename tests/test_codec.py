@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from diloco_core import BF16, CODECS, FP16, FP32, INT4, INT8, codec_for, mean_of_payloads, reference_mean
-from diloco_core.codec import check_codec
+from diloco_core.codec_names import check_codec
 
 
 @pytest.mark.parametrize("codec", [FP32, FP16, BF16], ids=lambda c: c.name)
@@ -40,11 +40,12 @@ def test_received_payloads_are_checked():
 
 
 def test_codecs_by_name_and_clear_errors():
-    assert {n: codec_for(n) for n in ("fp32", "fp16", "bf16", "int8", "int4")} == CODECS
+    assert {n: codec_for(n) for n in ("fp32", "fp16", "bf16", "int8", "int4", "sign")} == CODECS
     assert codec_for(FP16) is FP16 and codec_for("fp16", block=64) is FP16  # casts have no blocks
     assert codec_for("int8", block=64).block == 64 and codec_for("int4").block == 256
     with pytest.raises(
-        ValueError, match=r"wire_dtype='int3' is invalid: expected one of \['bf16', 'fp16', 'fp32', 'int4', 'int8'\]"
+        ValueError,
+        match=r"wire_dtype='int3' is invalid: expected one of \['bf16', 'fp16', 'fp32', 'int4', 'int8', 'sign'\]",
     ):
         codec_for("int3")
     for bad in (8, 100, 2**17, 256.0, True):

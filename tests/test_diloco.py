@@ -197,7 +197,7 @@ def _train(dl: DiLoCo, opt: torch.optim.Optimizer, rank: int, steps: range) -> N
 
 
 # lossy ones with error feedback; block 16: the 74 parameters in five blocks, the last one partial
-@pytest.mark.parametrize("wire_dtype", ["fp32", "bf16", "int8", "int4", "int8/16", "int4/16"])
+@pytest.mark.parametrize("wire_dtype", ["fp32", "bf16", "int8", "int4", "int8/16", "int4/16", "sign/16"])
 def test_resume_from_a_saved_round_is_bit_identical(wire_dtype):
     wire_dtype, _, block = wire_dtype.partition("/")
     cfg = DiLoCoConfig(inner_steps=3, wire_dtype=wire_dtype, codec_block=int(block or 256))
@@ -666,7 +666,15 @@ def test_a_failed_round_leaves_the_residual_for_its_retry():
 # -- the contribution guard: a worker whose pseudo-gradient is not finite is left out of the mean -------------
 
 
-WIRES = [("int8", True), ("int8", False), ("int4", True), ("fp32", True), ("fp16", True), ("fp16", False)]
+WIRES = [
+    ("int8", True),
+    ("int8", False),
+    ("int4", True),
+    ("sign", True),
+    ("fp32", True),
+    ("fp16", True),
+    ("fp16", False),
+]
 
 
 # 1e5: finite, but past fp16's range (on the other wires a valid contribution: the norm guard's case)
@@ -692,8 +700,13 @@ def test_a_bad_pseudo_gradient_is_left_out_and_its_worker_takes_the_mean_of_the_
         return report, dl.global_params[0].clone(), model.w.detach().clone(), kept
 
     results = run_threads(3, worker)
-    pseudo_grads = [torch.tensor(start) - torch.tensor(x) for x in targets[:2]]
-    want = torch.tensor(start) - reference_mean(pseudo_grads, codec_for(wire_dtype, cfg.codec_block))
+    codec = codec_for(wire_dtype, cfg.codec_block)
+    # each travels in a block padded with zeros (the sign codec's scale is the mean |x| of all its values)
+    pseudo_grads = [
+        torch.tensor(start + [0.0] * (codec.block - 3)) - torch.tensor(x + [0.0] * (codec.block - 3))
+        for x in targets[:2]
+    ]
+    want = torch.tensor(start) - reference_mean(pseudo_grads, codec)[:3]
     for rank, (report, params, local, kept) in enumerate(results):
         assert (report.num_contributors, report.valid_contributors, report.excluded) == (3, 2, rank == 2), report
         torch.testing.assert_close(params, want, rtol=1e-6, atol=0)  # the mean of the two valid ones

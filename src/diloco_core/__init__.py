@@ -1,6 +1,7 @@
 """diloco_core: the DiLoCo algorithm, its config and the Transport contract (torch + stdlib only)."""
 
-from .codec import BF16, CODECS, FP16, FP32, INT4, INT8, BlockCodec, CastCodec, Codec, codec_for
+from .codec import BF16, FP16, FP32, INT4, INT8, BlockCodec, CastCodec, Codec
+from .codec_names import CODECS, SIGN, codec_for
 from .config import DiLoCoConfig
 from .diloco import DiLoCo
 from .forwarding import ForwardingTransport
@@ -18,6 +19,7 @@ __all__ = [
     "FP32",
     "INT4",
     "INT8",
+    "SIGN",
     "BlockCodec",
     "Capabilities",
     "CastCodec",

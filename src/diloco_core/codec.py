@@ -15,8 +15,7 @@ from collections.abc import Iterator, Sequence
 
 import torch
 
-__all__ = ["BF16", "CODECS", "FP16", "FP32", "INT4", "INT8", "BlockCodec", "CastCodec", "Codec"]
-__all__ += ["check_codec", "codec_for"]
+__all__ = ["BF16", "FP16", "FP32", "INT4", "INT8", "BlockCodec", "CastCodec", "Codec", "check_block"]
 
 
 class Codec(ABC):
@@ -134,6 +133,10 @@ class BlockCodec(Codec):
     def __reduce__(self) -> tuple:  # a copy gets a workspace of its own (a thread-local cannot be pickled)
         return type(self), (self.name, self.bits, self.block)
 
+    def with_block(self, block: int) -> BlockCodec:
+        """This codec with ``block`` values per scale."""
+        return type(self)(self.name, self.bits, block)
+
     def payload_spec(self, numel: int) -> tuple[int, torch.dtype]:
         return -(-numel // self.block) * (4 + self.block * self.bits // 8), torch.uint8
 
@@ -153,7 +156,7 @@ class BlockCodec(Codec):
         if kept:
             self._workspace.held = None  # in use: a nested call on this thread gets its own
         if held is None or held[0].shape[0] < rows or held[0].device != device or (acc and held[2] is None):
-            int4_rows = rows if self.bits == 4 else 0
+            int4_rows = rows if self.bits < 8 else 0  # int4 and the sign codec unpack their codes into it
             held = (
                 torch.empty(rows, b, device=device),
                 torch.empty(int4_rows, b, dtype=torch.int8, device=device),
@@ -175,11 +178,7 @@ class BlockCodec(Codec):
         scales, codes = self._parts(out, flat.numel())
         q, half = self.qmax, self.block // 2
         for i, j, part, x, small, _ in self._chunks(flat.numel(), flat.device):
-            full = part.stop - part.start == x.numel()  # whole blocks: read in place, no copy
-            src = flat[part].view(x.shape) if full and flat.is_contiguous() else x
-            if src is x:
-                x.view(-1)[part.stop - part.start :].zero_()
-                x.view(-1)[: part.stop - part.start].copy_(flat[part])
+            src = _blocks_of(flat, part, x)
             absmax = torch.maximum(src.amax(1), src.amin(1).neg_())
             if not bool(torch.isfinite(absmax).all()):
                 raise ValueError(
@@ -244,8 +243,17 @@ class BlockCodec(Codec):
     def check(self, payload: torch.Tensor, numel: int) -> None:
         super().check(payload, numel)
         scales = self._parts(payload, numel)[0]
-        if not bool(((scales >= 0) & (scales * self.qmax < float("inf"))).all()):  # False for NaN too
+        if not bool(((scales >= 0) & (scales * max(1, self.qmax) < float("inf"))).all()):  # False for NaN too
             raise ValueError(f"{self.name} payload holds a NaN, infinite or negative scale, or one that decodes to inf")
+
+
+def _blocks_of(flat: torch.Tensor, part: slice, x: torch.Tensor) -> torch.Tensor:
+    """``flat[part]`` as ``x``'s rows of blocks: in place when it fills them, else copied into ``x``, zero-padded."""
+    if part.stop - part.start == x.numel() and flat.is_contiguous():  # whole blocks: read in place, no copy
+        return flat[part].view(x.shape)
+    x.view(-1)[part.stop - part.start :].zero_()
+    x.view(-1)[: part.stop - part.start].copy_(flat[part])
+    return x
 
 
 class _Workspace(threading.local):
@@ -267,28 +275,3 @@ FP16 = CastCodec("fp16", torch.float16)
 BF16 = CastCodec("bf16", torch.bfloat16)
 INT8 = BlockCodec("int8", bits=8)
 INT4 = BlockCodec("int4", bits=4)
-
-CODECS: dict[str, Codec] = {c.name: c for c in (FP32, FP16, BF16, INT8, INT4)}
-"""The codecs config can name (block codecs with the default block of 256 values)."""
-
-
-def codec_for(name: str | Codec, block: int = 256) -> Codec:
-    """The codec called ``name`` (a ``Codec`` is returned as is); a block codec with ``block`` values per scale."""
-    if isinstance(name, Codec):
-        return name
-    try:
-        codec = CODECS[name]
-    except (KeyError, TypeError):
-        raise ValueError(f"wire_dtype={name!r} is invalid: expected one of {sorted(CODECS)}") from None
-    if not isinstance(codec, BlockCodec) or (type(block) is int and block == codec.block):
-        return codec
-    return BlockCodec(codec.name, codec.bits, block)
-
-
-def check_codec(codec: object) -> Codec:
-    """``codec`` if it is a ``Codec``; a clear ``ValueError`` otherwise (a transport's input check)."""
-    if not isinstance(codec, Codec):
-        raise ValueError(
-            f"codec={codec!r} is invalid: expected a Codec, e.g. codec_for(name) with a name in {sorted(CODECS)}"
-        )
-    return codec

@@ -67,12 +67,14 @@ class Fragment:
         """Start the reduce of the body (error feedback added, the guard's tail written): (its handle,
         excluded, now also when the residual took a value past what the wire carries)."""
         flat = self.reduce.flat
+        # the tail first: the residual is what the codec drops of the very values sent (its blocks at the pad)
+        self.guard.mark(flat, excluded=excluded, norm=norm, global_flat=self.flat)
         if not excluded:
             try:
                 self.feedback.feed(flat)  # the norm is the pseudo-gradient's own, without the residual
             except ValueError:  # with the residual, past what the wire carries (fp16)
                 excluded = True
-        self.guard.mark(flat, excluded=excluded, norm=norm, global_flat=self.flat)
+                self.guard.mark(flat, excluded=True, norm=norm, global_flat=self.flat)
         return transport.all_reduce([flat], codec=self.codec, key=self.key), excluded
 
     def settle(self, result: ReduceResult, *, excluded: bool) -> Settled:

@@ -2,7 +2,7 @@
 
 - **Exclusion** (always on): a pseudo-gradient holding NaN or infinite values, or values its wire cannot
   carry (fp16 past 65504, and error feedback's residual on top), is not sent: the worker sends zeros and
-  a valid flag of 0. The flag rides in the round's own reduce, in a codec block of its own after the
+  a valid flag of 0. The flag rides in the round's own reduce, in a codec block it fills after the
   pseudo-gradient, so every worker reads how many contributions were valid with no extra round trip and
   divides the sum by that number (the transport's mean times contributors / valid). The excluded worker
   takes the round's global params like the others; its error-feedback residual is kept, not updated. No
@@ -53,9 +53,9 @@ class ContributionGuard:
         self.codec, self.norm_clip, self.numel, self.compare = codec, norm_clip, numel, compare
         pad = -numel % codec.block
         self.valid_at = numel + pad
-        """Where the valid flag sits: the first value of a codec block (the pseudo-gradient's last block
-        padded with zeros), so the codec's scale for it is its own; the digest and its square follow, a block
-        each."""
+        """Where the valid flag sits: a codec block of its own, filled with it (the pseudo-gradient's last block
+        padded with zeros), which every codec carries as it is (the sign codec too: all values of one
+        magnitude); the digest and its square follow, a block each, as is the RMS (a block of one)."""
         self.tail_size = pad + 3 * codec.block + 1
         """Values after the pseudo-gradient: padding, the blocks of the valid flag, the digest and its
         square, the RMS (a block of one)."""
@@ -85,15 +85,17 @@ class ContributionGuard:
     def mark(self, flat: torch.Tensor, *, excluded: bool, norm: float, global_flat: torch.Tensor) -> None:
         """Write the tail: valid flag, digest of ``global_flat`` and its square, RMS; an excluded worker's
         pseudo-gradient, flag and RMS are zeros (its digest still counts)."""
+        block = self.codec.block
         if excluded:
             flat.zero_()
-        else:
-            flat[self.valid_at] = 1.0
+        else:  # the pad zeroed again: the last mean left its decoded values there (the sign codec's are not 0)
+            flat[self.numel : self.valid_at].zero_()
+            flat[self.valid_at : self.valid_at + block] = 1.0  # whole blocks of one value: every codec's exact
             flat[-1] = norm / math.sqrt(self.numel) if self.numel else 0.0
         sample = global_flat[:: max(1, global_flat.numel() // 4096)][:4096].detach().cpu()
         h = float(zlib.crc32(sample.numpy().tobytes()) % 16)
-        block = self.codec.block
-        flat[self.valid_at + block], flat[self.valid_at + 2 * block] = h, h * h
+        flat[self.valid_at + block : self.valid_at + 2 * block] = h
+        flat[self.valid_at + 2 * block : self.valid_at + 3 * block] = h * h
 
     def settle(self, flat: torch.Tensor, contributors: int) -> tuple[int, float]:
         """After the reduce: check that the replicas agree (``ValueError`` if not, nothing changed), rescale

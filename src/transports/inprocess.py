@@ -15,7 +15,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from diloco_core.codec import FP32, Codec, check_codec
+from diloco_core.codec import FP32, Codec
+from diloco_core.codec_names import check_codec
 from diloco_core.config import check_field
 from diloco_core.transport import Capabilities, ReduceHandle, ReduceResult, Transport, TransportError
 from diloco_core.wire import mean_of_payloads

@@ -38,7 +38,8 @@ from collections.abc import Iterator, Sequence
 import torch
 import torch.distributed as dist
 
-from diloco_core.codec import FP32, Codec, check_codec
+from diloco_core.codec import FP32, Codec
+from diloco_core.codec_names import check_codec
 from diloco_core.transport import ReduceHandle, Transport, TransportError
 from diloco_core.wire import mean_of_payloads
 

@@ -19,7 +19,8 @@ from collections import Counter
 
 import torch
 
-from diloco_core.codec import CODECS, Codec, codec_for
+from diloco_core.codec import Codec
+from diloco_core.codec_names import CODECS, codec_for
 from diloco_core.transport import TransportError
 
 __all__ = ["Identity"]

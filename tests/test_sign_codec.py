@@ -1,0 +1,151 @@
+"""The 1-bit sign codec: each value's sign and one scale per block, the block's mean |x|; and error feedback
+over it (what it drops, per block at most all but ||x||_1^2 / n of the squared norm, is carried, not lost)."""
+
+from __future__ import annotations
+
+import math
+import pickle
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from diloco_core import SIGN, codec_for, mean_of_payloads, reference_mean
+from diloco_core.feedback import ErrorFeedback
+from diloco_core.sign_codec import SignCodec
+
+CODECS = [codec_for("sign", block=b) for b in (16, 256)]
+FP32_MAX = torch.finfo(torch.float32).max
+finite = st.floats(allow_nan=False, allow_infinity=False, width=32)
+extremes = st.sampled_from([0.0, -0.0, 1e-45, -1e-38, 1e-30, -3.0, 1e30, 1e38, -1e38, FP32_MAX, -FP32_MAX])
+
+
+def _blocks(codec, x: torch.Tensor) -> list[torch.Tensor]:
+    return list(x.split(codec.block)) if x.numel() else []
+
+
+def _check_round_trip(codec, x: torch.Tensor) -> torch.Tensor:
+    payload = codec.encode(x)
+    n = x.numel()
+    assert (payload.numel(), payload.dtype) == codec.payload_spec(n) == (codec.payload_bytes(n), torch.uint8)
+    codec.check(payload, n)
+    got = codec.decode(payload, torch.empty(n))
+    assert torch.isfinite(got).all()
+    for values, decoded in zip(_blocks(codec, x), _blocks(codec, got)):
+        mean_abs = values.double().abs().mean().item()  # over the block's own values (a partial one's too)
+        if mean_abs == 0:
+            assert torch.equal(decoded, torch.zeros_like(decoded))  # an all-zero block: exact zeros
+            continue
+        magnitude = decoded.abs()
+        assert torch.equal(magnitude, magnitude[:1].expand_as(magnitude))  # one magnitude per block
+        assert magnitude[0].item() == pytest.approx(mean_abs, rel=2**-16)
+        assert torch.equal(torch.signbit(decoded), torch.signbit(values))  # -0.0 travels as negative
+    return payload
+
+
+@settings(max_examples=100, deadline=None, derandomize=True)
+@given(
+    values=st.lists(finite, max_size=600) | st.lists(extremes, max_size=80),
+    codec=st.sampled_from(CODECS),
+    start_block=st.integers(0, 3),
+)
+def test_each_block_decodes_to_its_signs_times_its_mean_magnitude(values, codec, start_block):
+    x = torch.tensor(values, dtype=torch.float32)
+    payload = _check_round_trip(codec, x)
+    whole = codec.decode(payload, torch.empty(x.numel()))
+    start = min(start_block * codec.block, x.numel())  # a slice from a block boundary: its part of the whole
+    assert torch.equal(codec.decode(codec.encode(x[start:]), torch.empty(x.numel() - start)), whole[start:])
+    into = torch.arange(x.numel(), dtype=torch.float32)
+    codec.add_decoded(payload, into)
+    assert torch.equal(into, torch.arange(x.numel(), dtype=torch.float32) + whole)
+
+
+@pytest.mark.parametrize("codec", CODECS, ids=lambda c: f"sign-{c.block}")
+@pytest.mark.parametrize("n", [0, 1, 2, 15, 17, 255, 257, 2**20 + 300])  # the last: two chunks of work
+def test_empty_tiny_odd_and_chunk_crossing_sizes(codec, n):
+    x = torch.randn(n, generator=torch.Generator().manual_seed(n)) * 3
+    x[: min(n, codec.block)] = 0  # a block of zeros
+    _check_round_trip(codec, x)
+    assert codec.payload_bytes(n) == -(-n // codec.block) * (4 + codec.block // 8)
+
+
+def test_payload_is_a_32nd_of_fp32_plus_its_scales_and_the_bit_layout_is_fixed():
+    assert SIGN.payload_bytes(25_000_000) / (4 * 25_000_000) == pytest.approx(1 / 32 + 1 / 256, rel=1e-3)
+    x = torch.tensor([-1.0, 2, 3, -4, 5, 6, 7, -8] + [1.0] * 8)
+    payload = codec_for("sign", block=16).encode(x)
+    assert payload[:4].view(torch.float32).item() == pytest.approx((36 + 8) / 16)  # mean |x|
+    assert payload[4:].tolist() == [0b10001001, 0]  # value 8m + k negative: bit k of byte m
+
+
+def test_values_past_fp32s_max_in_sum_still_give_a_finite_mean_magnitude():
+    x = torch.full((256,), FP32_MAX)
+    x[::2] = -FP32_MAX
+    got = SIGN.decode(SIGN.encode(x), torch.empty(256))
+    assert torch.isfinite(got).all() and got.abs().min().item() == pytest.approx(FP32_MAX, rel=1e-6)
+    assert torch.equal(torch.signbit(got), torch.signbit(x))
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+def test_nan_or_infinite_input_is_a_clear_error(bad):
+    x = torch.randn(1000)
+    x[700] = bad
+    with pytest.raises(ValueError, match=r"sign cannot encode NaN or infinite values \(one is in \[0, 1000\)\)"):
+        SIGN.encode(x)
+
+
+@pytest.mark.parametrize("scale", [float("nan"), float("inf"), -1.0])
+def test_a_received_payload_with_a_bad_scale_is_refused(scale):
+    payload = SIGN.encode(torch.randn(300))
+    payload[:4] = torch.tensor([scale]).view(torch.uint8)
+    with pytest.raises(ValueError, match="NaN, infinite or negative scale"):
+        mean_of_payloads([payload, SIGN.encode(torch.randn(300))], SIGN, out=torch.empty(300))
+
+
+def test_copies_and_other_blocks_stay_sign_codecs_and_bits_other_than_1_are_refused():
+    for codec in (pickle.loads(pickle.dumps(SIGN)), codec_for("sign", block=64)):
+        assert isinstance(codec, SignCodec) and codec.bits == 1
+    assert codec_for("sign", block=64).block == 64
+    with pytest.raises(ValueError, match="bits=4 is invalid: the sign codec sends 1 bit per value"):
+        SignCodec("sign", bits=4)
+
+
+def test_the_mean_of_payloads_is_the_reference_mean_bit_for_bit():
+    g = torch.Generator().manual_seed(3)
+    xs = [torch.randn(2**20 + 999, generator=g) * (r + 1) for r in range(3)]  # chunks, a partial last block
+    out = mean_of_payloads([SIGN.encode(x) for x in xs], SIGN, out=torch.empty(xs[0].numel()))
+    assert torch.equal(out, reference_mean(xs, SIGN))
+
+
+@settings(max_examples=40, deadline=None, derandomize=True)
+@given(
+    block=st.sampled_from([16, 256]),
+    n=st.integers(1, 700),
+    rounds=st.integers(1, 40),
+    seed=st.integers(0, 2**16),
+    exponent=st.integers(-20, 20),
+)
+def test_error_feedback_sends_the_fed_sum_minus_a_residual_that_stays_bounded(block, n, rounds, seed, exponent):
+    codec, g = codec_for("sign", block=block), torch.Generator().manual_seed(seed)
+    fb = ErrorFeedback(codec, torch.zeros(n), fed=n, on=True)
+    fed, sent = torch.zeros(n, dtype=torch.float64), torch.zeros(n, dtype=torch.float64)
+    slack = torch.zeros(n, dtype=torch.float64)
+    biggest = torch.zeros(-(-n // block), dtype=torch.float64)  # per block, the largest ||Δ|| of any round
+    for r in range(rounds):
+        delta = torch.randn(n, generator=g) * 2.0**exponent * (1 + r % 3)
+        flat = delta.clone()
+        fb.feed(flat)
+        decoded = codec.decode(codec.encode(flat), torch.empty(n))
+        fb.commit()
+        assert torch.equal(fb.residual, flat - decoded)  # exactly what the peers lost of it
+        fed += delta.double()
+        sent += decoded.double()
+        slack += (flat.abs() + decoded.abs()).double() * 2**-22
+        norms = torch.stack([b.double().norm() for b in delta.split(block)])
+        biggest = torch.maximum(biggest, norms)
+    # per block the codec keeps ||x||_1^2 / n of the squared norm, so ||e'|| <= s (||Δ|| + ||e||) with
+    # s = sqrt(1 - 1/n): the residual never exceeds s / (1 - s) times the largest block norm fed
+    for residual, top in zip(fb.residual.double().split(block), biggest):
+        s = math.sqrt(1 - 1 / residual.numel())
+        assert residual.norm() <= s / (1 - s) * top * (1 + 1e-4) + 1e-30
+    assert ((sent - (fed - fb.residual.double())).abs() <= slack + 2**-126).all()
