@@ -8,6 +8,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from diloco_train.cli import main
 
@@ -67,13 +68,18 @@ def test_short_run_writes_metrics_config_plot_checkpoints(tmp_path: Path, capsys
 
 
 @pytest.mark.timeout(90)
-@pytest.mark.parametrize("mode", ["diloco", "ddp"])
+@pytest.mark.parametrize("mode", ["diloco", "ddp", "ddp/sign"])  # ddp/sign: a lossy wire, its residual saved
 def test_resume_reproduces_the_uninterrupted_losses_exactly(tmp_path: Path, mode: str) -> None:
+    mode, _, wire = mode.partition("/")
     common = ["--set", f"train.runs_dir={tmp_path!s}", "--set", f"train.mode={mode}", *FAST]
+    common += ["--set", f"train.ddp_wire_dtype={wire}"] if wire else []
     assert main(["train", "--name", "whole", *common]) == 0
     # Stop after round 2 (step 6), then resume from the run's saved config and finish.
     assert main(["train", "--name", "split", *common, "--set", "train.stop_after=6"]) == 0
     assert len(_losses(tmp_path / "split")) == 6
+    if wire:  # what the wire dropped of the last gradient is in the checkpoint, and fed to the next one
+        saved = torch.load(tmp_path / "split" / "checkpoints" / "step00000006-rank0.pt", weights_only=True)
+        assert saved["core"]["ddp_residual"].abs().max() > 0
     assert main(["train", "--name", "split", "--resume", "--set", f"train.runs_dir={tmp_path!s}", "-q"]) == 0
     whole, split = _losses(tmp_path / "whole"), _losses(tmp_path / "split")
     assert len(whole) == 12 and split == whole
@@ -181,6 +187,24 @@ def test_a_ddp_warm_start_hands_over_to_diloco_and_resumes_exactly(tmp_path: Pat
         s <= warm or s in rounds for s in range(1, 13)
     ]
     assert [r["step"] for r in records if r["type"] == "round"] == rounds
+    assert main(["train", "--name", "split", *common, "--set", f"train.stop_after={stop_after}"]) == 0
+    assert main(["train", "--name", "split", "--resume", "--set", f"train.runs_dir={tmp_path!s}", "-q"]) == 0
+    assert _losses(tmp_path / "split") == _losses(tmp_path / "whole")
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("stop_after", [3, 6])
+def test_a_warm_start_that_averages_updates_sends_every_step_and_resumes_exactly(tmp_path: Path, stop_after: int):
+    """warm_start_sync = "updates": each of the 4 warm steps is a round of DiLoCo with H = 1 on the warm start's
+    wire (here the 1-bit one, with its error feedback), then DiLoCo proper from those weights, every 3 steps."""
+    common = ["--set", f"train.runs_dir={tmp_path!s}", *FAST, "--set", "train.ddp_warm_start=4"]
+    common += ["--set", "train.warm_start_sync=updates", "--set", "train.ddp_wire_dtype=sign"]
+    assert main(["train", "--name", "whole", *common]) == 0
+    records = [json.loads(line) for line in (tmp_path / "whole" / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in records if r["type"] == "step"]
+    assert [r["step"] for r in records if r["type"] == "round"] == [1, 2, 3, 4, 7, 10]
+    assert [r["bytes_sent"] > 0 for r in steps] == [s in (1, 2, 3, 4, 7, 10) for s in range(1, 13)]
+    assert steps[0]["bytes_sent"] < 0.3 * steps[6]["bytes_sent"]  # sign: 0.035x of fp32, DiLoCo's int4: 0.129x
     assert main(["train", "--name", "split", *common, "--set", f"train.stop_after={stop_after}"]) == 0
     assert main(["train", "--name", "split", "--resume", "--set", f"train.runs_dir={tmp_path!s}", "-q"]) == 0
     assert _losses(tmp_path / "split") == _losses(tmp_path / "whole")

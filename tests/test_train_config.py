@@ -41,6 +41,12 @@ def test_bad_warm_start_names_the_field_and_the_range(overrides: list[str], mess
 def test_a_bad_ddp_wire_names_the_field_and_the_choices() -> None:
     with pytest.raises(ValueError, match=r"ddp_wire_dtype='int3' is invalid: expected one of \['bf16'"):
         build_config(overrides=["train.ddp_wire_dtype=int3"])
+    with pytest.raises(
+        ValueError, match=r"warm_start_sync='weights' is invalid: expected one of \['gradients', 'updates'\]"
+    ):
+        build_config(overrides=["train.warm_start_sync=weights"])
+    with pytest.raises(ValueError, match=r"ddp_error_feedback=1 is invalid: expected true or false"):
+        build_config(overrides=["train.ddp_error_feedback=1"])
 
 
 @pytest.mark.timeout(30)

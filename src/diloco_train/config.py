@@ -29,6 +29,7 @@ __all__ = [
 ]
 
 MODES = ("diloco", "ddp", "single")
+WARM_START_SYNCS = ("gradients", "updates")
 
 
 def _int(v: object, lo: int) -> bool:
@@ -65,8 +66,15 @@ class TrainConfig:
     twelfth of ``steps`` (50 of the default run's 600) where the transport's ranks are fixed (in-process, torch),
     0 where peers come and go (hivemind: a joiner could not take part in a DDP phase)."""
     ddp_wire_dtype: str = "fp32"
-    """The wire of DDP's gradients (ddp mode, diloco's warm start): a codec name as ``diloco.wire_dtype``
-    (lossy ones without error feedback: each step's gradients are new)."""
+    """The wire of DDP's gradients (ddp mode, diloco's warm start): a codec name as ``diloco.wire_dtype``."""
+    warm_start_sync: str = "gradients"
+    """What diloco's warm start averages every step: ``gradients`` (DDP: one AdamW step on the mean gradient) or
+    ``updates`` (each worker's own AdamW step, then the mean of the workers' weights: DiLoCo with H = 1 and
+    an outer SGD of lr 1 without momentum, on ``ddp_wire_dtype`` with ``ddp_error_feedback``). A 1-bit wire
+    (``sign``) loses 3.4% on gradients, where AdamW's second moment takes in its noise (docs/results.md)."""
+    ddp_error_feedback: bool = True
+    """With a lossy ``ddp_wire_dtype``: each worker adds what the codec dropped of its last gradient to its next
+    one (in ddp mode's checkpoints; a warm start's residual ends with it, when DiLoCo takes over)."""
     seed: int = 0
     """Seed of the weights (rank 0's, broadcast to all) and of every worker's data order."""
     eval_every: int = 0
@@ -121,6 +129,10 @@ class TrainConfig:
             check_field("ddp_warm_start", w, _int(w, 0), "an integer >= 0")
             ok = not w or (self.mode == "diloco" and w < self.steps)
             check_field("ddp_warm_start", w, ok, f"0, or in diloco mode a step count below steps={self.steps}")
+        ok = self.warm_start_sync in WARM_START_SYNCS
+        check_field("warm_start_sync", self.warm_start_sync, ok, f"one of {list(WARM_START_SYNCS)}")
+        ok = isinstance(self.ddp_error_feedback, bool)
+        check_field("ddp_error_feedback", self.ddp_error_feedback, ok, "true or false")
         ok = self.ddp_wire_dtype in CODECS
         check_field("ddp_wire_dtype", self.ddp_wire_dtype, ok, f"one of {sorted(CODECS)}")
         check_field("shard", self.shard, _int(self.shard, -1), "an integer >= 0 (or -1: the rank)")

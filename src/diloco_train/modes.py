@@ -11,6 +11,7 @@ import torch
 
 from diloco_core import DiLoCo, RoundReport, Transport, codec_for
 from diloco_core.config import outer_lr_for
+from diloco_core.feedback import ErrorFeedback
 from diloco_core.flat import FlatBuffer
 
 from .config import RunConfig
@@ -55,19 +56,25 @@ class Sync:
         self.device = device
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.timeout = config.diloco.reduce_timeout
-        # DDP's gradients travel on their own wire (fp32 by default), without error feedback: each step's are new.
+        # DDP's gradients travel on their own wire (fp32 by default), with their own error feedback
         self.wire = codec_for(config.train.ddp_wire_dtype, block=config.diloco.codec_block)
+        self.feedback: ErrorFeedback | None = None
         mode = config.train.mode
         self.warm = warm_start_steps(config, transport) if mode == "diloco" else 0  # DDP steps before DiLoCo
         self.diloco: DiLoCo | None = None
+        self._warm_diloco = False  # self.diloco is the warm start's (warm_start_sync = "updates")
         self.grads: FlatBuffer | None = None
         if mode == "diloco" and not self.warm:
             self._start_diloco()
+        elif mode == "diloco" and config.train.warm_start_sync == "updates":
+            self._start_diloco(warm=True)
         elif mode != "single":
             assert transport is not None
             with torch.no_grad():
                 transport.broadcast(self.params, src=0, timeout=self.timeout)
             self.grads = FlatBuffer(self.params, device)
+            n = self.grads.flat.numel()
+            self.feedback = ErrorFeedback(self.wire, self.grads.flat, fed=n, on=config.train.ddp_error_feedback)
 
     @property
     def round(self) -> int:
@@ -81,7 +88,7 @@ class Sync:
 
     def before(self, step: int) -> None:
         """Called before each step: at the end of the warm start, DiLoCo starts from these weights."""
-        if self.warm and step == self.warm and self.diloco is None:
+        if self.warm and step == self.warm and (self.diloco is None or self._warm_diloco):
             self._start_diloco()
 
     def step(self, grad_clip: float) -> tuple[Comm, RoundReport | None]:
@@ -93,7 +100,10 @@ class Sync:
             grads = self.grads
             with torch.no_grad():
                 grads.copy_from([p.grad for p in self.params])
+                assert self.feedback is not None
+                self.feedback.feed(grads.flat)
                 result = self.transport.all_reduce([grads.flat], codec=self.wire, key="ddp/grads").wait(self.timeout)
+                self.feedback.commit()
                 grads.copy_to([p.grad for p in self.params])
             comm = Comm(result.seconds, result.bytes_sent, result.bytes_received)
         if grad_clip:
@@ -117,7 +127,9 @@ class Sync:
         """The mode's part of a checkpoint: DiLoCo's state, else the weights and the optimizer's."""
         if self.diloco is not None:
             return self.diloco.state_dict()
-        return {"model": [p.detach() for p in self.model.parameters()], "inner_optimizer": self.optimizer.state_dict()}
+        state = {"model": [p.detach() for p in self.model.parameters()], "inner_optimizer": self.optimizer.state_dict()}
+        residual = self.feedback.residual if self.feedback is not None else None
+        return state if residual is None else {**state, "ddp_residual": residual}
 
     def load_state_dict(self, core: dict[str, Any]) -> None:
         diloco = self.diloco
@@ -132,16 +144,24 @@ class Sync:
             with torch.no_grad():
                 torch._foreach_copy_(list(self.model.parameters()), [t.to(self.device) for t in core["model"]])
             self.optimizer.load_state_dict(core["inner_optimizer"])
+            if self.feedback is not None:
+                self.feedback.load(core.get("ddp_residual"))
 
-    def _start_diloco(self) -> None:
+    def _start_diloco(self, *, warm: bool = False) -> None:
         """DiLoCo over this worker's model. An unset outer lr is the core's rule for the transport's world size;
-        peers that come and go have none up front, so the rule takes the number of data shards there."""
+        peers that come and go have none up front, so the rule takes the number of data shards there. ``warm``:
+        the warm start that averages updates, DiLoCo with H = 1 and plain averaging on the warm start's wire."""
         assert self.transport is not None
-        c = self.config.diloco
-        if c.outer_lr is None and not self.transport.fixed_ranks:
-            c = replace(c, outer_lr=outer_lr_for(max(self.config.train.num_shards, 1), c.outer_momentum))
+        c, t = self.config.diloco, self.config.train
+        if warm:
+            c = replace(c, inner_steps=1, outer_lr=1.0, outer_momentum=0.0, overlap="none", eager_fresh_weight=None)
+            c = replace(c, fragments=1, overlap_steps=0, merge_alpha=0.0)
+            c = replace(c, wire_dtype=t.ddp_wire_dtype, error_feedback=t.ddp_error_feedback)
+        elif c.outer_lr is None and not self.transport.fixed_ranks:
+            c = replace(c, outer_lr=outer_lr_for(max(t.num_shards, 1), c.outer_momentum))
         self.diloco = DiLoCo(model=self.model, inner_optimizer=self.optimizer, transport=self.transport, config=c)
-        self.grads = None
+        self._warm_diloco = warm
+        self.grads = self.feedback = None  # the warm start's residual ends with it
 
 
 def _check_model(saved: list[torch.Tensor], model: Llama) -> None:
