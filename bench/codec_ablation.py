@@ -22,13 +22,32 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from convergence import Outcome, protocol, run_one
 
-# name -> [diloco] overrides
+
+def _wire(codec: str, *, rounds_ef: bool, ddp_ef: bool) -> list[str]:
+    return [
+        f"diloco.wire_dtype={codec}",
+        f"train.ddp_wire_dtype={codec}",
+        f"diloco.error_feedback={str(rounds_ef).lower()}",
+        f"train.ddp_error_feedback={str(ddp_ef).lower()}",
+    ]
+
+
+# name -> overrides. The int8 / int4 rows were measured before the warm start's DDP gradients had error
+# feedback (train.ddp_error_feedback, on by default since): they keep it off, as measured.
 CODECS: dict[str, list[str]] = {
     "fp32": [],
-    "int8-ef": ["diloco.wire_dtype=int8", "train.ddp_wire_dtype=int8", "diloco.error_feedback=true"],
-    "int8-noef": ["diloco.wire_dtype=int8", "train.ddp_wire_dtype=int8", "diloco.error_feedback=false"],
-    "int4-ef": ["diloco.wire_dtype=int4", "train.ddp_wire_dtype=int4", "diloco.error_feedback=true"],
-    "int4-noef": ["diloco.wire_dtype=int4", "train.ddp_wire_dtype=int4", "diloco.error_feedback=false"],
+    "int8-ef": _wire("int8", rounds_ef=True, ddp_ef=False),
+    "int8-noef": _wire("int8", rounds_ef=False, ddp_ef=False),
+    "int4-ef": _wire("int4", rounds_ef=True, ddp_ef=False),
+    "int4-noef": _wire("int4", rounds_ef=False, ddp_ef=False),
+    "sign-ef": _wire("sign", rounds_ef=True, ddp_ef=True),
+    "sign-noef": _wire("sign", rounds_ef=False, ddp_ef=False),
+    # the warm start's gradients in int4 (AdamW on sign-coded gradients starts worse), the rounds' in sign
+    "sign-ef-int4warm": [*_wire("sign", rounds_ef=True, ddp_ef=True), "train.ddp_wire_dtype=int4"],
+    "sign-noef-int4warm": [*_wire("sign", rounds_ef=False, ddp_ef=True), "train.ddp_wire_dtype=int4"],
+    # the warm start averages each worker's AdamW update instead of its gradient (train.warm_start_sync)
+    "sign-ef-updateswarm": [*_wire("sign", rounds_ef=True, ddp_ef=True), "train.warm_start_sync=updates"],
+    "sign-noef-updateswarm": [*_wire("sign", rounds_ef=False, ddp_ef=False), "train.warm_start_sync=updates"],
 }
 
 
@@ -57,6 +76,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seq-len", type=int, default=64)
     p.add_argument("--batch-size", type=int, default=16)
     p.add_argument("--warm-start", type=int, default=100)
+    p.add_argument(
+        "--ddp-mb",
+        type=float,
+        default=None,
+        help="DDP x4's MB sent per worker, read from the convergence table instead of running ddp-4 here "
+        "(its traffic does not depend on the seed: 4042.1 in docs/results.md)",
+    )
     args = p.parse_args(argv)
     names = args.codecs.split(",")
     unknown = sorted(set(names) - set(CODECS))
@@ -65,13 +91,14 @@ def main(argv: list[str] | None = None) -> int:
     seeds = [int(s) for s in args.seeds.split(",")]
     Path(args.out).mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
-    outcomes: dict[str, list[Outcome]] = {n: [] for n in ["ddp-4", *names]}
+    rows = names if args.ddp_mb else ["ddp-4", *names]
+    outcomes: dict[str, list[Outcome]] = {n: [] for n in rows}
     for seed in seeds:  # seed-major: every row has a first seed early
-        for name in ["ddp-4", *names]:
+        for name in rows:
             mode, workers = ("ddp", 4) if name == "ddp-4" else ("diloco", 4)
             extra = CODECS.get(name, [])
             outcomes[name].append(_outcome(name=name, mode=mode, workers=workers, seed=seed, args=args, extra=extra))
-    ddp = statistics.fmean(o.bytes_sent for o in outcomes["ddp-4"])
+    ddp = args.ddp_mb * 1e6 if args.ddp_mb else statistics.fmean(o.bytes_sent for o in outcomes["ddp-4"])
     fp32 = statistics.fmean(o.eval_loss for o in outcomes["fp32"]) if "fp32" in outcomes else float("nan")
     lines = [
         "| wire | error feedback | seeds | eval loss (mean) | spread | vs fp32 | MB sent / worker | traffic vs DDP |",
@@ -83,7 +110,9 @@ def main(argv: list[str] | None = None) -> int:
         loss = statistics.fmean(o.eval_loss for o in mine)
         spread = max(o.eval_loss for o in mine) - min(o.eval_loss for o in mine)
         sent = statistics.fmean(o.bytes_sent for o in mine)
-        wire, _, ef = name.partition("-")
+        wire, _, rest = name.partition("-")
+        ef, _, warm = rest.partition("-")
+        wire += f" ({warm.removesuffix('warm')} warm start)" if warm else ""
         results[name] = {
             "eval_loss": loss,
             "spread": spread,

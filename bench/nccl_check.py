@@ -27,7 +27,7 @@ def main() -> None:
         g = torch.Generator().manual_seed(r)
         return [torch.randn(1001, generator=g).to(dev), torch.randn(7, 3, generator=g).to(dev)]
 
-    for wire in ("fp32", "fp16", "bf16", "int8", "int4"):
+    for wire in ("fp32", "fp16", "bf16", "int8", "int4", "sign"):
         x = contribution(rank)
         result = transport.all_reduce(x, codec=codec_for(wire)).wait(60)
         assert result.num_contributors == world
@@ -51,7 +51,7 @@ def main() -> None:
     assert all(torch.equal(gathered[0], g) for g in gathered)
 
     big = torch.randn(25_000_000, device=dev)
-    for wire in ("raw", "fp32", "fp16", "bf16", "int8", "int4"):
+    for wire in ("raw", "fp32", "fp16", "bf16", "int8", "int4", "sign"):
         times = []
         for _ in range(6):
             torch.cuda.synchronize()

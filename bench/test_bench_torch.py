@@ -78,7 +78,7 @@ def pair(tmp_path_factory):
     torch.set_num_threads(threads)
 
 
-@pytest.mark.parametrize("name", ["raw_baseline", "fp32", "fp16", "bf16", "int8", "int4"])
+@pytest.mark.parametrize("name", ["raw_baseline", "fp32", "fp16", "bf16", "int8", "int4", "sign"])
 def test_gloo_all_reduce_25m(benchmark, pair, name):
     benchmark.group = GROUP
     op = "raw" if name == "raw_baseline" else name
