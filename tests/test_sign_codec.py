@@ -11,11 +11,11 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from diloco_core import SIGN, codec_for, mean_of_payloads, reference_mean
+from diloco_core import SIGN, DiLoCoConfig, codec_for, mean_of_payloads, reference_mean
 from diloco_core.feedback import ErrorFeedback
 from diloco_core.sign_codec import SignCodec
 
-CODECS = [codec_for("sign", block=b) for b in (16, 256)]
+CODECS = [codec_for("sign", block=b) for b in (32, 256)]
 FP32_MAX = torch.finfo(torch.float32).max
 finite = st.floats(allow_nan=False, allow_infinity=False, width=32)
 extremes = st.sampled_from([0.0, -0.0, 1e-45, -1e-38, 1e-30, -3.0, 1e30, 1e38, -1e38, FP32_MAX, -FP32_MAX])
@@ -72,18 +72,46 @@ def test_empty_tiny_odd_and_chunk_crossing_sizes(codec, n):
 
 def test_payload_is_a_32nd_of_fp32_plus_its_scales_and_the_bit_layout_is_fixed():
     assert SIGN.payload_bytes(25_000_000) / (4 * 25_000_000) == pytest.approx(1 / 32 + 1 / 256, rel=1e-3)
-    x = torch.tensor([-1.0, 2, 3, -4, 5, 6, 7, -8] + [1.0] * 8)
-    payload = codec_for("sign", block=16).encode(x)
-    assert payload[:4].view(torch.float32).item() == pytest.approx((36 + 8) / 16)  # mean |x|
-    assert payload[4:].tolist() == [0b10001001, 0]  # value 8m + k negative: bit k of byte m
+    x = torch.tensor([-1.0, 2, 3, -4, 5, 6, 7, -8] + [1.0] * 24)
+    payload = codec_for("sign", block=32).encode(x)
+    assert payload[:4].view(torch.float32).item() == pytest.approx((36 + 24) / 32)  # mean |x|
+    assert payload[4:].tolist() == [0b10001001, 0, 0, 0]  # value 8m + k negative: bit k of byte m
 
 
-def test_values_past_fp32s_max_in_sum_still_give_a_finite_mean_magnitude():
-    x = torch.full((256,), FP32_MAX)
+def test_blocks_under_32_are_refused_since_side_by_side_payloads_would_misalign_their_scales():
+    with pytest.raises(ValueError, match=r"block=16 is invalid for the sign codec: expected a power of two in \[32"):
+        codec_for("sign", block=16)
+    with pytest.raises(
+        ValueError, match=r"codec_block=16 is invalid: expected a power of two in \[32, 65536\] for wire"
+    ):
+        DiLoCoConfig(wire_dtype="sign", codec_block=16)
+
+
+def test_a_block_encodes_alike_alone_and_in_a_chunk_of_many_whatever_the_threads():
+    """Transports encode a slice that starts at a block alone; its scale must be the one the whole gave (one
+    block of 65536 values alone is a sum torch would split across threads, as one row of a chunk it is not)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(4)
+    try:
+        codec, g = codec_for("sign", block=65536), torch.Generator().manual_seed(5)
+        x = torch.randn(4 * 65536, generator=g) * 100
+        whole = codec.encode(x)
+        for b in range(4):
+            alone = codec.encode(x[b * 65536 : (b + 1) * 65536])
+            assert torch.equal(alone[:4], whole[4 * b : 4 * b + 4])
+    finally:
+        torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("n", [256, 100, 300])  # a whole block, a partial one, both
+def test_values_past_fp32s_max_in_sum_still_give_a_finite_mean_magnitude(n):
+    x = torch.full((n,), FP32_MAX)
     x[::2] = -FP32_MAX
-    got = SIGN.decode(SIGN.encode(x), torch.empty(256))
-    assert torch.isfinite(got).all() and got.abs().min().item() == pytest.approx(FP32_MAX, rel=1e-6)
-    assert torch.equal(torch.signbit(got), torch.signbit(x))
+    x[-1] = 1.0  # a block whose sum does not overflow keeps the plain mean
+    got = SIGN.decode(SIGN.encode(x), torch.empty(n))
+    assert torch.isfinite(got).all() and torch.equal(torch.signbit(got), torch.signbit(x))
+    for values, decoded in zip(x.split(256), got.split(256)):
+        assert decoded.abs().max().item() == pytest.approx(values.double().abs().mean().item(), rel=1e-6)
 
 
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
@@ -119,7 +147,7 @@ def test_the_mean_of_payloads_is_the_reference_mean_bit_for_bit():
 
 @settings(max_examples=40, deadline=None, derandomize=True)
 @given(
-    block=st.sampled_from([16, 256]),
+    block=st.sampled_from([32, 256]),
     n=st.integers(1, 700),
     rounds=st.integers(1, 40),
     seed=st.integers(0, 2**16),

@@ -202,7 +202,7 @@ def test_a_warm_start_that_averages_updates_sends_every_step_and_resumes_exactly
     assert main(["train", "--name", "whole", *common]) == 0
     records = [json.loads(line) for line in (tmp_path / "whole" / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in records if r["type"] == "step"]
-    assert [r["step"] for r in records if r["type"] == "round"] == [1, 2, 3, 4, 7, 10]
+    assert [r["step"] for r in records if r["type"] == "round"] == [7, 10]  # the warm steps are not outer rounds
     assert [r["bytes_sent"] > 0 for r in steps] == [s in (1, 2, 3, 4, 7, 10) for s in range(1, 13)]
     assert steps[0]["bytes_sent"] < 0.3 * steps[6]["bytes_sent"]  # sign: 0.035x of fp32, DiLoCo's int4: 0.129x
     assert main(["train", "--name", "split", *common, "--set", f"train.stop_after={stop_after}"]) == 0

@@ -137,3 +137,17 @@ def test_saved_config_round_trips(tmp_path: Path) -> None:
     f = tmp_path / "c.toml"
     f.write_text(text)
     assert load_toml(f) == tomllib.loads(text)
+
+
+@pytest.mark.timeout(30)
+def test_a_warm_start_that_averages_updates_is_refused_where_peers_come_and_go() -> None:
+    import torch
+
+    from diloco_train.model import Llama
+    from diloco_train.modes import Sync
+
+    config = build_config(overrides=["train.ddp_warm_start=5", "train.warm_start_sync=updates", "model.num_layers=1"])
+    model = Llama(config.model)
+    swarm = SimpleNamespace(fixed_ranks=False)  # refused before anything is sent
+    with pytest.raises(ValueError, match=r"warm_start_sync='updates' is invalid on a transport whose peers come"):
+        Sync(config=config, model=model, optimizer=torch.optim.AdamW(model.parameters()), transport=swarm, device="cpu")

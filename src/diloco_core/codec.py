@@ -120,7 +120,8 @@ class BlockCodec(Codec):
     7), decoded as code * scale: within scale / 2 of the value, up to fp32 rounding; zeros stay exact.
     Payload, one uint8 tensor: ``ceil(numel / block)`` fp32 scales, then the codes, ``block`` bytes (int8)
     or ``block / 2`` (int4: the code's 4-bit two's complement per nibble, the block's first half low, its
-    second half high) per block; a partial last block is encoded zero-padded. Chunk by chunk, in small
+    second half high) per block; a partial last block is encoded zero-padded (the sign codec: over its own
+    values). Chunk by chunk, in small
     reused buffers.
     """
 

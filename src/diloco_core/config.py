@@ -59,10 +59,10 @@ class DiLoCoConfig:
     nesterov: bool = True
     """Nesterov momentum for the outer SGD. With momentum 0 both forms are the same plain SGD step."""
     wire_dtype: str = "fp32"
-    """The codec the pseudo-gradients travel in (``diloco_core.codec.CODECS``): fp32, fp16 or bf16 (casts),
-    int8 or int4 (``codec_block`` values per fp32 scale). Sums are always accumulated in fp32."""
+    """The codec the pseudo-gradients travel in (``diloco_core.codec_names.CODECS``): fp32, fp16 or bf16 (casts),
+    int8, int4 or sign (``codec_block`` values per fp32 scale). Sums are always accumulated in fp32."""
     codec_block: int = 256
-    """Values per scale of the int8 and int4 codecs: a power of two in [16, 65536]."""
+    """Values per scale of the int8, int4 and sign codecs: a power of two in [16, 65536] ([32, 65536] for sign)."""
     error_feedback: bool = True
     """Add what a lossy codec dropped of this worker's pseudo-gradients to its next one (not for fp32).
     Saved in ``DiLoCo.state_dict()``; not served to joiners, who start from a zero residual."""
@@ -101,6 +101,8 @@ class DiLoCoConfig:
         check_field("nesterov", self.nesterov, isinstance(self.nesterov, bool), "true or false")
         check_field("wire_dtype", self.wire_dtype, self.wire_dtype in CODECS, f"one of {sorted(CODECS)}")
         check_block(self.codec_block, "codec_block")
+        ok = self.wire_dtype != "sign" or self.codec_block >= 32
+        check_field("codec_block", self.codec_block, ok, "a power of two in [32, 65536] for wire_dtype='sign'")
         check_field("error_feedback", self.error_feedback, isinstance(self.error_feedback, bool), "true or false")
         t = self.reduce_timeout
         check_field("reduce_timeout", t, is_finite_number(t) and t > 0, "a finite number of seconds > 0")

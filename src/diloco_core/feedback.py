@@ -13,7 +13,8 @@ class ErrorFeedback:
     """One worker's residual e: it sends Δ + e, and e becomes (Δ + e) - decode(encode(Δ + e)), exactly
     what its peers lose of its contribution (the codec is deterministic and transports cut payloads only
     at multiples of ``codec.block``). So the updates applied sum to the pseudo-gradients' sum minus the
-    last residual, which stays within half a quantization step per value. Only the first ``fed`` values
+    last residual, which stays bounded (int8/int4: half a step per value; sign: per block s/(1-s) times the
+    largest block norm fed, s = sqrt(1 - 1/block)). Only the first ``fed`` values
     are fed (the rest are diagnostics). Costs one encode and decode per round besides the transport's,
     and two fp32 buffers: the next residual waits until the reduce succeeded (``commit``), so a retried
     round feeds the same e again. In ``DiLoCo.state_dict()``, not in ``RunState``: joiners start at zero.

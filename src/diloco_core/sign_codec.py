@@ -32,6 +32,8 @@ class SignCodec(BlockCodec):
     def __init__(self, name: str = "sign", bits: int = 1, block: int = 256) -> None:
         if bits != 1:
             raise ValueError(f"bits={bits!r} is invalid: the sign codec sends 1 bit per value")
+        if isinstance(block, int) and block < 32:  # 4 bytes of scale + 2 of codes: payloads side by side misalign
+            raise ValueError(f"block={block!r} is invalid for the sign codec: expected a power of two in [32, 65536]")
         super().__init__(name, bits=1, block=block)
 
     def encode(self, values: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -44,17 +46,17 @@ class SignCodec(BlockCodec):
             signs = torch.bitwise_right_shift(src.view(torch.int32), 31, out=spare.view(torch.int32))  # -1: negative
             small.copy_(signs)  # one byte per value: 0xFF or 0
             magnitudes = torch.abs(src, out=spare)
-            scale = torch.sum(magnitudes, 1, out=scales[i:j]).div_(self.block)
-            if part.stop - part.start < (j - i) * self.block:  # a partial last block: the mean of its own values
-                scale[-1:].mul_(self.block).div_((part.stop - part.start) % self.block)
+            counts = torch.full((j - i, 1), float(self.block))
+            counts[-1] = part.stop - part.start - (j - i - 1) * self.block  # a partial last block: its own values
+            scale = torch.div(_row_sums(magnitudes), counts[:, 0], out=scales[i:j])
             if not bool(torch.isfinite(scale).all()):
                 if not bool(torch.isfinite(src).all()):
                     raise ValueError(
                         f"{self.name} cannot encode NaN or infinite values (one is in [{part.start}, {part.stop}))"
                     )
-                counts = torch.full_like(scale, self.block)
-                counts[-1] = part.stop - part.start - (j - i - 1) * self.block
-                torch.sum(magnitudes.div_(counts[:, None]), 1, out=scale)  # a sum past fp32's max: divide first
+                # a sum past fp32's max: those rows divided first (the mean is at most the largest |x|)
+                divided = _row_sums(magnitudes.div_(counts)).clamp_(max=torch.finfo(torch.float32).max)
+                torch.where(torch.isfinite(scale), scale, divided, out=scale)
             words = small.view(-1).view(torch.int64)  # 8 values' sign bytes per word
             words.bitwise_and_(_LOW_BITS).mul_(_GATHER).bitwise_right_shift_(56)
             codes[i:j].view(-1).copy_(words)  # each word's low byte: the 8 sign bits
@@ -70,3 +72,10 @@ class SignCodec(BlockCodec):
         bits = out.view(torch.int32)
         bits.copy_(small).bitwise_left_shift_(24)  # int8 0x80 = -128, shifted: the fp32 sign bit alone
         return out.view(torch.int32).bitwise_or_(scales[i:j].view(torch.int32)[:, None]).view(torch.float32)
+
+
+def _row_sums(rows: torch.Tensor) -> torch.Tensor:
+    """Each row's sum in the same order whatever the number of rows (a transport encodes a slice alone that
+    another encodes in a larger chunk): sums of at most 256 values, which torch never splits across threads."""
+    n = rows.shape[1]
+    return rows.view(rows.shape[0], -1, min(n, 256)).sum(2).sum(1) if n > 256 else rows.sum(1)

@@ -67,6 +67,11 @@ class Sync:
         if mode == "diloco" and not self.warm:
             self._start_diloco()
         elif mode == "diloco" and config.train.warm_start_sync == "updates":
+            if transport is None or not transport.fixed_ranks:  # one DiLoCo per transport, and no joiner in it
+                raise ValueError(
+                    "train.warm_start_sync='updates' is invalid on a transport whose peers come and go: "
+                    "expected fixed ranks (in-process, torch), or train.ddp_warm_start=0"
+                )
             self._start_diloco(warm=True)
         elif mode != "single":
             assert transport is not None
@@ -113,6 +118,8 @@ class Sync:
             report = self.diloco.step()
             sent = (report.bytes_sent, report.bytes_received) if report is not None else (0, 0)
             comm = Comm(self.diloco.outer_seconds, *sent)  # what the step waited for (overlap: not the reduce)
+            if self._warm_diloco:  # a warm start's step, counted in bytes as DDP's, not as an outer round
+                report = None
         else:
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
@@ -154,9 +161,9 @@ class Sync:
         assert self.transport is not None
         c, t = self.config.diloco, self.config.train
         if warm:
-            c = replace(c, inner_steps=1, outer_lr=1.0, outer_momentum=0.0, overlap="none", eager_fresh_weight=None)
-            c = replace(c, fragments=1, overlap_steps=0, merge_alpha=0.0)
-            c = replace(c, wire_dtype=t.ddp_wire_dtype, error_feedback=t.ddp_error_feedback)
+            plain = {"inner_steps": 1, "outer_lr": 1.0, "outer_momentum": 0.0, "overlap": "none", "fragments": 1}
+            plain |= {"overlap_steps": 0, "merge_alpha": 0.0, "eager_fresh_weight": None}
+            c = replace(c, **plain, wire_dtype=t.ddp_wire_dtype, error_feedback=t.ddp_error_feedback)
         elif c.outer_lr is None and not self.transport.fixed_ranks:
             c = replace(c, outer_lr=outer_lr_for(max(t.num_shards, 1), c.outer_momentum))
         self.diloco = DiLoCo(model=self.model, inner_optimizer=self.optimizer, transport=self.transport, config=c)

@@ -215,20 +215,20 @@ class TorchDistTransport(Transport):
         shard = _shard(n, w, codec.block)
         size, dtype = codec.payload_spec(shard)
         send = buffers.get(("send", index), size * w, dtype)
-        for r in range(w):  # each shard encoded on its own; the last one(s) padded with zeros
-            part = bucket[r * shard : (r + 1) * shard]
-            if part.numel() < shard:
-                padded = buffers.get(("padded", index), shard, torch.float32)
-                padded[: part.numel()].copy_(part)
-                padded[part.numel() :].zero_()
-                part = padded
-            codec.encode(part, out=send[r * size : (r + 1) * size])
+        # each shard encoded on its own, at its own length: the last one(s) may be short or empty, their payload
+        # first in its slot (padding with zeros would change the sign codec's scale of a partial last block)
+        lengths = [max(0, min(n - r * shard, shard)) for r in range(w)]
+        for r in range(w):
+            used = codec.payload_spec(lengths[r])[0]
+            codec.encode(bucket[r * shard : r * shard + lengths[r]], out=send[r * size : r * size + used])
         received = buffers.get(("received", index), size * w, dtype)
         yield [dist.all_to_all_single(received, send, group=self._group, async_op=True)]
         gathered = buffers.get(("gathered", index), shard * w, torch.float32)
         shards = list(gathered.split(shard))
+        mine, used = lengths[me], codec.payload_spec(lengths[me])[0]
         scratch = buffers.get(("scratch", index), shard, torch.float32) if codec.elementwise_dtype is not None else None
-        mean_of_payloads(list(received.split(size)), codec, out=shards[me], scratch=scratch)
+        payloads = [p[:used] for p in received.split(size)]
+        mean_of_payloads(payloads, codec, out=shards[me][:mine], scratch=None if scratch is None else scratch[:mine])
         yield self._exchange({r: shards[me] for r in peers}, {r: shards[r] for r in peers})
         bucket.copy_(gathered[:n])
 
