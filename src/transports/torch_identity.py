@@ -20,7 +20,7 @@ from collections import Counter
 import torch
 
 from diloco_core.codec import Codec
-from diloco_core.codec_names import CODECS, codec_for
+from diloco_core.codec_names import CODECS
 from diloco_core.transport import TransportError
 
 __all__ = ["Identity"]
@@ -37,7 +37,7 @@ def _wire(codec: Codec) -> str:
 
 
 # every wire a rank may name, so that a mismatch names the other rank's too
-_WIRES = {_crc(_wire(codec_for(name, 2**b))): _wire(codec_for(name, 2**b)) for name in CODECS for b in range(4, 17)}
+_WIRES = {_crc(w): w for w in (f"{name}/{b}" for name in CODECS for b in [1, *(2**k for k in range(4, 17))])}
 
 
 class Identity:
