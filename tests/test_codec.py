@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 
 from diloco_core import BF16, CODECS, FP16, FP32, INT4, INT8, codec_for, mean_of_payloads, reference_mean
 from diloco_core.codec_names import check_codec
+from diloco_core.sign_codec import SignCodec
 
 
 @pytest.mark.parametrize("codec", [FP32, FP16, BF16], ids=lambda c: c.name)
@@ -69,6 +70,20 @@ def test_reference_mean_sums_decoded_payloads_in_order_in_fp32():
 # -- block codecs: int8 and int4 with one fp32 scale per block ---------------------------------------------
 
 BLOCK_CODECS = [codec_for(name, block=b) for name in ("int8", "int4") for b in (16, 256)]
+ROUND_TRIP_CODECS = BLOCK_CODECS + [codec_for("sign", block=b) for b in (32, 256)]  # sign's bound: its own
+
+
+def _check_sign(codec, x: torch.Tensor, got: torch.Tensor) -> None:
+    """Each block decodes to its values' signs (-0.0 negative) times their mean |x|; all-zero blocks to zeros."""
+    for values, decoded in zip(x.split(codec.block), got.split(codec.block)) if x.numel() else ():
+        mean_abs = values.double().abs().mean().item()  # over the block's own values (a partial one's too)
+        if mean_abs == 0:
+            assert torch.equal(decoded, torch.zeros_like(decoded))
+            continue
+        magnitude = decoded.abs()
+        assert torch.equal(magnitude, magnitude[:1].expand_as(magnitude))  # one magnitude per block
+        assert magnitude[0].item() == pytest.approx(mean_abs, rel=2**-16)
+        assert torch.equal(torch.signbit(decoded), torch.signbit(values))
 
 
 def _per_value_absmax(codec, x: torch.Tensor) -> torch.Tensor:
@@ -85,6 +100,9 @@ def _check_round_trip(codec, x: torch.Tensor) -> torch.Tensor:
     codec.check(payload, n)  # finite, non-negative scales that decode to finite values
     got = codec.decode(payload, torch.empty(n))
     assert torch.isfinite(got).all()
+    if isinstance(codec, SignCodec):
+        _check_sign(codec, x, got)
+        return payload
     absmax = _per_value_absmax(codec, x).double()
     # within half a step (scale = absmax / q) of each value, up to fp32 rounding: a few ulps of the absmax
     # (and nothing below fp32's smallest normal number, where the scale itself is subnormal); in fp64, so
@@ -97,16 +115,17 @@ def _check_round_trip(codec, x: torch.Tensor) -> torch.Tensor:
 
 FP32_MAX = torch.finfo(torch.float32).max
 finite = st.floats(allow_nan=False, allow_infinity=False, width=32)  # up to fp32's max, subnormals too
-extremes = st.sampled_from([0.0, 1e-45, -1e-38, 1e-30, -3.0, 1e30, 1e38, -1e38, FP32_MAX, -FP32_MAX])
+extremes = st.sampled_from([0.0, -0.0, 1e-45, -1e-38, 1e-30, -3.0, 1e30, 1e38, -1e38, FP32_MAX, -FP32_MAX])
 
 
 @settings(max_examples=100, deadline=None, derandomize=True)
 @given(
     values=st.lists(finite, max_size=600) | st.lists(extremes, max_size=80),
-    codec=st.sampled_from(BLOCK_CODECS),
+    codec=st.sampled_from(ROUND_TRIP_CODECS),
     start_block=st.integers(0, 3),
 )
-def test_block_codecs_round_trip_within_half_a_step_per_block(values, codec, start_block):
+def test_block_codecs_round_trip_within_their_bound_per_block(values, codec, start_block):
+    """int8 / int4: within half a step of each value; sign: its signs times the block's mean |x|."""
     x = torch.tensor(values, dtype=torch.float32)
     payload = _check_round_trip(codec, x)
     whole = codec.decode(payload, torch.empty(x.numel()))
@@ -118,7 +137,7 @@ def test_block_codecs_round_trip_within_half_a_step_per_block(values, codec, sta
     assert torch.equal(into, torch.arange(x.numel(), dtype=torch.float32) + whole)
 
 
-@pytest.mark.parametrize("codec", BLOCK_CODECS, ids=lambda c: f"{c.name}-{c.block}")
+@pytest.mark.parametrize("codec", ROUND_TRIP_CODECS, ids=lambda c: f"{c.name}-{c.block}")
 @pytest.mark.parametrize("n", [0, 1, 2, 15, 17, 255, 257, 2**20 + 300])  # the last: two chunks of work
 def test_block_codecs_take_empty_tiny_odd_and_chunk_crossing_sizes(codec, n):
     x = torch.randn(n, generator=torch.Generator().manual_seed(n)) * 3
