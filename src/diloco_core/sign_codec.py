@@ -46,7 +46,7 @@ class SignCodec(BlockCodec):
             signs = torch.bitwise_right_shift(src.view(torch.int32), 31, out=spare.view(torch.int32))  # -1: negative
             small.copy_(signs)  # one byte per value: 0xFF or 0
             magnitudes = torch.abs(src, out=spare)
-            counts = torch.full((j - i, 1), float(self.block))
+            counts = torch.full((j - i, 1), float(self.block), device=flat.device)
             counts[-1] = part.stop - part.start - (j - i - 1) * self.block  # a partial last block: its own values
             scale = torch.div(_row_sums(magnitudes), counts[:, 0], out=scales[i:j])
             if not bool(torch.isfinite(scale).all()):
