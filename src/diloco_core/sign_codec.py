@@ -71,7 +71,7 @@ class SignCodec(BlockCodec):
         words.mul_(_LOW_BITS).bitwise_and_(_BIT_K).add_(_CARRY).bitwise_and_(_HIGH_BITS)  # byte k: 0x80 if set
         bits = out.view(torch.int32)
         bits.copy_(small).bitwise_left_shift_(24)  # int8 0x80 = -128, shifted: the fp32 sign bit alone
-        return out.view(torch.int32).bitwise_or_(scales[i:j].view(torch.int32)[:, None]).view(torch.float32)
+        return bits.bitwise_or_(scales[i:j].view(torch.int32)[:, None]).view(torch.float32)
 
 
 def _row_sums(rows: torch.Tensor) -> torch.Tensor:
