@@ -1,6 +1,7 @@
 """diloco_core: the DiLoCo algorithm, its config and the Transport contract (torch + stdlib only)."""
 
-from .codec import BF16, FP16, FP32, INT4, INT8, BlockCodec, CastCodec, Codec
+from .block_codec import INT4, INT8, BlockCodec
+from .codec import BF16, FP16, FP32, CastCodec, Codec
 from .codec_names import CODECS, SIGN, codec_for
 from .config import DiLoCoConfig
 from .diloco import DiLoCo

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from .codec import BF16, FP16, FP32, INT4, INT8, BlockCodec, Codec
+from .block_codec import INT4, INT8, BlockCodec
+from .codec import BF16, FP16, FP32, Codec
 from .sign_codec import SignCodec
 
 __all__ = ["CODECS", "SIGN", "check_codec", "codec_for"]

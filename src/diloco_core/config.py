@@ -7,7 +7,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any
 
-from .codec import check_block
+from .block_codec import check_block
 from .codec_names import CODECS
 
 __all__ = ["OVERLAP_MODES", "DiLoCoConfig", "check_field", "from_mapping", "is_finite_number", "outer_lr_for"]

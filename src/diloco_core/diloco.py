@@ -96,6 +96,7 @@ class DiLoCo:
         )
         self._order = [i for g in groups for i in g]  # the global copy holds the fragments one after another
         self._global = FlatBuffer([self.local[i] for i in self._order], config.global_device)
+        self.codec.prepare(self._global.flat, payloads=(2, transport.world_size))  # its kernels: not in a round
         self.fragments = cut(
             groups, self.local, self._global, codec=self.codec, config=config, compare=transport.fixed_ranks
         )

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from .codec import BlockCodec, _blocks_of
+from .block_codec import BlockCodec, _blocks_of
 
 __all__ = ["SignCodec"]
 

@@ -11,7 +11,8 @@ from collections.abc import Sequence
 
 import torch
 
-from .codec import BlockCodec, Codec
+from .block_codec import BlockCodec
+from .codec import Codec
 from .codec_names import codec_for
 
 __all__ = ["mean_of_payloads", "reference_mean"]

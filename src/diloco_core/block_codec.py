@@ -1,0 +1,207 @@
+"""Block codecs: int8 and int4, one fp32 scale per block of values, encoded and averaged chunk by chunk."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterator, Sequence
+
+import torch
+
+from .codec import Codec
+from .codec_kernels import kernel
+
+__all__ = ["INT4", "INT8", "BlockCodec", "check_block"]
+
+
+class BlockCodec(Codec):
+    """Blockwise absmax quantization to int8 (``bits=8``) or int4 (``bits=4``), one fp32 scale per block.
+
+    Per block of ``block`` values: scale = absmax / q, code = round(value / scale) in [-q, q] (q = 127 or
+    7), decoded as code * scale: within scale / 2 of the value, up to fp32 rounding; zeros stay exact.
+    Payload, one uint8 tensor: ``ceil(numel / block)`` fp32 scales, then the codes, ``block`` bytes (int8)
+    or ``block / 2`` (int4: the code's 4-bit two's complement per nibble, the block's first half low, its
+    second half high) per block; a partial last block is encoded zero-padded (the sign codec: over its own
+    values). Chunk by chunk, in small
+    reused buffers; on CPU, means of whole blocks run as fused kernels (``codec_kernels``: the same
+    arithmetic, bit for bit) unless ``fused`` is False.
+    """
+
+    def __init__(self, name: str, bits: int, block: int = 256, *, fused: bool = True) -> None:
+        check_block(block)
+        self.name, self.bits, self.block, self.qmax = name, bits, block, 2 ** (bits - 1) - 1
+        self.layout, self.fused = 2 if bits == 4 else 1, fused
+        self._workspace = _Workspace()
+
+    def __reduce__(self) -> tuple:  # a copy gets a workspace of its own (a thread-local cannot be pickled)
+        return type(self), (self.name, self.bits, self.block), {"fused": self.fused}
+
+    def with_block(self, block: int) -> BlockCodec:
+        """This codec with ``block`` values per scale."""
+        codec = type(self)(self.name, self.bits, block)
+        codec.fused = self.fused
+        return codec
+
+    def _kernel(self, device: torch.device, numel: int, payloads: int, *, build: bool = False) -> Callable | None:
+        """The fused kernel (``codec_kernels.kernel``) for ``numel`` values: the mean of ``payloads`` payloads,
+        or the encode's pointwise part for 0; None: eager."""
+        if not self.fused or self.bits not in (4, 8):
+            return None
+        return kernel(device=device, numel=numel, block=self.block, bits=self.bits, payloads=payloads, build=build)
+
+    def prepare(self, like: torch.Tensor, *, payloads: Sequence[int] = (2,)) -> None:
+        for n in {0, 1, *payloads}:
+            self._kernel(like.device, like.numel(), n, build=True)
+
+    def payload_spec(self, numel: int) -> tuple[int, torch.dtype]:
+        return -(-numel // self.block) * (4 + self.block * self.bits // 8), torch.uint8
+
+    def _parts(self, payload: torch.Tensor, numel: int) -> tuple[torch.Tensor, torch.Tensor]:
+        blocks = -(-numel // self.block)  # (scales, codes as one row of bytes per block)
+        return payload[: 4 * blocks].view(torch.float32), payload[4 * blocks :].view(
+            blocks, self.block * self.bits // 8
+        )
+
+    def _chunks(self, numel: int, device: torch.device, *, acc: bool = False) -> Iterator[tuple]:
+        """(blocks i:j, the slice of their values, a (j - i, block) fp32 buffer, an int8 one of that shape for
+        int4's codes, a second fp32 one if ``acc``) per chunk of ~1M values, in this thread's workspace."""
+        blocks, b = -(-numel // self.block), self.block
+        rows = max(1, min(blocks, 2**20 // b))
+        kept = device.type == "cpu"  # CUDA's allocator is cheap already, and a kept buffer would cross streams
+        held = self._workspace.held if kept else None
+        if kept:
+            self._workspace.held = None  # in use: a nested call on this thread gets its own
+        if held is None or held[0].shape[0] < rows or held[0].device != device or (acc and held[2] is None):
+            int4_rows = rows if self.bits < 8 else 0  # int4 and the sign codec unpack their codes into it
+            held = (
+                torch.empty(rows, b, device=device),
+                torch.empty(int4_rows, b, dtype=torch.int8, device=device),
+                torch.empty(rows, b, device=device) if acc else None,
+            )
+        try:
+            for i in range(0, blocks, rows):
+                j = min(blocks, i + rows)
+                second = held[2][: j - i] if acc else None
+                yield i, j, slice(i * b, min(numel, j * b)), held[0][: j - i], held[1][: j - i], second
+        finally:
+            if kept:
+                self._workspace.held = held
+
+    def encode(self, values: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        flat = values.reshape(-1)
+        if out is None:
+            out = torch.empty(self.payload_spec(flat.numel())[0], dtype=torch.uint8, device=flat.device)
+        scales, codes = self._parts(out, flat.numel())
+        q, half = self.qmax, self.block // 2
+        fused = self._kernel(flat.device, flat.numel(), 0)
+        for i, j, part, x, small, _ in self._chunks(flat.numel(), flat.device):
+            src = _blocks_of(flat, part, x)
+            absmax = torch.maximum(src.amax(1), src.amin(1).neg_())
+            if not bool(torch.isfinite(absmax).all()):
+                raise ValueError(
+                    f"{self.name} cannot encode NaN or infinite values (one is in [{part.start}, {part.stop}))"
+                )
+            scale = torch.div(absmax, q, out=scales[i:j])
+            # absmax / q rounds up for absmax = fp32's max at q = 127: q * scale would decode to inf
+            torch.where(torch.isinf(scale * q), scale.nextafter(scale.new_zeros(())), scale, out=scale)
+            divisors = torch.where(scale > 0, scale, 1.0)
+            if fused is not None and j - i > 1:
+                fused(src, divisors, codes[i:j].view(torch.int8))
+                continue
+            torch.div(src, divisors[:, None], out=x).round_().clamp_(-q, q)
+            if self.bits == 8:
+                codes[i:j].view(torch.int8).copy_(x)
+                continue
+            c = small.copy_(x)  # the codes as int8, then packed byte-wide: (hi << 4) | (lo & 15)
+            packed = torch.bitwise_left_shift(c[:, half:], 4, out=codes[i:j].view(torch.int8))
+            packed.bitwise_or_(c[:, :half].bitwise_and_(15))
+        return out
+
+    def _decoded(self, payload: torch.Tensor, numel: int, device: torch.device) -> Iterator[tuple[slice, torch.Tensor]]:
+        """(slice, its decoded values) chunk by chunk, in a small reused buffer: no scratch needed."""
+        self.check(payload, numel)  # a peer's NaN or negative scale would be a silently wrong mean
+        scales, codes = self._parts(payload, numel)
+        for i, j, part, x, small, _ in self._chunks(numel, device):
+            yield part, self._rows(scales, codes, i=i, j=j, out=x, small=small).view(-1)[: part.stop - part.start]
+
+    def _rows(
+        self, scales: torch.Tensor, codes: torch.Tensor, *, i: int, j: int, out: torch.Tensor, small: torch.Tensor
+    ) -> torch.Tensor:
+        """Blocks i:j decoded into ``out`` (j - i rows of ``block`` values; int4 unpacks into ``small``)."""
+        if self.bits == 8:
+            out.copy_(codes[i:j].view(torch.int8))
+        else:  # arithmetic shifts sign-extend each nibble; the int8 codes are widened in one copy
+            packed, half = codes[i:j].view(torch.int8), self.block // 2
+            torch.bitwise_left_shift(packed, 4, out=small[:, :half]).bitwise_right_shift_(4)
+            torch.bitwise_right_shift(packed, 4, out=small[:, half:])
+            out.copy_(small)
+        return out.mul_(scales[i:j, None])
+
+    def mean_of(self, payloads: Sequence[torch.Tensor], out: torch.Tensor) -> torch.Tensor:
+        """``out`` = the fp32 mean of the decoded ``payloads``, summed in their order and then divided, as
+        ``wire.mean_of_payloads``: the same operations value by value, but chunk by chunk in two small
+        buffers, so ``out`` is written once instead of decoded into, added to and divided in place."""
+        n = out.numel()
+        for p in payloads:
+            self.check(p, n)
+        parts = [self._parts(p, n) for p in payloads]
+        fused, b = self._kernel(out.device, n, len(payloads)), self.block
+        for i, j, part, x, small, acc_rows in self._chunks(n, out.device, acc=True):
+            whole = j if part.stop - part.start == x.numel() else j - 1  # blocks i:whole are whole
+            if fused is not None and whole - i > 1:  # those in the kernel, a partial last block eagerly
+                fused(
+                    [c[i:whole].view(torch.int8) for _, c in parts],
+                    [s[i:whole] for s, _ in parts],
+                    out[i * b : whole * b],
+                )
+                if whole == j:
+                    continue
+                x, small, acc_rows, i, part = x[-1:], small[-1:], acc_rows[-1:], whole, slice(whole * b, part.stop)
+            acc = self._rows(*parts[0], i=i, j=j, out=acc_rows, small=small)
+            for scales, codes in parts[1:]:
+                acc.add_(self._rows(scales, codes, i=i, j=j, out=x, small=small))
+            torch.div(acc.view(-1)[: part.stop - part.start], len(payloads), out=out[part])
+        return out
+
+    def add_decoded(self, payload: torch.Tensor, into: torch.Tensor, scratch: torch.Tensor | None = None) -> None:
+        for part, values in self._decoded(payload, into.numel(), into.device):
+            into[part].add_(values)
+
+    def decode(self, payload: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        if self._kernel(out.device, out.numel(), 1) is not None:
+            return self.mean_of([payload], out)  # the mean of one payload: its values, divided by 1 (exact)
+        for part, values in self._decoded(payload, out.numel(), out.device):  # a copy: no zeroing, no add
+            out[part].copy_(values)
+        return out
+
+    def check(self, payload: torch.Tensor, numel: int) -> None:
+        super().check(payload, numel)
+        scales = self._parts(payload, numel)[0]
+        if not bool(((scales >= 0) & (scales * max(1, self.qmax) < float("inf"))).all()):  # False for NaN too
+            raise ValueError(f"{self.name} payload holds a NaN, infinite or negative scale, or one that decodes to inf")
+
+
+def _blocks_of(flat: torch.Tensor, part: slice, x: torch.Tensor) -> torch.Tensor:
+    """``flat[part]`` as ``x``'s rows of blocks: in place when it fills them, else copied into ``x``, zero-padded."""
+    if part.stop - part.start == x.numel() and flat.is_contiguous():  # whole blocks: read in place, no copy
+        return flat[part].view(x.shape)
+    x.view(-1)[part.stop - part.start :].zero_()
+    x.view(-1)[: part.stop - part.start].copy_(flat[part])
+    return x
+
+
+class _Workspace(threading.local):
+    """A thread's chunk buffers, kept from call to call (fresh ones cost more in page faults than the arithmetic)."""
+
+    held: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None = None
+
+
+def check_block(block: object, name: str = "block") -> None:
+    """Raise ``ValueError`` unless ``block`` is a block codec's valid number of values per scale."""
+    if not (
+        isinstance(block, int) and not isinstance(block, bool) and 16 <= block <= 2**16 and block & (block - 1) == 0
+    ):
+        raise ValueError(f"{name}={block!r} is invalid: expected a power of two in [16, 65536]")
+
+
+INT8 = BlockCodec("int8", bits=8)
+INT4 = BlockCodec("int4", bits=4)

@@ -1,0 +1,101 @@
+"""The block codecs' fused CPU kernels (``diloco_core.codec_kernels``) give the eager code's payloads, means and
+decodes bit for bit, and a codec stays eager (and correct) where a kernel cannot be compiled."""
+
+from __future__ import annotations
+
+import copy
+import logging
+import pickle
+
+import pytest
+import torch
+
+from diloco_core import codec_kernels
+from diloco_core.block_codec import BlockCodec
+from diloco_core.codec_kernels import BUILD_MIN_VALUES, MIN_VALUES, kernels_available
+from diloco_core.wire import reference_mean
+
+pytestmark = pytest.mark.skipif(
+    not kernels_available(torch.device("cpu")), reason="no C++ compiler for Inductor: the codecs run eagerly"
+)
+
+
+def _hard_values(n: int, seed: int) -> torch.Tensor:
+    """Gaussians over 10+ orders of magnitude, with all-zero, subnormal, near-fp32-max and -0.0 blocks."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, generator=g) * torch.exp(torch.randn(n, generator=g) * 3)
+    x[:4096] = 0.0
+    x[5000:9000] *= 1e-40  # subnormal: their scales are too
+    x[20000:20256] = 3e38  # absmax / 127 rounds up: the encode steps its scale down
+    x[30000:30256] *= -1e30
+    x[40000:40100] = -0.0
+    return x
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.int32)  # -0.0 and +0.0 differ, NaNs compare
+
+
+@pytest.mark.parametrize(("bits", "block"), [(8, 256), (4, 256), (4, 32), (8, 65536)])
+@pytest.mark.parametrize("n", [MIN_VALUES, 2**20 + 2**18 + 777, 3 * 2**20])
+def test_fused_kernels_equal_the_eager_code_bit_for_bit(bits, block, n):
+    fused = BlockCodec(f"int{bits}", bits, block)
+    eager = BlockCodec(f"int{bits}", bits, block, fused=False)
+    fused.prepare(torch.empty(()).expand(BUILD_MIN_VALUES), payloads=(2, 3))  # as for a model this large
+    assert all(fused._kernel(torch.device("cpu"), n, k) is not None for k in (0, 1, 2, 3))  # the kernels do run here
+    xs = [_hard_values(n, seed) for seed in range(3)]
+    payloads = [fused.encode(x) for x in xs]
+    for p, x in zip(payloads, xs):
+        assert torch.equal(p, eager.encode(x))
+    for k in (1, 2, 3):
+        got, want = torch.empty(n), torch.empty(n)
+        fused.mean_of(payloads[:k], got)
+        eager.mean_of(payloads[:k], want)
+        assert torch.equal(_bits(got), _bits(want)), k
+    got, want = torch.empty(n), torch.empty(n)
+    assert torch.equal(_bits(fused.decode(payloads[0], got)), _bits(eager.decode(payloads[0], want)))
+    assert torch.equal(_bits(reference_mean(xs, fused)), _bits(reference_mean(xs, eager)))
+
+
+def test_a_slice_encodes_and_averages_as_its_part_of_the_whole_with_kernels():
+    """A transport encodes buckets on their own (kernel for some chunks, eager for a tail): each bucket's
+    payload decodes to that slice of the whole's decoded values."""
+    codec, n, cut = BlockCodec("int4", 4), 3 * 2**20 + 300, 1_999_872  # a bucket of 8 MB, block-aligned
+    x = _hard_values(n, 7)
+    whole = codec.decode(codec.encode(x), torch.empty(n))
+    for start in range(0, n, cut):
+        part = x[start : start + cut]
+        assert torch.equal(
+            _bits(codec.decode(codec.encode(part), torch.empty(part.numel()))), _bits(whole[start : start + cut])
+        )
+
+
+def test_nan_input_still_raises_with_kernels():
+    x = torch.randn(2**20)
+    x[123_456] = float("nan")
+    with pytest.raises(ValueError, match=r"int8 cannot encode NaN or infinite values \(one is in \[0, 1048576\)\)"):
+        BlockCodec("int8", 8).encode(x)
+
+
+def test_copies_keep_the_choice_of_kernels():
+    eager = BlockCodec("int4", 4, fused=False)
+    assert pickle.loads(pickle.dumps(eager)).fused is False
+    assert copy.copy(eager).fused is False
+    assert eager.with_block(64).fused is False
+    assert BlockCodec("int4", 4).with_block(64).fused is True
+
+
+def test_a_kernel_that_does_not_compile_leaves_the_codec_eager(caplog):
+    def broken(src, divisors, codes, *, bits):
+        raise RuntimeError("no compiler here")
+
+    with caplog.at_level(logging.WARNING, logger="diloco_core.codec_kernels"):
+        assert codec_kernels._compile(broken, block=256, bits=8, payloads=0) is False
+    assert "codec kernels unavailable, using eager torch (" in caplog.text
+
+
+def test_small_tensors_and_other_devices_stay_eager():
+    codec = BlockCodec("int8", 8)
+    assert codec._kernel(torch.device("cpu"), MIN_VALUES - 1, 2) is None
+    assert codec._kernel(torch.device("meta"), MIN_VALUES, 2) is None
+    assert BlockCodec("int8", 8, fused=False)._kernel(torch.device("cpu"), MIN_VALUES, 2) is None
