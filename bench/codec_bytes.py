@@ -4,12 +4,14 @@
 
 Prints ``RoundReport.bytes_sent`` of one DiLoCo round between 2 in-process workers for each wire
 (and its ratio to fp32), then, on one thread, the time to encode 25M values, to add one payload's
-decoded values into an fp32 sum (what a transport does per contributor), and error feedback's own
-cost per round (``ErrorFeedback.feed``: add the residual, encode, decode, subtract).
+decoded values into an fp32 sum, to average two payloads (``mean_of_payloads``: what a transport does
+with 2 workers), and error feedback's own cost per round (``ErrorFeedback.feed``: add the residual,
+encode, decode, subtract); int8 and int4 with their fused CPU kernels and without (``-eager``).
 """
 
 from __future__ import annotations
 
+import copy
 import threading
 import time
 
@@ -17,6 +19,7 @@ import torch
 
 from diloco_core import DiLoCo, DiLoCoConfig, codec_for
 from diloco_core.feedback import ErrorFeedback
+from diloco_core.wire import mean_of_payloads
 from transports import InProcessGroup
 
 N, WIRES = 25_000_000, ("fp32", "fp16", "int8", "int4", "sign")
@@ -50,14 +53,22 @@ def _best_ms(fn, repeat: int = 5) -> float:
     return best * 1e3
 
 
-def _times(codec) -> tuple[float, float, float]:
+def _times(codec) -> tuple[float, float, float, float]:
     x, total = torch.randn(N), torch.zeros(N)
+    codec.prepare(x)  # block codecs: their kernels compiled before timing
     size, dtype = codec.payload_spec(N)
     payload, scratch = torch.empty(size, dtype=dtype), torch.empty(N)
     encode = _best_ms(lambda: codec.encode(x, out=payload))
     add = _best_ms(lambda: codec.add_decoded(payload, total, scratch))
+    mean = _best_ms(lambda: mean_of_payloads([payload, payload], codec, out=total, scratch=scratch))
     feedback = ErrorFeedback(codec, x, fed=N - 1, on=True)
-    return encode, add, _best_ms(lambda: feedback.feed(x))
+    return encode, add, mean, _best_ms(lambda: feedback.feed(x))
+
+
+def _eager(name: str):
+    codec = copy.copy(codec_for(name))
+    codec.fused = False
+    return codec
 
 
 def main() -> None:
@@ -65,10 +76,12 @@ def main() -> None:
     for w in WIRES:
         print(f"{w}: bytes_sent {sent[w]:,} = {sent[w] / sent['fp32']:.4f} x fp32")
     torch.set_num_threads(1)
-    for w in WIRES[1:]:
-        encode, add, feed = _times(codec_for(w))
+    for w in [*WIRES[1:], "int8-eager", "int4-eager"]:
+        codec = _eager(w.removesuffix("-eager")) if w.endswith("-eager") else codec_for(w)
+        encode, add, mean, feed = _times(codec)
         print(
-            f"{w}, 1 thread, 25M values: encode {encode:.0f} ms, add_decoded {add:.0f} ms, error feedback {feed:.0f} ms"
+            f"{w}, 1 thread, 25M values: encode {encode:.0f} ms, add_decoded {add:.0f} ms, mean of 2 {mean:.0f} ms,"
+            f" error feedback {feed:.0f} ms"
         )
 
 

@@ -42,14 +42,14 @@ class BlockCodec(Codec):
         return codec
 
     def _kernel(self, device: torch.device, numel: int, payloads: int, *, build: bool = False) -> Callable | None:
-        """The fused kernel (``codec_kernels.kernel``) for ``numel`` values: the mean of ``payloads`` payloads,
-        or the encode's pointwise part for 0; None: eager."""
+        """The fused kernel (``codec_kernels.kernel``) averaging ``payloads`` payloads of ``numel`` values;
+        None: eager."""
         if not self.fused or self.bits not in (4, 8):
             return None
         return kernel(device=device, numel=numel, block=self.block, bits=self.bits, payloads=payloads, build=build)
 
     def prepare(self, like: torch.Tensor, *, payloads: Sequence[int] = (2,)) -> None:
-        for n in {0, 1, *payloads}:
+        for n in {1, *payloads}:
             self._kernel(like.device, like.numel(), n, build=True)
 
     def payload_spec(self, numel: int) -> tuple[int, torch.dtype]:
@@ -92,7 +92,6 @@ class BlockCodec(Codec):
             out = torch.empty(self.payload_spec(flat.numel())[0], dtype=torch.uint8, device=flat.device)
         scales, codes = self._parts(out, flat.numel())
         q, half = self.qmax, self.block // 2
-        fused = self._kernel(flat.device, flat.numel(), 0)
         for i, j, part, x, small, _ in self._chunks(flat.numel(), flat.device):
             src = _blocks_of(flat, part, x)
             absmax = torch.maximum(src.amax(1), src.amin(1).neg_())
@@ -103,11 +102,7 @@ class BlockCodec(Codec):
             scale = torch.div(absmax, q, out=scales[i:j])
             # absmax / q rounds up for absmax = fp32's max at q = 127: q * scale would decode to inf
             torch.where(torch.isinf(scale * q), scale.nextafter(scale.new_zeros(())), scale, out=scale)
-            divisors = torch.where(scale > 0, scale, 1.0)
-            if fused is not None and j - i > 1:
-                fused(src, divisors, codes[i:j].view(torch.int8))
-                continue
-            torch.div(src, divisors[:, None], out=x).round_().clamp_(-q, q)
+            torch.div(src, torch.where(scale > 0, scale, 1.0)[:, None], out=x).round_().clamp_(-q, q)
             if self.bits == 8:
                 codes[i:j].view(torch.int8).copy_(x)
                 continue

@@ -1,14 +1,14 @@
-"""Fused encode and mean kernels for the block codecs on CPU, from ``torch.compile`` (Inductor's C++ backend).
+"""Fused mean kernels for the block codecs on CPU, from ``torch.compile`` (Inductor's C++ backend).
 
-Eager torch encodes a chunk in a dozen passes and decodes and averages payloads in a dozen more (unpack,
-widen, scale, add, divide), each a trip through the cache; one fused loop per chunk does it faster on one
-core (on 1M values: the pointwise part of int4's encode 0.54 -> 0.34 ms, a mean of two int4 payloads 1.0
--> 0.36 ms, of two int8 payloads 0.71 -> 0.10 ms). A
-kernel computes exactly what the codec's eager code computes, operation by operation (IEEE multiply,
-add and divide in the same order, no contraction into fused multiply-adds: Inductor's default
-``-ffp-contract=off``), so its means are bit-identical to the eager ones (the tests check it): peers
-with and without kernels average together. Encoding fuses its pointwise part (divide, round, clamp,
-narrow, pack); its max per block stays eager, as does the sign codec (compiled, both measured slower).
+Eager torch decodes and averages a chunk of payloads in a dozen passes (unpack, widen, scale, add,
+divide), each a trip through the cache; one fused loop per chunk does it faster on one core (on 1M
+values in cache: a mean of two int8 payloads 0.71 -> 0.10 ms, of two int4 payloads 1.0 -> 0.36 ms; on
+25M values, written to memory, int8 15 -> 9 ms). A kernel computes exactly what the codec's eager code
+computes, operation by operation (IEEE multiply, add and divide in the same order, no contraction into
+fused multiply-adds: Inductor's default ``-ffp-contract=off``), so its means are bit-identical to the
+eager ones (the tests check it): peers with and without kernels average together. Encoding stays eager:
+compiled, it measured no faster (its max per block reads the values from memory either way); so does
+the sign codec (its compiled decode measured no faster).
 
 A kernel is compiled once per (bits, block, number of payloads), for any number of rows of whole blocks,
 by ``Codec.prepare`` (``DiLoCo`` calls it when built), under a lock: never in a round, where seconds of
@@ -57,12 +57,10 @@ def _have_compiler() -> bool:
 def kernel(
     *, device: torch.device, numel: int, block: int, bits: int, payloads: int, build: bool = False
 ) -> Callable | None:
-    """The kernel for ``numel`` values of int8 or int4 at ``block``, if one was compiled (or, with ``build``,
-    compiles it now unless ``numel < BUILD_MIN_VALUES``); None where the codec stays eager.
-
-    ``payloads`` 0: ``kernel(src, divisors, codes)``, ``BlockCodec.encode``'s codes of rows of whole blocks,
-    each row divided by its divisor, rounded, clamped, packed for int4. ``payloads`` k: ``kernel(codes,
-    scales, out)``, ``out`` = the mean of k payloads' decoded rows (int8 code rows, fp32 scales)."""
+    """``kernel(codes, scales, out)``: ``out`` = the mean of ``payloads`` payloads' decoded rows of whole
+    blocks (int8 code rows: int8 codes or int4 nibbles; fp32 scales), for ``numel`` values of int8 or int4
+    at ``block``, if it was compiled (or, with ``build``, compiled now unless ``numel < BUILD_MIN_VALUES``);
+    None where the codec stays eager."""
     if numel < (BUILD_MIN_VALUES if build else MIN_VALUES) or not kernels_available(device):
         return None
     key = (block, bits, payloads)
@@ -70,9 +68,7 @@ def kernel(
     if fn is None and build:
         with _lock:
             if key not in _compiled:
-                _compiled[key] = _compile(
-                    _mean_rows if payloads else _quantize_rows, **dict(zip(("block", "bits", "payloads"), key))
-                )
+                _compiled[key] = _compile(_mean_rows, block=block, bits=bits, payloads=payloads)
             fn = _compiled[key]
     return fn or None
 
@@ -83,28 +79,16 @@ def _compile(body: Callable, *, block: int, bits: int, payloads: int) -> Callabl
     body.__kwdefaults__ = {"bits": bits}  # a constant to Dynamo
     compiled = torch.compile(body, dynamic=False, fullgraph=True)
     rows, width = 4, block * bits // 8
-    if payloads:
-        codes = [torch.zeros(rows, width, dtype=torch.int8) for _ in range(payloads)]
-        args = (codes, [torch.zeros(rows) for _ in range(payloads)], torch.empty(rows * block))
-    else:
-        args = (torch.zeros(rows, block), torch.ones(rows), torch.empty(rows, width, dtype=torch.int8))
-    for t in (*args[0], *args[1], args[2]) if payloads else args:
+    codes = [torch.zeros(rows, width, dtype=torch.int8) for _ in range(payloads)]
+    scales, out = [torch.zeros(rows) for _ in range(payloads)], torch.empty(rows * block)
+    for t in (*codes, *scales, out):
         torch._dynamo.mark_dynamic(t, 0)  # any number of rows, one graph; the block stays static (vectorized)
     try:
-        compiled(*args)
+        compiled(codes, scales, out)
     except Exception as e:  # noqa: BLE001 -- no compiler, or Inductor refused: eager is the same arithmetic
         logger.warning("codec kernels unavailable, using eager torch (%s: %s)", type(e).__name__, e)
         return False
     return compiled
-
-
-def _quantize_rows(src: torch.Tensor, divisors: torch.Tensor, codes: torch.Tensor, *, bits: int) -> None:
-    q = 2 ** (bits - 1) - 1
-    c = (src / divisors[:, None]).round().clamp(-q, q).to(torch.int8)
-    if bits == 4:  # two's complement nibbles: (hi << 4) | (lo & 15), a block's first half low
-        half = src.shape[1] // 2
-        c = torch.bitwise_or(torch.bitwise_left_shift(c[:, half:], 4), torch.bitwise_and(c[:, :half], 15))
-    codes.copy_(c)
 
 
 def _mean_rows(codes: list[torch.Tensor], scales: list[torch.Tensor], out: torch.Tensor, *, bits: int) -> None:
