@@ -21,9 +21,9 @@ class BlockCodec(Codec):
     Payload, one uint8 tensor: ``ceil(numel / block)`` fp32 scales, then the codes, ``block`` bytes (int8)
     or ``block / 2`` (int4: the code's 4-bit two's complement per nibble, the block's first half low, its
     second half high) per block; a partial last block is encoded zero-padded (the sign codec: over its own
-    values). Chunk by chunk, in small
-    reused buffers; on CPU, means of whole blocks run as fused kernels (``codec_kernels``: the same
-    arithmetic, bit for bit) unless ``fused`` is False.
+    values). Chunk by chunk, in small reused buffers; on CPU, means of whole blocks run as fused kernels
+    once ``prepare`` compiled them (``codec_kernels``: the same arithmetic, bit for bit) unless ``fused``
+    is False.
     """
 
     def __init__(self, name: str, bits: int, block: int = 256, *, fused: bool = True) -> None:
