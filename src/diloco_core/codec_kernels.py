@@ -31,7 +31,7 @@ import torch
 __all__ = ["BUILD_MIN_VALUES", "MIN_VALUES", "kernel", "kernels_available"]
 
 MIN_VALUES = 2**18
-"""Fewer values than this are encoded and averaged eagerly: a kernel call costs more than it saves there."""
+"""Fewer values than this are averaged eagerly: a kernel call costs more than it saves there."""
 
 BUILD_MIN_VALUES = 2**22
 """Kernels are compiled for models of at least this many values: below, seconds of compiling per process
