@@ -1,6 +1,7 @@
 """One round of averaging 25M fp32 values between 2 peers on 127.0.0.1: our transport vs hivemind's
 ``DecentralizedAverager`` used directly with the same settings (OpenDiLoCo's path), fp32 and fp16 wire;
-and our int8 / int4 / sign wires against our fp32 one.
+and our int8 / int4 / sign wires against our fp32 one (the block codecs with their fused CPU kernels,
+compiled first, as ``DiLoCo`` compiles them when built).
 
     python -m pytest bench/test_bench_hivemind.py --benchmark-only
     bench/shaped_link.sh 1gbit python -m pytest bench/test_bench_hivemind.py --benchmark-only -k wires
@@ -49,6 +50,8 @@ def _ours(benchmark, wire: str, *, group: str, **extra) -> None:
         "secret": "b",
         **extra,
     }
+    # as DiLoCo does when built: the codec's CPU kernels compiled before the averagers fork (they inherit them)
+    codec_for(wire).prepare(torch.empty(()).expand(NUM_VALUES), payloads=(2,))
     a = HivemindTransport(HivemindConfig(**cfg))
     b = HivemindTransport(HivemindConfig(**cfg, initial_peers=a.join_addresses))
     xs = [torch.randn(NUM_VALUES), torch.randn(NUM_VALUES)]

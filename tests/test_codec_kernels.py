@@ -42,7 +42,8 @@ def test_fused_kernels_equal_the_eager_code_bit_for_bit(bits, block, n):
     fused = BlockCodec(f"int{bits}", bits, block)
     eager = BlockCodec(f"int{bits}", bits, block, fused=False)
     fused.prepare(torch.empty(()).expand(BUILD_MIN_VALUES), payloads=(2, 3))  # as for a model this large
-    assert all(fused._kernel(torch.device("cpu"), n, k) is not None for k in (1, 2, 3))  # the kernels do run here
+    assert fused._encoder(torch.device("cpu"), n) is not None  # the kernels do run here
+    assert all(fused._kernel(torch.device("cpu"), n, k) is not None for k in (1, 2, 3))
     xs = [_hard_values(n, seed) for seed in range(3)]
     payloads = [fused.encode(x) for x in xs]
     for p, x in zip(payloads, xs):
@@ -70,11 +71,17 @@ def test_a_slice_encodes_and_averages_as_its_part_of_the_whole_with_kernels():
         )
 
 
-def test_nan_input_still_raises_with_kernels():
-    x = torch.randn(2**20)
-    x[123_456] = float("nan")
-    with pytest.raises(ValueError, match=r"int8 cannot encode NaN or infinite values \(one is in \[0, 1048576\)\)"):
-        BlockCodec("int8", 8).encode(x)
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+def test_nan_input_still_raises_with_kernels(bad):
+    codec = BlockCodec("int8", 8)
+    codec.prepare(torch.empty(()).expand(BUILD_MIN_VALUES))
+    assert codec._encoder(torch.device("cpu"), 2**21) is not None
+    x = torch.randn(2**21)
+    x[1_123_456] = bad  # in the second chunk: the first is encoded by the kernel before it
+    with pytest.raises(
+        ValueError, match=r"int8 cannot encode NaN or infinite values \(one is in \[1048576, 2097152\)\)"
+    ):
+        codec.encode(x)
 
 
 def test_copies_keep_the_choice_of_kernels():
@@ -86,16 +93,19 @@ def test_copies_keep_the_choice_of_kernels():
 
 
 def test_a_kernel_that_does_not_compile_leaves_the_codec_eager(caplog):
-    def broken(codes, scales, out, *, bits):
+    def broken(src, scales, *, bits):
         raise RuntimeError("no compiler here")
 
     with caplog.at_level(logging.WARNING, logger="diloco_core.codec_kernels"):
-        assert codec_kernels._compile(broken, block=256, bits=8, payloads=2) is False
+        assert codec_kernels._compile(broken, [torch.zeros(4, 256), torch.zeros(4)], bits=8) is False
     assert "codec kernels unavailable, using eager torch (" in caplog.text
 
 
 def test_small_tensors_and_other_devices_stay_eager():
-    codec = BlockCodec("int8", 8)
-    assert codec._kernel(torch.device("cpu"), MIN_VALUES - 1, 2) is None
-    assert codec._kernel(torch.device("meta"), MIN_VALUES, 2) is None
-    assert BlockCodec("int8", 8, fused=False)._kernel(torch.device("cpu"), MIN_VALUES, 2) is None
+    codec, cpu, meta = BlockCodec("int8", 8), torch.device("cpu"), torch.device("meta")
+    codec.prepare(torch.empty(()).expand(BUILD_MIN_VALUES))
+    assert codec._kernel(cpu, MIN_VALUES, 2) is not None and codec._encoder(cpu, MIN_VALUES) is not None
+    assert codec._kernel(cpu, MIN_VALUES - 1, 2) is None and codec._encoder(cpu, MIN_VALUES - 1) is None
+    assert codec._kernel(meta, MIN_VALUES, 2) is None and codec._encoder(meta, MIN_VALUES) is None
+    eager = BlockCodec("int8", 8, fused=False)
+    assert eager._kernel(cpu, MIN_VALUES, 2) is None and eager._encoder(cpu, MIN_VALUES) is None

@@ -8,7 +8,7 @@ from collections.abc import Callable, Iterator, Sequence
 import torch
 
 from .codec import Codec
-from .codec_kernels import kernel
+from .codec_kernels import encoder, kernel
 
 __all__ = ["INT4", "INT8", "BlockCodec", "check_block"]
 
@@ -21,9 +21,9 @@ class BlockCodec(Codec):
     Payload, one uint8 tensor: ``ceil(numel / block)`` fp32 scales, then the codes, ``block`` bytes (int8)
     or ``block / 2`` (int4: the code's 4-bit two's complement per nibble, the block's first half low, its
     second half high) per block; a partial last block is encoded zero-padded (the sign codec: over its own
-    values). Chunk by chunk, in small reused buffers; on CPU, means of whole blocks run as fused kernels
-    once ``prepare`` compiled them (``codec_kernels``: the same arithmetic, bit for bit) unless ``fused``
-    is False.
+    values). Chunk by chunk, in small reused buffers; on CPU, encodes and means of whole blocks run as
+    fused kernels once ``prepare`` compiled them (``codec_kernels``: the same arithmetic, bit for bit)
+    unless ``fused`` is False.
     """
 
     def __init__(self, name: str, bits: int, block: int = 256, *, fused: bool = True) -> None:
@@ -48,7 +48,14 @@ class BlockCodec(Codec):
             return None
         return kernel(device=device, numel=numel, block=self.block, bits=self.bits, payloads=payloads, build=build)
 
+    def _encoder(self, device: torch.device, numel: int, *, build: bool = False) -> Callable | None:
+        """The fused encoder (``codec_kernels.encoder``) of ``numel`` values; None: eager."""
+        if not self.fused or self.bits not in (4, 8):
+            return None
+        return encoder(device=device, numel=numel, block=self.block, bits=self.bits, build=build)
+
     def prepare(self, like: torch.Tensor, *, payloads: Sequence[int] = (2,)) -> None:
+        self._encoder(like.device, like.numel(), build=True)
         for n in {1, *payloads}:
             self._kernel(like.device, like.numel(), n, build=True)
 
@@ -91,9 +98,11 @@ class BlockCodec(Codec):
         if out is None:
             out = torch.empty(self.payload_spec(flat.numel())[0], dtype=torch.uint8, device=flat.device)
         scales, codes = self._parts(out, flat.numel())
-        q, half = self.qmax, self.block // 2
+        q, half, fused = self.qmax, self.block // 2, self._encoder(flat.device, flat.numel())
         for i, j, part, x, small, _ in self._chunks(flat.numel(), flat.device):
             src = _blocks_of(flat, part, x)
+            if fused is not None and j - i > 1 and fused(src, scales[i:j], codes[i:j].view(torch.int8)):
+                continue  # else eager, which names a NaN's place
             absmax = torch.maximum(src.amax(1), src.amin(1).neg_())
             if not bool(torch.isfinite(absmax).all()):
                 raise ValueError(

@@ -1,19 +1,20 @@
-"""Fused mean kernels for the block codecs on CPU, from ``torch.compile`` (Inductor's C++ backend).
+"""Fused encode and mean kernels for the block codecs on CPU, from ``torch.compile`` (Inductor's C++ backend).
 
-Eager torch decodes and averages a chunk of payloads in a dozen passes (unpack, widen, scale, add,
-divide), each a trip through the cache; one fused loop per chunk does it faster on one core (on 1M
-values in cache: a mean of two int8 payloads 0.71 -> 0.10 ms, of two int4 payloads 1.0 -> 0.36 ms; on
-25M values, written to memory, int8 15 -> 9 ms). A kernel computes exactly what the codec's eager code
+Eager torch encodes, decodes and averages a chunk in a dozen passes (max, divide, round, clamp, pack;
+unpack, widen, scale, add, divide), each a trip through the cache; a few fused loops per chunk do it
+faster on one core (on 1M values in cache: a mean of two int8 payloads 0.71 -> 0.10 ms, of two int4
+payloads 1.0 -> 0.36 ms; on 25M values, from and to memory: the mean of two int8 payloads 15 -> 9 ms,
+encoding int8 16 -> 14 ms, int4 18 -> 17 ms). A kernel computes exactly what the codec's eager code
 computes, operation by operation (IEEE multiply, add and divide in the same order, no contraction into
-fused multiply-adds: Inductor's default ``-ffp-contract=off``), so its means are bit-identical to the
-eager ones (the tests check it): peers with and without kernels average together. Encoding stays eager:
-compiled, it measured no faster (its max per block reads the values from memory either way); so does
-the sign codec (its compiled decode measured no faster).
+fused multiply-adds: Inductor's default ``-ffp-contract=off``), so its payloads and means are
+bit-identical to the eager ones (the tests check it): peers with and without kernels average together.
+The sign codec stays eager (its compiled decode measured no faster).
 
-A kernel is compiled once per (bits, block, number of payloads), for any number of rows of whole blocks,
-by ``Codec.prepare`` (``DiLoCo`` calls it when built), under a lock: never in a round, where seconds of
-compiling would stall every peer. A codec without a compiled kernel runs eagerly, as does one where
-compiling failed (no C++ compiler: one warning).
+A kernel is compiled once per (bits, block, number of payloads; or encoding), for any number of rows of
+whole blocks, by ``Codec.prepare`` (``DiLoCo`` calls it when built, before a transport forks a process
+that inherits it), under a lock: never in a round, where seconds of compiling would stall every peer. A
+codec without a compiled kernel runs eagerly, as does one where compiling failed (no C++ compiler: one
+warning).
 """
 
 from __future__ import annotations
@@ -28,10 +29,10 @@ from collections.abc import Callable
 
 import torch
 
-__all__ = ["BUILD_MIN_VALUES", "MIN_VALUES", "kernel", "kernels_available"]
+__all__ = ["BUILD_MIN_VALUES", "MIN_VALUES", "encoder", "kernel", "kernels_available"]
 
 MIN_VALUES = 2**18
-"""Fewer values than this are averaged eagerly: a kernel call costs more than it saves there."""
+"""Fewer values than this are encoded and averaged eagerly: a kernel call costs more than it saves there."""
 
 BUILD_MIN_VALUES = 2**22
 """Kernels are compiled for models of at least this many values: below, seconds of compiling per process
@@ -61,34 +62,89 @@ def kernel(
     blocks (int8 code rows: int8 codes or int4 nibbles; fp32 scales), for ``numel`` values of int8 or int4
     at ``block``, if it was compiled (or, with ``build``, compiled now unless ``numel < BUILD_MIN_VALUES``);
     None where the codec stays eager."""
+    return _get(("mean", block, bits, payloads), numel=numel, device=device, build=build)
+
+
+def encoder(*, device: torch.device, numel: int, block: int, bits: int, build: bool = False) -> Callable | None:
+    """``encoder(src, scales, codes) -> bool``: rows of whole blocks ``src`` encoded into ``scales`` and
+    ``codes`` (as ``kernel``'s), as the eager ``BlockCodec.encode`` does; False where a block's max is NaN
+    or infinite (nothing valid written). Compiled and returned as ``kernel``."""
+    return _get(("encode", block, bits), numel=numel, device=device, build=build)
+
+
+def _get(key: tuple, *, numel: int, device: torch.device, build: bool) -> Callable | None:
     if numel < (BUILD_MIN_VALUES if build else MIN_VALUES) or not kernels_available(device):
         return None
-    key = (block, bits, payloads)
     fn = _compiled.get(key)
     if fn is None and build:
         with _lock:
             if key not in _compiled:
-                _compiled[key] = _compile(_mean_rows, block=block, bits=bits, payloads=payloads)
+                _compiled[key] = _build(*key)
             fn = _compiled[key]
     return fn or None
 
 
-def _compile(body: Callable, *, block: int, bits: int, payloads: int) -> Callable | bool:
+def _build(what: str, block: int, bits: int, payloads: int = 0) -> Callable | bool:
+    rows, width = 4, block * bits // 8  # warmed up on 4 rows: rows stay dynamic (0 and 1 are specialized)
+    src, scales = torch.zeros(rows, block), torch.zeros(rows)
+    if what == "mean":
+        codes = [torch.zeros(rows, width, dtype=torch.int8) for _ in range(payloads)]
+        return _compile(_mean_rows, [codes, [scales.clone() for _ in codes], torch.empty(rows * block)], bits=bits)
+    scaler = _compile(_scales_rows, [src, scales], bits=bits)
+    coder = _compile(_codes_rows, [src, scales.clone(), torch.zeros(rows, width, dtype=torch.int8)], bits=bits)
+    if not (scaler and coder):
+        return False
+
+    def encode_rows(src: torch.Tensor, scales: torch.Tensor, codes: torch.Tensor) -> bool:
+        divisors, finite = scaler(src, scales)
+        if not bool(finite):
+            return False
+        coder(src, divisors, codes)
+        return True
+
+    return encode_rows
+
+
+def _compile(body: Callable, args: list, *, bits: int) -> Callable | bool:
+    """``body`` compiled for ``bits`` and warmed up on ``args`` (each tensor's rows, or each list's
+    tensors' rows, dynamic: any number of rows, one graph; the block stays static, so the loop is
+    vectorized; fully dynamic shapes measured about 5x slower); False where compiling failed."""
     # a copy with a code object of its own: Dynamo caches graphs per code object, 8 at most
     body = types.FunctionType(body.__code__.replace(), body.__globals__, f"{body.__name__}_{len(_compiled)}")
     body.__kwdefaults__ = {"bits": bits}  # a constant to Dynamo
     compiled = torch.compile(body, dynamic=False, fullgraph=True)
-    rows, width = 4, block * bits // 8
-    codes = [torch.zeros(rows, width, dtype=torch.int8) for _ in range(payloads)]
-    scales, out = [torch.zeros(rows) for _ in range(payloads)], torch.empty(rows * block)
-    for t in (*codes, *scales, out):
-        torch._dynamo.mark_dynamic(t, 0)  # any number of rows, one graph; the block stays static (vectorized)
+    for arg in args:
+        for t in arg if isinstance(arg, list) else [arg]:
+            torch._dynamo.mark_dynamic(t, 0)
     try:
-        compiled(codes, scales, out)
+        compiled(*args)
     except Exception as e:  # noqa: BLE001 -- no compiler, or Inductor refused: eager is the same arithmetic
         logger.warning("codec kernels unavailable, using eager torch (%s: %s)", type(e).__name__, e)
         return False
     return compiled
+
+
+def _scales_rows(src: torch.Tensor, scales: torch.Tensor, *, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``BlockCodec.encode``'s scales: absmax / q per row (one step below where q * scale is inf), written
+    to ``scales``; returns the rows' divisors (the scale, 1 for a zero block) and whether all were finite.
+    Apart from ``_codes_rows``: fused, each vector's divisor was recomputed per block (measured slower)."""
+    q = 2 ** (bits - 1) - 1
+    absmax = torch.maximum(src.amax(1), src.amin(1).neg())
+    scale = absmax / q
+    scale = torch.where(torch.isinf(scale * q), scale.nextafter(scale.new_zeros(())), scale)
+    scales.copy_(scale)
+    return torch.where(scale > 0, scale, 1.0), torch.isfinite(absmax).all()
+
+
+def _codes_rows(src: torch.Tensor, divisors: torch.Tensor, codes: torch.Tensor, *, bits: int) -> None:
+    """``BlockCodec.encode``'s codes: round(value / divisor) clamped to [-q, q], int8, or int4 packed
+    (a block's first half in the low nibbles)."""
+    q = 2 ** (bits - 1) - 1
+    x = (src / divisors[:, None]).round().clamp(-q, q)
+    if bits == 4:  # packed in int32, then narrowed (measured faster than packing int8)
+        x, half = x.to(torch.int32), src.shape[1] // 2
+        x = torch.bitwise_or(torch.bitwise_left_shift(x[:, half:], 4), torch.bitwise_and(x[:, :half], 15))
+    codes.copy_(x.to(torch.int8))
 
 
 def _mean_rows(codes: list[torch.Tensor], scales: list[torch.Tensor], out: torch.Tensor, *, bits: int) -> None:

@@ -79,6 +79,7 @@ class Sync:
                 transport.broadcast(self.params, src=0, timeout=self.timeout)
             self.grads = FlatBuffer(self.params, device)
             n = self.grads.flat.numel()
+            self.wire.prepare(self.grads.flat, payloads=(2, transport.world_size))  # its kernels: not in a step
             self.feedback = ErrorFeedback(self.wire, self.grads.flat, fed=n, on=config.train.ddp_error_feedback)
 
     @property
