@@ -13,6 +13,7 @@ import torch
 from diloco_core import codec_kernels
 from diloco_core.block_codec import BlockCodec
 from diloco_core.codec_kernels import BUILD_MIN_VALUES, MIN_VALUES, kernels_available
+from diloco_core.sign_codec import SignCodec
 from diloco_core.wire import reference_mean
 
 pytestmark = pytest.mark.skipif(
@@ -36,13 +37,18 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.int32)  # -0.0 and +0.0 differ, NaNs compare
 
 
-@pytest.mark.parametrize(("bits", "block"), [(8, 256), (4, 256), (4, 32), (8, 65536)])
+def _codec(bits: int, block: int, *, fused: bool) -> BlockCodec:
+    codec = SignCodec(block=block) if bits == 1 else BlockCodec(f"int{bits}", bits, block)
+    codec.fused = fused
+    return codec
+
+
+@pytest.mark.parametrize(("bits", "block"), [(8, 256), (4, 256), (4, 32), (8, 65536), (1, 256), (1, 32)])
 @pytest.mark.parametrize("n", [MIN_VALUES, 2**20 + 2**18 + 777, 3 * 2**20])
 def test_fused_kernels_equal_the_eager_code_bit_for_bit(bits, block, n):
-    fused = BlockCodec(f"int{bits}", bits, block)
-    eager = BlockCodec(f"int{bits}", bits, block, fused=False)
+    fused, eager = _codec(bits, block, fused=True), _codec(bits, block, fused=False)
     fused.prepare(torch.empty(()).expand(BUILD_MIN_VALUES), payloads=(2, 3))  # as for a model this large
-    assert fused._encoder(torch.device("cpu"), n) is not None  # the kernels do run here
+    assert fused._encoder(torch.device("cpu"), n) is not None  # the kernels do run here (sign: its packing)
     assert all(fused._kernel(torch.device("cpu"), n, k) is not None for k in (1, 2, 3))
     xs = [_hard_values(n, seed) for seed in range(3)]
     payloads = [fused.encode(x) for x in xs]

@@ -24,7 +24,8 @@ def test_payload_is_a_32nd_of_fp32_plus_its_scales_and_the_bit_layout_is_fixed()
     x = torch.tensor([-1.0, 2, 3, -4, 5, 6, 7, -8] + [1.0] * 24)
     payload = codec_for("sign", block=32).encode(x)
     assert payload[:4].view(torch.float32).item() == pytest.approx((36 + 24) / 32)  # mean |x|
-    assert payload[4:].tolist() == [0b10001001, 0, 0, 0]  # value 8m + k negative: bit k of byte m
+    # bit planes: value 8p + m (p * block / 8 + m) negative sets bit p of byte m
+    assert payload[4:].tolist() == [0b1, 0, 0, 0b11]
 
 
 def test_blocks_under_32_are_refused_since_side_by_side_payloads_would_misalign_their_scales():

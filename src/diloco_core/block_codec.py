@@ -44,7 +44,7 @@ class BlockCodec(Codec):
     def _kernel(self, device: torch.device, numel: int, payloads: int, *, build: bool = False) -> Callable | None:
         """The fused kernel (``codec_kernels.kernel``) averaging ``payloads`` payloads of ``numel`` values;
         None: eager."""
-        if not self.fused or self.bits not in (4, 8):
+        if not self.fused:
             return None
         return kernel(device=device, numel=numel, block=self.block, bits=self.bits, payloads=payloads, build=build)
 

@@ -29,7 +29,7 @@ from collections.abc import Callable
 
 import torch
 
-__all__ = ["BUILD_MIN_VALUES", "MIN_VALUES", "encoder", "kernel", "kernels_available"]
+__all__ = ["BUILD_MIN_VALUES", "MIN_VALUES", "encoder", "kernel", "kernels_available", "packer"]
 
 MIN_VALUES = 2**18
 """Fewer values than this are encoded and averaged eagerly: a kernel call costs more than it saves there."""
@@ -72,6 +72,12 @@ def encoder(*, device: torch.device, numel: int, block: int, bits: int, build: b
     return _get(("encode", block, bits), numel=numel, device=device, build=build)
 
 
+def packer(*, device: torch.device, numel: int, block: int, build: bool = False) -> Callable | None:
+    """``packer(src, codes)``: the sign codec's bit planes of rows of whole blocks ``src`` into ``codes``
+    (its scales stay eager: a sum, in its fixed order). Compiled and returned as ``kernel``."""
+    return _get(("pack", block, 1), numel=numel, device=device, build=build)
+
+
 def _get(key: tuple, *, numel: int, device: torch.device, build: bool) -> Callable | None:
     if numel < (BUILD_MIN_VALUES if build else MIN_VALUES) or not kernels_available(device):
         return None
@@ -87,6 +93,8 @@ def _get(key: tuple, *, numel: int, device: torch.device, build: bool) -> Callab
 def _build(what: str, block: int, bits: int, payloads: int = 0) -> Callable | bool:
     rows, width = 4, block * bits // 8  # warmed up on 4 rows: rows stay dynamic (0 and 1 are specialized)
     src, scales = torch.zeros(rows, block), torch.zeros(rows)
+    if what == "pack":
+        return _compile(_sign_rows, [src, torch.zeros(rows, width, dtype=torch.int8)], bits=bits)
     if what == "mean":
         codes = [torch.zeros(rows, width, dtype=torch.int8) for _ in range(payloads)]
         return _compile(_mean_rows, [codes, [scales.clone() for _ in codes], torch.empty(rows * block)], bits=bits)
@@ -147,15 +155,36 @@ def _codes_rows(src: torch.Tensor, divisors: torch.Tensor, codes: torch.Tensor, 
     codes.copy_(x.to(torch.int8))
 
 
+def _sign_rows(src: torch.Tensor, codes: torch.Tensor, *, bits: int) -> None:
+    """``SignCodec.encode``'s codes: bit p of byte m is the sign bit of value p * block / 8 + m (-0.0 sets it)."""
+    width, acc = src.shape[1] // 8, None
+    for p in range(8):
+        sign = torch.bitwise_and(
+            torch.bitwise_right_shift(src[:, p * width : (p + 1) * width].view(torch.int32), 31), 1
+        )
+        acc = (
+            torch.bitwise_left_shift(sign, p)
+            if acc is None
+            else torch.bitwise_or(acc, torch.bitwise_left_shift(sign, p))
+        )
+    codes.copy_(acc.to(torch.int8))
+
+
 def _mean_rows(codes: list[torch.Tensor], scales: list[torch.Tensor], out: torch.Tensor, *, bits: int) -> None:
-    """``BlockCodec.mean_of`` on rows of whole blocks: int8 codes, or int4 (nibbles sign-extended, a block's
-    first half low), times the scale, summed in order, divided."""
+    """``BlockCodec.mean_of`` on rows of whole blocks: int8 codes, int4 (nibbles sign-extended, a block's
+    first half low) times the scale, or sign (bit planes: a set bit decodes to -scale, as the eager code's
+    sign bit ORed in: -0.0 for a zero scale); summed in order, divided."""
     acc = None
     for c, s in zip(codes, scales):
-        if bits == 4:
-            c = torch.cat(
-                [torch.bitwise_right_shift(torch.bitwise_left_shift(c, 4), 4), torch.bitwise_right_shift(c, 4)], 1
-            )
-        d = c.to(torch.float32) * s[:, None]
+        if bits == 1:
+            c = c.to(torch.int32)
+            c = torch.cat([torch.bitwise_and(torch.bitwise_right_shift(c, p), 1) for p in range(8)], 1)
+            d = torch.where(c.bool(), -s[:, None], s[:, None])
+        else:
+            if bits == 4:
+                c = torch.cat(
+                    [torch.bitwise_right_shift(torch.bitwise_left_shift(c, 4), 4), torch.bitwise_right_shift(c, 4)], 1
+                )
+            d = c.to(torch.float32) * s[:, None]
         acc = d if acc is None else acc + d
     out.copy_((acc / len(codes)).view(-1))
