@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 import logging
 import pickle
+import threading
 
 import pytest
 import torch
@@ -115,3 +116,29 @@ def test_small_tensors_and_other_devices_stay_eager():
     assert codec._kernel(meta, MIN_VALUES, 2) is None and codec._encoder(meta, MIN_VALUES) is None
     eager = BlockCodec("int8", 8, fused=False)
     assert eager._kernel(cpu, MIN_VALUES, 2) is None and eager._encoder(cpu, MIN_VALUES) is None
+
+
+def test_kernels_do_not_recompile_for_another_threads_grad_mode_or_thread_count():
+    """A hivemind averager encodes and averages in executor threads of a forked process: a kernel guarded on
+    the compiling thread's grad mode or torch's thread count recompiled there, for seconds, in a round."""
+    from torch._dynamo.utils import counters
+
+    codec, n = SignCodec(), MIN_VALUES
+    codec.prepare(torch.empty(()).expand(BUILD_MIN_VALUES))
+    x, out, threads = torch.randn(n), torch.empty(n), torch.get_num_threads()
+    payload = codec.encode(x)  # warm: any first-call work done
+    graphs = counters["stats"]["unique_graphs"]
+
+    def calls() -> None:
+        with torch.no_grad():
+            codec.mean_of([codec.encode(x), payload], out)
+
+    worker = threading.Thread(target=calls)
+    worker.start()
+    worker.join(60)
+    torch.set_num_threads(1 if threads > 1 else 2)
+    try:
+        calls()
+    finally:
+        torch.set_num_threads(threads)
+    assert counters["stats"]["unique_graphs"] == graphs

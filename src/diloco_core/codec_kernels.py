@@ -81,6 +81,8 @@ def packer(*, device: torch.device, numel: int, block: int, build: bool = False)
 def _get(key: tuple, *, numel: int, device: torch.device, build: bool) -> Callable | None:
     if numel < (BUILD_MIN_VALUES if build else MIN_VALUES) or not kernels_available(device):
         return None
+    if torch.is_inference_mode_enabled():  # its tensors' dispatch keys differ: a kernel would recompile
+        return None
     fn = _compiled.get(key)
     if fn is None and build:
         with _lock:
@@ -120,7 +122,10 @@ def _compile(body: Callable, args: list, *, bits: int) -> Callable | bool:
     # a copy with a code object of its own: Dynamo caches graphs per code object, 8 at most
     body = types.FunctionType(body.__code__.replace(), body.__globals__, f"{body.__name__}_{len(_compiled)}")
     body.__kwdefaults__ = {"bits": bits}  # a constant to Dynamo
-    compiled = torch.compile(body, dynamic=False, fullgraph=True)
+    # guarded on its tensors only: a thread's grad mode or torch's thread count (a hivemind averager's
+    # executor threads differ from the thread that compiled) would recompile it in a round, for nothing
+    guards = {"guard_filter_fn": torch.compiler.keep_tensor_guards_unsafe}
+    compiled = torch.compile(body, dynamic=False, fullgraph=True, options=guards)
     for arg in args:
         for t in arg if isinstance(arg, list) else [arg]:
             torch._dynamo.mark_dynamic(t, 0)
