@@ -4,11 +4,11 @@ Eager torch encodes, decodes and averages a chunk in a dozen passes (max, divide
 unpack, widen, scale, add, divide), each a trip through the cache; a few fused loops per chunk do it
 faster on one core (on 1M values in cache: a mean of two int8 payloads 0.71 -> 0.10 ms, of two int4
 payloads 1.0 -> 0.36 ms; on 25M values, from and to memory: the mean of two int8 payloads 15 -> 9 ms,
-encoding int8 16 -> 14 ms, int4 18 -> 17 ms). A kernel computes exactly what the codec's eager code
+encoding int8 15 -> 13 ms, int4 17 -> 13 ms). A kernel computes exactly what the codec's eager code
 computes, operation by operation (IEEE multiply, add and divide in the same order, no contraction into
 fused multiply-adds: Inductor's default ``-ffp-contract=off``), so its payloads and means are
 bit-identical to the eager ones (the tests check it): peers with and without kernels average together.
-The sign codec stays eager (its compiled decode measured no faster).
+The sign codec's bit planes unpack and pack in kernels too (its scale, a sum in a fixed order, stays eager).
 
 A kernel is compiled once per (bits, block, number of payloads; or encoding), for any number of rows of
 whole blocks, by ``Codec.prepare`` (``DiLoCo`` calls it when built, before a transport forks a process
