@@ -131,6 +131,7 @@ def test_kernels_do_not_recompile_for_another_threads_grad_mode_or_thread_count(
 
     def calls() -> None:
         with torch.no_grad():
+            assert codec._encoder(x.device, n) is not None and codec._kernel(x.device, n, 2) is not None
             codec.mean_of([codec.encode(x), payload], out)
 
     worker = threading.Thread(target=calls)
@@ -142,3 +143,27 @@ def test_kernels_do_not_recompile_for_another_threads_grad_mode_or_thread_count(
     finally:
         torch.set_num_threads(threads)
     assert counters["stats"]["unique_graphs"] == graphs
+
+
+def test_in_inference_mode_the_codecs_stay_eager_and_exact():
+    """Inference tensors carry other dispatch keys: a kernel would recompile for them, so none is used."""
+    codec, n = BlockCodec("int4", 4), MIN_VALUES
+    codec.prepare(torch.empty(()).expand(BUILD_MIN_VALUES))
+    eager = BlockCodec("int4", 4, fused=False)
+    x = torch.randn(n)
+    with torch.inference_mode():
+        assert codec._encoder(x.device, n) is None and codec._kernel(x.device, n, 2) is None
+        payload, out = codec.encode(x), torch.empty(n)
+        assert torch.equal(payload, eager.encode(x))
+        assert torch.equal(codec.mean_of([payload, payload], out), eager.mean_of([payload, payload], torch.empty(n)))
+
+
+def test_a_negative_zero_sign_scale_decodes_alike_with_and_without_kernels():
+    """``check`` lets a -0.0 scale through (-0.0 >= 0); eager ORs the sign bit in, so the kernel must give -0.0 too."""
+    codec, n = SignCodec(), MIN_VALUES
+    codec.prepare(torch.empty(()).expand(BUILD_MIN_VALUES))
+    eager = _codec(1, 256, fused=False)
+    payload = codec.encode(torch.randn(n))
+    payload[: 4 * 8].view(torch.float32)[:] = -0.0  # the first 8 blocks' scales
+    got, want = codec.mean_of([payload], torch.empty(n)), eager.mean_of([payload], torch.empty(n))
+    assert torch.equal(_bits(got), _bits(want))

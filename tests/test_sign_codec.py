@@ -24,8 +24,9 @@ def test_payload_is_a_32nd_of_fp32_plus_its_scales_and_the_bit_layout_is_fixed()
     x = torch.tensor([-1.0, 2, 3, -4, 5, 6, 7, -8] + [1.0] * 24)
     payload = codec_for("sign", block=32).encode(x)
     assert payload[:4].view(torch.float32).item() == pytest.approx((36 + 24) / 32)  # mean |x|
-    # bit planes: value 8p + m (p * block / 8 + m) negative sets bit p of byte m
+    # bit planes: a negative value 4p + m (p * block / 8 + m) sets bit p of byte m: values 0, 3 and 7
     assert payload[4:].tolist() == [0b1, 0, 0, 0b11]
+    assert SIGN.layout == 2  # layout 1 (bit k of byte m for value 8m + k) never averages with it
 
 
 def test_blocks_under_32_are_refused_since_side_by_side_payloads_would_misalign_their_scales():

@@ -29,8 +29,9 @@ class Codec(ABC):
     sum an fp32 payload itself). None for codecs whose payload is not one value per element."""
 
     layout: int = 1
-    """Version of the payload's layout (int4: 2 since its codes travel as two's complement nibbles): peers
-    whose layouts differ never average together (``DiLoCo``'s settings check, hivemind's group names)."""
+    """Version of the payload's layout (int4: 2 since its codes travel as two's complement nibbles; sign: 2
+    since its bits travel as bit planes): peers whose layouts differ never average together (``DiLoCo``'s
+    settings check, hivemind's group names)."""
 
     block: int = 1
     """Values encoded together. The payload of a slice that starts at a multiple of ``block`` decodes to

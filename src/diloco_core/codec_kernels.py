@@ -59,9 +59,9 @@ def kernel(
     *, device: torch.device, numel: int, block: int, bits: int, payloads: int, build: bool = False
 ) -> Callable | None:
     """``kernel(codes, scales, out)``: ``out`` = the mean of ``payloads`` payloads' decoded rows of whole
-    blocks (int8 code rows: int8 codes or int4 nibbles; fp32 scales), for ``numel`` values of int8 or int4
-    at ``block``, if it was compiled (or, with ``build``, compiled now unless ``numel < BUILD_MIN_VALUES``);
-    None where the codec stays eager."""
+    blocks (int8 code rows: int8 codes, int4 nibbles or the sign codec's bit planes; fp32 scales), for
+    ``numel`` values of the codec of ``bits`` (8, 4 or 1) at ``block``, if it was compiled (or, with
+    ``build``, compiled now unless ``numel < BUILD_MIN_VALUES``); None where the codec stays eager."""
     return _get(("mean", block, bits, payloads), numel=numel, device=device, build=build)
 
 
@@ -87,14 +87,15 @@ def _get(key: tuple, *, numel: int, device: torch.device, build: bool) -> Callab
     if fn is None and build:
         with _lock:
             if key not in _compiled:
-                _compiled[key] = _build(*key)
+                _compiled[key] = _build(key)
             fn = _compiled[key]
     return fn or None
 
 
-def _build(what: str, block: int, bits: int, payloads: int = 0) -> Callable | bool:
+def _build(key: tuple) -> Callable | bool:
+    what, block, bits, payloads = (*key, 0)[:4]  # ("mean", block, bits, payloads), or without payloads
     rows, width = 4, block * bits // 8  # warmed up on 4 rows: rows stay dynamic (0 and 1 are specialized)
-    src, scales = torch.zeros(rows, block), torch.zeros(rows)
+    src, scales = torch.zeros(rows, block), torch.ones(rows)  # scales of 1: the coder divides by them
     if what == "pack":
         return _compile(_sign_rows, [src, torch.zeros(rows, width, dtype=torch.int8)], bits=bits)
     if what == "mean":
@@ -122,14 +123,15 @@ def _compile(body: Callable, args: list, *, bits: int) -> Callable | bool:
     # a copy with a code object of its own: Dynamo caches graphs per code object, 8 at most
     body = types.FunctionType(body.__code__.replace(), body.__globals__, f"{body.__name__}_{len(_compiled)}")
     body.__kwdefaults__ = {"bits": bits}  # a constant to Dynamo
-    # guarded on its tensors only: a thread's grad mode or torch's thread count (a hivemind averager's
-    # executor threads differ from the thread that compiled) would recompile it in a round, for nothing
-    guards = {"guard_filter_fn": torch.compiler.keep_tensor_guards_unsafe}
-    compiled = torch.compile(body, dynamic=False, fullgraph=True, options=guards)
+    # not guarded on the calling thread's global state (grad mode, torch's thread count): a hivemind
+    # averager's executor threads differ from the thread that compiled, and each recompiled the kernels
+    # in a round (a kernel keeps the thread count it was compiled with); its tensors' guards stay
+    guards = {"guard_filter_fn": lambda entries: [e.guard_type != "GLOBAL_STATE" for e in entries]}
     for arg in args:
         for t in arg if isinstance(arg, list) else [arg]:
             torch._dynamo.mark_dynamic(t, 0)
-    try:
+    try:  # torch before 2.8 has no guard filter: eager there
+        compiled = torch.compile(body, dynamic=False, fullgraph=True, options=guards)
         compiled(*args)
     except Exception as e:  # noqa: BLE001 -- no compiler, or Inductor refused: eager is the same arithmetic
         logger.warning("codec kernels unavailable, using eager torch (%s: %s)", type(e).__name__, e)
@@ -184,7 +186,9 @@ def _mean_rows(codes: list[torch.Tensor], scales: list[torch.Tensor], out: torch
         if bits == 1:
             c = c.to(torch.int32)
             c = torch.cat([torch.bitwise_and(torch.bitwise_right_shift(c, p), 1) for p in range(8)], 1)
-            d = torch.where(c.bool(), -s[:, None], s[:, None])
+            # as eager: the sign bit ORed into the scale's bits (-0.0 for a zero scale; -|s| as a
+            # where on -s.abs() was compiled without its abs)
+            d = torch.bitwise_or(c * -(2**31), s.view(torch.int32)[:, None]).view(torch.float32)
         else:
             if bits == 4:
                 c = torch.cat(
