@@ -10,6 +10,7 @@ import glob
 import io
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -634,6 +635,25 @@ def test_an_exception_without_close_leaves_nothing_behind():
         assert procs.stale_sockets(set(glob.glob("/tmp/hivemind-*.sock")) - sockets_before) == set()
     finally:
         _kill_session(proc.pid)
+
+
+def test_close_removes_a_stale_p2pd_socket_and_keeps_a_live_one(tmp_path):
+    """hivemind leaves p2pd's socket file where p2pd ended before its DHT shut down; close removes it once
+    nothing listens on it (a crashed peer left one in /tmp twice in about ten runs of the test above)."""
+    from transports.hivemind.resources import _remove_stale
+
+    path = str(tmp_path / "hivemind-p2pd-test.sock")
+    listener = socket.socket(socket.AF_UNIX)
+    listener.bind(path)
+    listener.listen()
+    try:
+        _remove_stale(path, wait=0.3)
+        assert os.path.exists(path)  # still served: not stale
+    finally:
+        listener.close()  # the file stays, as a dead p2pd's does
+    assert os.path.exists(path)
+    _remove_stale(path)
+    assert not os.path.exists(path)
 
 
 # -- DiLoCo peers as processes: rounds, a SIGKILL mid-all-reduce, a restart ----------------------------------

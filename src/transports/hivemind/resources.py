@@ -3,6 +3,7 @@ reduce thread: started one fork at a time, closed once (``close``, or a finalize
 
 import asyncio
 import concurrent.futures
+import contextlib
 import functools
 import logging
 import os
@@ -102,6 +103,8 @@ class Resources:
     dht: Any = None
     averagers: list = field(default_factory=list)
     pool: concurrent.futures.ThreadPoolExecutor | None = None
+    p2pd_socket: str | None = None
+    """The DHT's p2p daemon's socket file: removed by ``close`` where hivemind left it (``_remove_stale``)."""
     closed: bool = False
 
     def start_dht(self) -> None:
@@ -117,6 +120,9 @@ class Resources:
             self.dht.niceness = cfg.background_niceness
             self.dht.start()
         _wait_until_ready(self.dht, "DHT")
+        # hivemind's (private) query of the daemon's address, as its replicate_p2p does
+        maddr = self.dht.run_coroutine(hivemind.DHT._get_p2p_daemon_listen_maddr)
+        self.p2pd_socket = maddr.value_for_protocol("unix") if "/unix/" in str(maddr) else None
 
     def start_averager(
         self, size: int, codec: Codec, *, prefix: str, share: bool = False, presence_key: str | None = None
@@ -187,3 +193,24 @@ class Resources:
                     self.dht.join(10)
             except Exception as e:  # noqa: BLE001 - a failed close is logged, never raised
                 logger.warning("hivemind DHT did not shut down cleanly: %r", e)
+        _remove_stale(self.p2pd_socket)
+
+
+def _remove_stale(path: str | None, *, wait: float = 3.0) -> None:
+    """Remove the socket file ``path`` once nothing listens on it (Linux's /proc/net/unix; elsewhere left
+    alone). hivemind removes p2pd's socket only if p2pd was still running when its DHT shut down: a p2pd
+    that ended first (a peer that crashed without ``close``) left it in /tmp (twice in about ten test runs)."""
+    deadline = time.monotonic() + wait
+    while path is not None and os.path.exists(path):
+        try:
+            with open("/proc/net/unix") as f:
+                bound = {line.split()[-1] for line in f.readlines()[1:] if len(line.split()) >= 8}
+        except OSError:
+            return
+        if path not in bound:
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(path)
+            return
+        if time.monotonic() >= deadline:  # p2pd still runs: its socket is not stale
+            return
+        time.sleep(0.1)
