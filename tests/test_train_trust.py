@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_train_cli import FAST
+from runs import FAST
 
 from diloco_train import checkpoint as ckpt
 from diloco_train import worker as worker_module
