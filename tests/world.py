@@ -23,6 +23,8 @@ from diloco_core import ForwardingTransport
 from transports import InProcessGroup, InProcessTransport
 
 KINDS = ["inprocess", "torch", "hivemind"]
+GROUP_TIMEOUT_S = 60.0
+"""A gloo world's process group timeout: what a collective nobody completes waits out."""
 
 
 @dataclass
@@ -82,7 +84,7 @@ def _child(rank: int, world_size: int, store: str, tasks: mp.Queue, results: mp.
         init_method=f"file://{store}",
         rank=rank,
         world_size=world_size,
-        timeout=datetime.timedelta(seconds=60),
+        timeout=datetime.timedelta(seconds=GROUP_TIMEOUT_S),
     )
     transport = TorchDistTransport()
     while True:
