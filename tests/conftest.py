@@ -1,5 +1,5 @@
 import pytest
-from world import KINDS, make_world
+from world import KINDS, GlooWorld, make_world
 
 # The test tiers (README "Tests"): every test is in exactly one, by its module.
 # - unit: in this process only (no subprocess, no sockets, no process group, no Inductor kernels, whose C++
@@ -53,5 +53,13 @@ WORLDS = [(k, w) for k in KINDS for w in (2, 3) if (k, w) != ("hivemind", 3)]
 def world(request, tmp_path_factory):
     kind, world_size = request.param
     w = make_world(kind, world_size, str(tmp_path_factory.mktemp("world")))
+    yield w
+    w.close()
+
+
+@pytest.fixture(scope="module")
+def gloo(tmp_path_factory):
+    """Two gloo processes over 127.0.0.1, kept for a module's tests (a failed run restarts them)."""
+    w = GlooWorld(2, str(tmp_path_factory.mktemp("gloo")))
     yield w
     w.close()

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import io
 import threading
-from collections.abc import Callable
 
 import pytest
 import torch
+from threads import run_threads
 
 from diloco_core import (
     FP32,
@@ -24,29 +24,6 @@ from diloco_core.config import outer_lr_for
 from transports import InProcessGroup
 
 pytestmark = pytest.mark.timeout(60)
-
-
-def run_threads(world_size: int, fn: Callable[[Transport], object]) -> list:
-    """``fn(transport)`` on ``world_size`` threads of one in-process group; re-raises a rank's error."""
-    group = InProcessGroup(world_size)
-    results: list = [None] * world_size
-    errors: list = []
-
-    def body(rank: int) -> None:
-        try:
-            results[rank] = fn(group.transport(rank))
-        except BaseException as e:  # noqa: BLE001
-            errors.append(e)
-
-    threads = [threading.Thread(target=body, args=(r,)) for r in range(world_size)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(50)
-    assert not any(t.is_alive() for t in threads), "ranks still running"
-    if errors:
-        raise errors[0]
-    return results
 
 
 class Scalar(torch.nn.Module):

@@ -8,7 +8,7 @@ import logging
 
 import pytest
 import torch
-from world import together
+from threads import together
 
 hivemind = pytest.importorskip("hivemind")
 

@@ -8,19 +8,12 @@ import time
 import pytest
 import torch
 from faults import Action, Fault, FaultyTransport, Phase
-from world import GROUP_TIMEOUT_S, GlooWorld, RankError, ThreadWorld
+from world import GROUP_TIMEOUT_S, RankError, ThreadWorld
 
 from diloco_core import FP16, FP32, DiLoCo, DiLoCoConfig, TransportError
 
 pytestmark = pytest.mark.timeout(120)
 WAIT_S = 30.0
-
-
-@pytest.fixture(scope="module")
-def gloo(tmp_path_factory):
-    world = GlooWorld(2, str(tmp_path_factory.mktemp("identity")))
-    yield world
-    world.close()
 
 
 def _reduce(transport, keys: list[str], wires: list[str]):

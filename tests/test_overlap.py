@@ -8,7 +8,7 @@ import threading
 
 import pytest
 import torch
-from test_diloco import run_threads
+from threads import run_threads
 from torch import nn
 
 from diloco_core import DiLoCo, DiLoCoConfig, ForwardingTransport, Transport, TransportError

@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import re
-import threading
 
 import pytest
 import torch
+from threads import in_threads
 
 from diloco_core.transport import TransportError
 from transports import InProcessGroup, create_transport, transport_spec
@@ -46,11 +46,7 @@ def _both(links: list[SimulatedLink], fn) -> list:
     def body(r: int) -> None:
         out[r] = fn(r, links[r])
 
-    threads = [threading.Thread(target=body, args=(r,)) for r in range(2)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(10)
+    in_threads(body, 2, timeout=10, what="ranks")
     return out
 
 

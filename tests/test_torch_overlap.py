@@ -18,13 +18,6 @@ from transports import TorchDistTransport
 pytestmark = pytest.mark.timeout(120)
 
 
-@pytest.fixture(scope="module")
-def gloo(tmp_path_factory):
-    world = GlooWorld(2, str(tmp_path_factory.mktemp("overlap")))
-    yield world
-    world.close()
-
-
 def _comm_threads() -> set[threading.Thread]:
     return {t for t in threading.enumerate() if t.name.startswith("diloco-torch-comm")}
 

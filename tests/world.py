@@ -12,12 +12,13 @@ import datetime
 import multiprocessing as mp
 import os
 import queue
-import threading
 import time
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
+
+from threads import in_threads
 
 from diloco_core import ForwardingTransport
 from transports import InProcessGroup, InProcessTransport
@@ -34,16 +35,6 @@ class RankError:
 
     def __repr__(self) -> str:
         return f"RankError({self.type}: {self.message})"
-
-
-def _in_threads(body: Callable[[int], None], n: int, *, timeout: float, what: str) -> None:
-    """``body(i)`` for i in range(n), each in its own thread; all must finish within ``timeout``."""
-    threads = [threading.Thread(target=body, args=(i,), daemon=True) for i in range(n)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout)
-    assert not any(t.is_alive() for t in threads), f"{what} still running after {timeout}s"
 
 
 class ThreadWorld:
@@ -64,7 +55,7 @@ class ThreadWorld:
             finally:
                 transport.close()
 
-        _in_threads(body, self.world_size, timeout=timeout, what="in-process ranks")
+        in_threads(body, self.world_size, timeout=timeout, what="in-process ranks")
         return results
 
     def close(self) -> None:
@@ -216,7 +207,7 @@ class HivemindWorld:
             except Exception as e:  # noqa: BLE001 - every peer's failure is its result, checked by the test
                 results[i] = RankError(type(e).__name__, str(e))
 
-        _in_threads(body, self.world_size, timeout=timeout, what="hivemind peers")
+        in_threads(body, self.world_size, timeout=timeout, what="hivemind peers")
         return results
 
     def close(self) -> None:
@@ -229,21 +220,3 @@ def make_world(kind: str, world_size: int, tmpdir: str) -> ThreadWorld | GlooWor
     if kind == "hivemind":
         return HivemindWorld(world_size)
     return ThreadWorld(world_size) if kind == "inprocess" else GlooWorld(world_size, tmpdir)
-
-
-def together(calls: list[Callable[[], Any]], timeout: float = 90) -> list:
-    """Run the zero-argument ``calls`` at once (threads); return their results or exceptions."""
-    out: list = [None] * len(calls)
-
-    def body(i: int) -> None:
-        try:
-            out[i] = calls[i]()
-        except Exception as e:  # noqa: BLE001 - the test inspects it
-            out[i] = e
-
-    threads = [threading.Thread(target=body, args=(i,), daemon=True) for i in range(len(calls))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout)
-    return out
