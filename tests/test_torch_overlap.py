@@ -43,16 +43,17 @@ def _busy_caller(transport, wire: str, marker: str):
     t = TorchDistTransport(bucket_mb=0.001)  # 250-value buckets: several collectives and fp32 steps between
     x = _contribution(t.rank)
     handle = t.all_reduce(x, codec=codec_for(wire, 256), key=f"busy/{wire}")
-    seen = None
+    seen, wait = None, 30.0
     if t.rank == 1:
-        result = handle.wait(30)
+        result = handle.wait(wait)
         open(marker, "w").close()
     else:
-        deadline, a = time.monotonic() + 10, torch.randn(64, 64)
+        # as long as rank 1 may wait: a reduce that needed rank 0's wait to progress never leaves the marker
+        deadline, a = time.monotonic() + wait, torch.randn(64, 64)
         while not os.path.exists(marker) and time.monotonic() < deadline:
             a = (a @ a).tanh_()  # the caller trains on, never waiting
         seen = os.path.exists(marker)
-        result = handle.wait(30)
+        result = handle.wait(wait)
     t.close()
     return seen, result.num_contributors, torch.cat([v.reshape(-1) for v in x]), _left(before)
 
