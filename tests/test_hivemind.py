@@ -23,6 +23,7 @@ from hivemind_peer import REDUCE_TIMEOUT
 from peer_process import PeerProcess as _Peer
 from peer_process import exit_all
 from threads import together
+from world import FAST, LOCAL
 
 pytest.importorskip("hivemind")
 
@@ -31,11 +32,6 @@ from transports import create_transport
 from transports.hivemind import HivemindConfig, HivemindFaults, HivemindTransport
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-LOCAL = ["/ip4/127.0.0.1/tcp/0"]
-# matchmaking_time is the slack a late peer has to find its group (a follower gives up 2 x matchmaking_time
-# after it starts looking, its leader starts the group after 1 x): 1 s was too tight for a loaded 2-core CI
-# machine. Where every peer of a round is known, target_group_size starts the group as soon as all are in.
-FAST = {"host_maddrs": LOCAL, "matchmaking_time": 2.0, "averaging_timeout": 8.0}
 SHAPES = [(7, 3), (5,), (2, 2, 3)]
 
 

@@ -26,6 +26,13 @@ from transports import InProcessGroup, InProcessTransport
 KINDS = ["inprocess", "torch", "hivemind"]
 GROUP_TIMEOUT_S = 60.0
 """A gloo world's process group timeout: what a collective nobody completes waits out."""
+LOCAL = ["/ip4/127.0.0.1/tcp/0"]
+"""hivemind peers listen on 127.0.0.1 only, on a free port."""
+# matchmaking_time is the slack a late peer has to find its group (a follower gives up 2 x matchmaking_time
+# after it starts looking, its leader starts the group after 1 x): 1 s was too tight for a loaded 2-core CI
+# machine. Where every peer of a round is known, target_group_size starts the group as soon as all are in.
+FAST = {"host_maddrs": LOCAL, "matchmaking_time": 2.0, "averaging_timeout": 8.0}
+"""The hivemind settings of the tests' peers."""
 
 
 @dataclass
@@ -185,11 +192,8 @@ class HivemindWorld:
         cfg = {
             "run_id": f"contract-{os.getpid()}-{self._generation}",
             "secret": "s",
-            "host_maddrs": ["/ip4/127.0.0.1/tcp/0"],
-            # matchmaking 2 s: 1 s was too tight on a loaded 2-core machine; the full group starts at once
-            "matchmaking_time": 2.0,
-            "averaging_timeout": 8.0,
-            "target_group_size": self.world_size,
+            **FAST,
+            "target_group_size": self.world_size,  # the full group starts at once
         }
         self._peers = [HivemindTransport(HivemindConfig(**cfg))]
         for _ in range(self.world_size - 1):
