@@ -2,12 +2,18 @@
 
 from __future__ import annotations
 
-import json
-import math
+import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
+
+import tomli_w
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # Python 3.10: the same parser as a package (a dependency there)
+    import tomli as tomllib
 
 from diloco_core import CODECS, DiLoCoConfig
 from diloco_core.config import boolean, check_field, check_fields, choice, from_mapping, integer, number, rule, string
@@ -157,13 +163,6 @@ TRAINER_DEFAULTS: dict[str, dict[str, Any]] = {"diloco": {"inner_steps": 10, "wi
 
 def load_toml(path: str | Path) -> dict[str, Any]:
     """Parse a TOML file (tomllib on Python 3.11+, tomli before)."""
-    try:
-        import tomllib
-    except ImportError:  # Python 3.10
-        try:
-            import tomli as tomllib  # type: ignore[no-redef]
-        except ImportError:
-            raise ValueError("reading TOML on Python 3.10 needs tomli: pip install tomli") from None
     p = Path(path)
     try:
         with p.open("rb") as f:
@@ -186,10 +185,8 @@ def parse_override(text: str) -> tuple[str, str, Any]:
     if section not in valid:
         raise ValueError(f"--set {text!r}: unknown section [{section}]; valid sections: {valid}")
     try:
-        import tomllib
-
         value = tomllib.loads(f"v = {raw.strip()}")["v"]
-    except Exception:  # noqa: BLE001 - not a TOML literal (or no TOML reader): a bare word is a string
+    except tomllib.TOMLDecodeError:  # not a TOML literal: a bare word is a string
         value = raw.strip()
     return section, key, value
 
@@ -222,25 +219,10 @@ def build_config(
     return RunConfig(transport=transport, **sections)
 
 
-def _toml_value(v: Any) -> str:
-    if isinstance(v, bool):
-        return "true" if v else "false"
-    if isinstance(v, (int, float)):
-        if not isinstance(v, float) or math.isfinite(v):
-            return repr(v)
-        return "nan" if math.isnan(v) else ("inf" if v > 0 else "-inf")
-    if isinstance(v, str):
-        return json.dumps(v)  # JSON's string escapes are valid TOML basic-string escapes
-    if isinstance(v, (list, tuple)):
-        return "[" + ", ".join(_toml_value(x) for x in v) + "]"
-    raise ValueError(f"cannot write {type(v).__name__} value {v!r} to TOML")
-
-
 def dump_toml(tables: Mapping[str, Mapping[str, Any]]) -> str:
-    """Tables of scalars (and lists of them) as TOML text that ``load_toml`` reads back unchanged."""
-    lines = []
-    for section, table in tables.items():
-        lines.append(f"[{section}]")
-        lines.extend(f"{k} = {_toml_value(v)}" for k, v in table.items())
-        lines.append("")
-    return "\n".join(lines)
+    """Tables of scalars (and lists of them) as TOML text that ``load_toml`` reads back unchanged. TOML has no
+    null: a None is a ValueError (``RunConfig.to_dict`` leaves unset values out)."""
+    try:
+        return tomli_w.dumps(tables)
+    except TypeError as e:
+        raise ValueError(f"cannot write to TOML: {e}") from None
