@@ -52,16 +52,19 @@ Bound = float | Callable[[Any], float] | None
 class Rule:
     """A config field's valid values, declared in its metadata (``field(default=1, metadata=integer(low=1))``)
     and checked by ``check_fields``: ``test`` holds and the value lies between ``low`` and ``high`` (None: no
-    end), or it is None where ``unset``. ``valid`` is the message's range in words, ``{low}`` and ``{high}``
-    filled in; the constructors below write it: ``an integer in [0, 19]``, ``a number > 0 (or unset)``."""
+    end; ``*_open``: the end itself is out), or it is None where ``unset``."""
 
     test: Callable[[Any], bool]
-    valid: str
+    noun: str
+    """What the value is, in words: ``an integer``, ``a finite number of seconds``, ``true or false``."""
     low: Bound = None
     high: Bound = None
     low_open: bool = False
     high_open: bool = False
     unset: bool = False
+    valid: str | None = None
+    """The valid range in words, ``{low}`` and ``{high}`` filled in; None: the noun and the ends, e.g. ``an
+    integer in [0, 19]``, ``a number > 0 (or unset)``."""
 
     def check(self, config: object, name: str, value: Any) -> None:
         """Raise ``ValueError`` naming the field, the value and the valid range unless ``value`` is valid."""
@@ -71,31 +74,17 @@ class Rule:
         high = self.high(config) if callable(self.high) else self.high
         ok = self.test(value) and (low is None or value > low or (value == low and not self.low_open))
         ok = ok and (high is None or value < high or (value == high and not self.high_open))
-        check_field(name, value, ok, self.valid.format(low=low, high=high))
+        check_field(name, value, ok, self._words(low, high))
 
-
-def _ranged(
-    noun: str,
-    *,
-    test: Callable[[Any], bool],
-    low: Bound,
-    high: Bound,
-    low_open: bool = False,
-    high_open: bool = False,
-    unset: bool = False,
-    valid: str | None = None,
-) -> dict[str, Rule]:
-    """The metadata of a ``Rule`` on a range; unless ``valid``, its words are made of ``noun`` and the ends."""
-    if valid is None:
+    def _words(self, low: float | None, high: float | None) -> str:
+        if self.valid is not None:
+            return self.valid.format(low=low, high=high)
+        words = self.noun
         if low is not None and high is not None:
-            valid = f"{noun} in {'(' if low_open else '['}{{low}}, {{high}}{')' if high_open else ']'}"
+            words += f" in {'(' if self.low_open else '['}{low}, {high}{')' if self.high_open else ']'}"
         elif low is not None:
-            valid = f"{noun} {'>' if low_open else '>='} {{low}}"
-        else:
-            valid = noun
-        valid += " (or unset)" if unset else ""
-    rule = Rule(test=test, valid=valid, low=low, high=high, low_open=low_open, high_open=high_open, unset=unset)
-    return {"rule": rule}
+            words += f" {'>' if self.low_open else '>='} {low}"
+        return f"{words} (or unset)" if self.unset else words
 
 
 def _is_int(value: object) -> bool:
@@ -104,7 +93,7 @@ def _is_int(value: object) -> bool:
 
 def integer(low: Bound = None, high: Bound = None, *, unset: bool = False, valid: str | None = None) -> dict[str, Rule]:
     """Field metadata: an int (a bool is none here) in [low, high]; None too where ``unset``."""
-    return _ranged("an integer", test=_is_int, low=low, high=high, unset=unset, valid=valid)
+    return {"rule": Rule(test=_is_int, noun="an integer", low=low, high=high, unset=unset, valid=valid)}
 
 
 def number(
@@ -120,7 +109,7 @@ def number(
     """Field metadata: a finite int or float (not a bool) above ``gt`` or from ``ge``, below ``lt`` or up to ``le``."""
     low, high = ge if gt is None else gt, le if lt is None else lt
     ends = {"low": low, "high": high, "low_open": gt is not None, "high_open": lt is not None}
-    return _ranged(noun, test=is_finite_number, unset=unset, valid=valid, **ends)
+    return {"rule": Rule(test=is_finite_number, noun=noun, unset=unset, valid=valid, **ends)}
 
 
 def choice(options: Iterable[object]) -> dict[str, Rule]:
@@ -142,7 +131,7 @@ def string(*, empty: bool = True, valid: str | None = None) -> dict[str, Rule]:
 
 def rule(test: Callable[[Any], bool], valid: str) -> dict[str, Rule]:
     """Field metadata: valid where ``test(value)``, ``valid`` in words."""
-    return {"rule": Rule(test=test, valid=valid)}
+    return {"rule": Rule(test=test, noun=valid)}
 
 
 def check_fields(config: object) -> None:
@@ -163,7 +152,7 @@ def outer_lr_for(num_workers: int, momentum: float) -> float:
     of 2 and more diverged or lost to 1.4 at M = 4, and 0.5 at momentum 0.5 was best for M = 1
     (docs/results.md). The scaling-law paper (arXiv 2503.09799) finds the same growth with M.
     """
-    if not isinstance(num_workers, int) or isinstance(num_workers, bool) or num_workers < 1:
+    if not _is_int(num_workers) or num_workers < 1:
         raise ValueError(f"num_workers={num_workers!r} is invalid: expected an integer >= 1")
     return (1 + 0.2 * math.log2(num_workers)) * (1 - momentum)
 
