@@ -117,9 +117,8 @@ class TrainConfig:
         check_fields(self)
         ok = self.fsdp_shards == 1 or (self.mode == "diloco" and not self.ddp_warm_start)
         check_field("fsdp_shards", self.fsdp_shards, ok, "1, or in diloco mode without ddp_warm_start any N >= 1")
-        w = (
-            self.ddp_warm_start
-        )  # None: the default, a twelfth of the steps where ranks are fixed (modes.warm_start_steps)
+        # None: the default, a twelfth of the steps where ranks are fixed (modes.warm_start_steps)
+        w = self.ddp_warm_start
         ok = not w or (self.mode == "diloco" and w < self.steps)
         check_field("ddp_warm_start", w, ok, f"0, or in diloco mode a step count below steps={self.steps}")
         ok = self.shard < max(self.num_shards, 1) if self.num_shards else self.shard <= 0
