@@ -140,6 +140,16 @@ def test_saved_config_round_trips(tmp_path: Path) -> None:
 
 
 @pytest.mark.timeout(30)
+def test_toml_text_reads_back_unchanged_and_has_no_null() -> None:
+    tables = {"s": {"f": -0.0, "inf": float("inf"), "t": 'a"b\\c\né', "list": ("x", 2), "yes": True}}
+    back = tomllib.loads(dump_toml(tables))
+    assert back == {"s": {"f": -0.0, "inf": float("inf"), "t": 'a"b\\c\né', "list": ["x", 2], "yes": True}}
+    assert str(back["s"]["f"]) == "-0.0"
+    with pytest.raises(ValueError, match="cannot write to TOML"):
+        dump_toml({"s": {"unset": None}})  # TOML has no null: RunConfig.to_dict leaves unset values out
+
+
+@pytest.mark.timeout(30)
 def test_a_warm_start_that_averages_updates_is_refused_where_peers_come_and_go() -> None:
     import torch
 

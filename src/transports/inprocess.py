@@ -17,7 +17,7 @@ import torch
 
 from diloco_core.codec import FP32, Codec
 from diloco_core.codec_names import check_codec
-from diloco_core.config import check_field
+from diloco_core.config import check_fields, integer, string
 from diloco_core.transport import Capabilities, ReduceHandle, ReduceResult, Transport, TransportError
 from diloco_core.wire import mean_of_payloads
 
@@ -26,20 +26,15 @@ __all__ = ["InProcessConfig", "InProcessGroup", "InProcessTransport"]
 
 @dataclass(frozen=True, kw_only=True)
 class InProcessConfig:
-    world_size: int = 1
+    world_size: int = field(default=1, metadata=integer(low=1))
     """Ranks (threads) in the group."""
-    rank: int = 0
+    rank: int = field(default=0, metadata=integer(low=0, high=lambda c: c.world_size - 1))
     """This thread's rank, in [0, world_size)."""
-    group: str = "default"
+    group: str = field(default="default", metadata=string(empty=False))
     """Name of the group: threads that name the same group meet in it."""
 
     def __post_init__(self) -> None:
-        ws = self.world_size
-        check_field("world_size", ws, isinstance(ws, int) and not isinstance(ws, bool) and ws >= 1, "an integer >= 1")
-        check_field(
-            "rank", self.rank, isinstance(self.rank, int) and 0 <= self.rank < ws, f"an integer in [0, {ws - 1}]"
-        )
-        check_field("group", self.group, isinstance(self.group, str) and self.group != "", "a non-empty string")
+        check_fields(self)
 
 
 _named_groups: dict[str, InProcessGroup] = {}

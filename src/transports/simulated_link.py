@@ -16,13 +16,13 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from diloco_core.codec import FP32, Codec
-from diloco_core.config import check_field, from_mapping, is_finite_number
+from diloco_core.config import check_field, check_fields, from_mapping, is_finite_number, number
 from diloco_core.forwarding import ForwardingTransport
 from diloco_core.transport import ReduceHandle, ReduceResult, Transport, TransportError
 
@@ -33,17 +33,19 @@ __all__ = ["LINK_KEYS", "LinkConfig", "SimulatedLink", "link_from_section"]
 class LinkConfig:
     """The ``[transport]`` keys of a simulated link (unset: no simulated link)."""
 
-    link_mbit: float | None = None
+    link_mbit: float | None = field(
+        default=None, metadata=number(gt=0, noun="a finite number", unset=True, valid="a finite number > 0")
+    )
     """Bandwidth of each member's link in Mbit/s (10^6 bits per second), a finite number > 0."""
-    link_latency_ms: float = 0.0
+    link_latency_ms: float = field(default=0.0, metadata=number(ge=0, noun="a finite number"))
     """One-way latency added to every reduce, in milliseconds: a finite number >= 0 (needs ``link_mbit``)."""
 
     def __post_init__(self) -> None:
-        rate, lat = self.link_mbit, self.link_latency_ms
-        check_field("link_mbit", rate, rate is None or (is_finite_number(rate) and rate > 0), "a finite number > 0")
-        check_field("link_latency_ms", lat, is_finite_number(lat) and lat >= 0, "a finite number >= 0")
-        if rate is None and lat:
-            raise ValueError(f"link_latency_ms={lat!r} needs link_mbit (the link's bandwidth in Mbit/s)")
+        check_fields(self)
+        if self.link_mbit is None and self.link_latency_ms:
+            raise ValueError(
+                f"link_latency_ms={self.link_latency_ms!r} needs link_mbit (the link's bandwidth in Mbit/s)"
+            )
 
 
 LINK_KEYS = frozenset(f.name for f in LinkConfig.__dataclass_fields__.values())
