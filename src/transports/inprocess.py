@@ -18,7 +18,7 @@ import torch
 from diloco_core.codec import FP32, Codec
 from diloco_core.codec_names import check_codec
 from diloco_core.config import check_field
-from diloco_core.transport import Capabilities, ReduceHandle, ReduceResult, Transport, TransportError
+from diloco_core.transport import Capabilities, ReduceHandle, ReduceResult, Transport, TransportError, reduce_inputs
 from diloco_core.wire import mean_of_payloads
 
 __all__ = ["InProcessConfig", "InProcessGroup", "InProcessTransport"]
@@ -218,13 +218,8 @@ class InProcessTransport(Transport):
 
     def all_reduce(self, tensors: Sequence[torch.Tensor], *, codec: Codec = FP32, key: str = "default") -> ReduceHandle:
         start = time.perf_counter()
-        tensors = list(tensors)
+        tensors = reduce_inputs(tensors)
         check_codec(codec)
-        for t in tensors:
-            if t.dtype != torch.float32:
-                raise ValueError(f"all_reduce takes fp32 tensors, got {t.dtype}")
-        if not tensors:
-            raise ValueError("all_reduce needs at least one tensor")
         # The tensors travel as one payload of their concatenation (a block codec's blocks run across them);
         # an fp32 payload of one tensor is its values, read in place (the caller waits first).
         flat = tensors[0].reshape(-1) if len(tensors) == 1 else torch.cat([t.reshape(-1) for t in tensors])

@@ -12,8 +12,9 @@ import torch
 
 from diloco_core.codec import FP32, Codec
 from diloco_core.codec_names import check_codec
+from diloco_core.membership import Membership
 from diloco_core.run_state import RunState
-from diloco_core.transport import Capabilities, ReduceHandle, ReduceResult, Transport, TransportError
+from diloco_core.transport import Capabilities, ReduceHandle, ReduceResult, Transport, TransportError, reduce_inputs
 
 from .attempt import RETRYABLE, attempt, commit, fill
 from .auth import RunKeys, run_keys
@@ -33,7 +34,7 @@ __all__ = ["HivemindTransport"]
 logger = logging.getLogger(__name__)
 
 
-class HivemindTransport(Transport):
+class HivemindTransport(Transport, Membership):
     """A peer of a hivemind swarm (see the package docstring for the phases of a round)."""
 
     def __init__(
@@ -97,7 +98,6 @@ class HivemindTransport(Transport):
         exact_mean=False,  # casts: the mean comes back rounded to the wire dtype (block codecs: never)
         broadcast_from_any_rank=False,  # src=0 only: whoever holds the run's state
         keys_in_any_order=False,  # an averager per key, but reduces run one at a time, in call order
-        block_codecs=True,  # parts cut at blocks, payloads gathered: every peer sums them (block_runner)
     )
 
     @property
@@ -187,12 +187,7 @@ class HivemindTransport(Transport):
 
     def all_reduce(self, tensors: Sequence[torch.Tensor], *, codec: Codec = FP32, key: str = "default") -> ReduceHandle:
         check_codec(codec)
-        tensors = list(tensors)
-        if not tensors:
-            raise ValueError("all_reduce needs at least one tensor")
-        for t in tensors:
-            if t.dtype != torch.float32:
-                raise ValueError(f"all_reduce takes fp32 tensors, got {t.dtype}")
+        tensors = reduce_inputs(tensors)
         if self._closed:
             raise TransportError("hivemind transport is closed")
         # A point between rounds: what joiners download. A joiner that takes it while this round is in

@@ -40,7 +40,7 @@ import torch.distributed as dist
 
 from diloco_core.codec import FP32, Codec
 from diloco_core.codec_names import check_codec
-from diloco_core.transport import ReduceHandle, Transport, TransportError
+from diloco_core.transport import ReduceHandle, Transport, TransportError, reduce_inputs
 from diloco_core.wire import mean_of_payloads
 
 from .group import BACKEND_DEVICE, TorchDistConfig, init_process_group
@@ -140,11 +140,8 @@ class TorchDistTransport(Transport):
 
     def all_reduce(self, tensors: Sequence[torch.Tensor], *, codec: Codec = FP32, key: str = "default") -> ReduceHandle:
         start = time.perf_counter()
-        tensors = self._check(tensors)
+        tensors = self._check(reduce_inputs(tensors))
         check_codec(codec)
-        for t in tensors:
-            if t.dtype != torch.float32:
-                raise ValueError(f"all_reduce takes fp32 tensors, got {t.dtype}")
         flat = _flatten(tensors)
         cached = self._buffers.get(key)
         if cached is None or cached.device != flat.device:
