@@ -20,6 +20,7 @@ from .attempt import RETRYABLE, attempt, commit, fill
 from .auth import RunKeys, run_keys
 from .averager import Averager
 from .config import HivemindConfig
+from .deadlines import deadlines
 from .faults import HivemindFaults
 from .handle import Handle, Outcome
 from .requirement import import_hivemind
@@ -102,10 +103,8 @@ class HivemindTransport(Transport, Membership):
 
     @property
     def own_timeout(self) -> float:  # type: ignore[override]
-        """The longest one all_reduce runs by itself: attempts until ``averaging_timeout + 4 *
-        matchmaking_time``, the last of which may take ``2 * matchmaking_time + averaging_timeout + 10``."""
-        cfg = self.config
-        return 2 * cfg.averaging_timeout + 6 * cfg.matchmaking_time + 10
+        """The longest one all_reduce runs by itself (``deadlines``: its retries, then one more attempt)."""
+        return deadlines(self.config).own_timeout
 
     def attach(self, state: RunState, timeout: float) -> bool:
         """Take the run's outer momentum and round from the peers (a joiner; False on the swarm's first
@@ -212,13 +211,12 @@ class HivemindTransport(Transport, Membership):
     def _reduce_with(
         self, averager: Averager, tensors: list[torch.Tensor], *, codec: Codec, key: str, outcome: Outcome, start: float
     ) -> ReduceResult:
-        cfg = self.config
+        cfg, limits = self.config, deadlines(self.config)
         tracked = key in self._state.keys  # DiLoCo's rounds: groupmates compare state tags
         # The peers this reduce waits for (swarm.py); nobody: alone at once, without matchmaking.
-        expected = self._swarm.expected(key, tracked=tracked, timeout=min(2.0, cfg.matchmaking_time))
+        expected = self._swarm.expected(key, tracked=tracked, timeout=limits.presence)
         target = cfg.target_group_size or (max(2, expected) if expected else None)
-        # Room for one failed attempt (up to averaging_timeout after matchmaking) and a regroup.
-        deadline = time.monotonic() + cfg.averaging_timeout + 4 * cfg.matchmaking_time
+        deadline = time.monotonic() + limits.retries  # room for one failed attempt and a regroup (deadlines)
         tries = 0
         failed: Exception | None = None  # set once a group attempt failed
         while True:
@@ -257,7 +255,7 @@ class HivemindTransport(Transport, Membership):
                     failed = e
                 else:
                     logger.warning(
-                        "hivemind all_reduce: no group formed within %.1fs; averaging alone", 2 * cfg.matchmaking_time
+                        "hivemind all_reduce: no group formed within %.1fs; averaging alone", limits.matchmaking
                     )
             if out is None and failed is not None:
                 # After a failed group attempt a survivor never commits alone: another survivor may be
