@@ -28,7 +28,7 @@ class ForwardingTransport(Transport):
 
     inner: Transport
 
-    def __new__(cls, inner: Transport, *args: Any, **kwargs: Any) -> ForwardingTransport:  # noqa: PYI034
+    def __new__(cls, inner: Transport | None = None, *args: Any, **kwargs: Any) -> ForwardingTransport:  # noqa: PYI034
         honest = _with_membership(cls) if isinstance(inner, Membership) and not issubclass(cls, Membership) else cls
         return super().__new__(honest)
 
