@@ -15,7 +15,7 @@ from diloco_train.data import DataConfig
 from diloco_train.model import ModelConfig
 from transports.inprocess import InProcessConfig
 from transports.simulated_link import LinkConfig
-from transports.torch_group import TorchDistConfig
+from transports.torch.group import TorchDistConfig
 
 
 @dataclass(frozen=True, kw_only=True)

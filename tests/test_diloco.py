@@ -13,6 +13,8 @@ from diloco_core import (
     FP32,
     DiLoCo,
     DiLoCoConfig,
+    ForwardingTransport,
+    Membership,
     ReduceHandle,
     RunState,
     Transport,
@@ -239,16 +241,7 @@ class FailingTransport(Transport):
 
     rank = property(lambda self: self.inner.rank)
     world_size = property(lambda self: self.inner.world_size)
-    fixed_ranks = property(lambda self: self.inner.fixed_ranks)
-
-    def attach(self, state, timeout):
-        return self.inner.attach(state, timeout)
-
-    def state_dict(self):
-        return self.inner.state_dict()
-
-    def load_state_dict(self, state):
-        self.inner.load_state_dict(state)
+    capabilities = property(lambda self: self.inner.capabilities)
 
     def all_reduce(self, tensors, *, codec=FP32, key="default") -> ReduceHandle:
         self.calls += 1
@@ -388,26 +381,32 @@ def test_a_replaced_state_drops_the_round_without_retrying_it():
 
 
 def test_the_transport_is_attached_once_the_global_params_are_in_place():
-    """``attach`` is where a transport whose peers come and go loads the run's outer state (hivemind);
-    it must see the broadcast global params, and its answer becomes ``DiLoCo.joined``."""
+    """``attach`` is where a transport whose peers come and go (a ``Membership``) loads the run's outer state
+    (hivemind); it must see the broadcast global params, and its answer becomes ``DiLoCo.joined``."""
 
     def build(transport: Transport) -> tuple[DiLoCo, list]:
         seen: list = []
         model = Scalar([float(transport.rank + 1), 5.0])  # different weights per rank: the broadcast fixes that
 
-        def attach(state: RunState, timeout: float) -> bool:  # this worker pretends to join a running run
-            seen.append((model.w.detach().clone(), state.snapshot(), timeout))
-            return True
+        class Joining(ForwardingTransport, Membership):  # this worker pretends to join a running run
+            def attach(self, state: RunState, timeout: float) -> bool:
+                seen.append((model.w.detach().clone(), state.snapshot(), timeout))
+                return True
 
-        if transport.rank == 1:
-            transport.attach = attach
+            def state_dict(self) -> dict:
+                return {}
+
+            def load_state_dict(self, state: dict) -> None:
+                pass
+
+        t = Joining(transport) if transport.rank == 1 else transport  # rank 0: no Membership, nothing attached
         dl = DiLoCo(
-            model, torch.optim.SGD(model.parameters(), lr=1.0), transport, DiLoCoConfig(inner_steps=1, reduce_timeout=7)
+            model, torch.optim.SGD(model.parameters(), lr=1.0), t, DiLoCoConfig(inner_steps=1, reduce_timeout=7)
         )
         return dl, seen
 
     (first, none), (joiner, seen) = run_threads(2, build)
-    assert not first.joined and not none  # the default attach does nothing
+    assert not first.joined and not none  # a fixed group's transport is not attached
     assert joiner.joined
     [(params, (meta, momentum), timeout)] = seen
     assert timeout == 7 and torch.equal(params, torch.tensor([1.0, 5.0]))  # rank 0's weights, broadcast first
@@ -456,20 +455,40 @@ def test_run_state_moves_round_and_momentum_to_another_worker_and_checks_them_fi
     assert torch.equal(source.state_dict()["global"], joiner.state_dict()["global"])
 
 
+class _Tagged(ForwardingTransport, Membership):
+    """A transport whose peers come and go, as far as its state goes: it keeps a tag and records loads."""
+
+    def __init__(self, inner: Transport) -> None:
+        super().__init__(inner)
+        self.loaded: list = []
+
+    def attach(self, state: RunState, timeout: float) -> bool:
+        return False
+
+    def state_dict(self) -> dict:
+        return {"tag": (3, b"x")}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.loaded.append(state)
+
+
 def test_the_transports_state_travels_inside_diloco_state():
-    t = InProcessGroup(1).transport(0)
-    loaded: list = []
-    t.state_dict = lambda: {"tag": (3, b"x")}
-    t.load_state_dict = loaded.append
+    t = _Tagged(InProcessGroup(1).transport(0))
     model = _model()
     dl = DiLoCo(model, torch.optim.SGD(model.parameters(), lr=0.1), t, DiLoCoConfig(inner_steps=1))
     state = dl.state_dict()
     assert state["transport"] == {"tag": (3, b"x")}
     dl.load_state_dict(state)
-    assert loaded == [{"tag": (3, b"x")}]  # after DiLoCo's own state: hivemind serves what was loaded
+    assert t.loaded == [{"tag": (3, b"x")}]  # after DiLoCo's own state: hivemind serves what was loaded
     del state["transport"]  # a checkpoint written before transports had state
     dl.load_state_dict(state)
-    assert loaded == [{"tag": (3, b"x")}]
+    assert t.loaded == [{"tag": (3, b"x")}]
+
+
+def test_a_fixed_groups_transport_keeps_no_state_in_diloco_state():
+    model = _model()
+    dl = DiLoCo(model, torch.optim.SGD(model.parameters(), lr=0.1), InProcessGroup(1).transport(0), DiLoCoConfig())
+    assert dl.state_dict()["transport"] == {}  # not a Membership: nothing to keep, and the same checkpoint keys
 
 
 # -- round diagnostics: norms and agreement, against numbers computed by hand ----------------------------

@@ -7,6 +7,7 @@ from types import SimpleNamespace
 import pytest
 import tomllib
 
+from diloco_core import Capabilities
 from diloco_train.config import build_config, dump_toml, load_toml, parse_override
 from diloco_train.modes import warm_start_steps
 
@@ -64,7 +65,7 @@ def test_a_bad_ddp_wire_names_the_field_and_the_choices() -> None:
 def test_the_default_warm_start_is_a_twelfth_of_the_steps_where_ranks_are_fixed(
     overrides: list[str], fixed_ranks: bool, warm: int
 ) -> None:
-    transport = SimpleNamespace(fixed_ranks=fixed_ranks)
+    transport = SimpleNamespace(capabilities=Capabilities(fixed_ranks=fixed_ranks))
     assert warm_start_steps(build_config(overrides=overrides), transport) == warm
 
 
@@ -158,6 +159,6 @@ def test_a_warm_start_that_averages_updates_is_refused_where_peers_come_and_go()
 
     config = build_config(overrides=["train.ddp_warm_start=5", "train.warm_start_sync=updates", "model.num_layers=1"])
     model = Llama(config.model)
-    swarm = SimpleNamespace(fixed_ranks=False)  # refused before anything is sent
+    swarm = SimpleNamespace(capabilities=Capabilities(fixed_ranks=False))  # refused before anything is sent
     with pytest.raises(ValueError, match=r"warm_start_sync='updates' is invalid on a transport whose peers come"):
         Sync(config=config, model=model, optimizer=torch.optim.AdamW(model.parameters()), transport=swarm, device="cpu")

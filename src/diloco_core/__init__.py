@@ -7,6 +7,7 @@ from .config import DiLoCoConfig
 from .diloco import DiLoCo
 from .forwarding import ForwardingTransport
 from .guard import ContributionGuard
+from .membership import Membership
 from .optimizer import DiLoCoOptimizer
 from .report import PendingRound, RoundReport
 from .run_state import RunState
@@ -31,6 +32,7 @@ __all__ = [
     "DiLoCoOptimizer",
     "ForwardingTransport",
     "FutureHandle",
+    "Membership",
     "PendingRound",
     "ReduceHandle",
     "ReduceResult",

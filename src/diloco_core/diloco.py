@@ -18,6 +18,7 @@ from .eager import Eager, eager_flush, eager_round
 from .flat import FlatBuffer, local_of
 from .fragment import Fragment, cut
 from .guard import reset_if_nonfinite
+from .membership import attached
 from .model_state import ModelState
 from .report import PendingRound, RoundReport, log_round, report_of
 from .run_state import RunState
@@ -97,9 +98,8 @@ class DiLoCo:
         self._order = [i for g in groups for i in g]  # the global copy holds the fragments one after another
         self._global = FlatBuffer([self.local[i] for i in self._order], config.global_device)
         self.codec.prepare(self._global.flat, payloads=(2, transport.world_size))  # its kernels: not in a round
-        self.fragments = cut(
-            groups, self.local, self._global, codec=self.codec, config=config, compare=transport.fixed_ranks
-        )
+        fixed = transport.capabilities.fixed_ranks
+        self.fragments = cut(groups, self.local, self._global, codec=self.codec, config=config, compare=fixed)
         """The parts synchronized on their own, each a slice of the global copy (one unless streaming)."""
         self.guard = self.fragments[0].guard
         """The first fragment's contribution guard (``diloco_core.guard``; the only one unless streaming)."""
@@ -107,7 +107,7 @@ class DiLoCo:
         rule_m = 1 if config.overlap == "eager" else transport.world_size  # eager: M's share of each step lags
         self.outer_lr = config.outer_lr if config.outer_lr is not None else outer_lr_for(rule_m, momentum)
         """The outer SGD's learning rate: ``config.outer_lr``, or the rule's for the world size (eager: for 1)."""
-        if config.outer_lr is None and not transport.fixed_ranks:
+        if config.outer_lr is None and not fixed:
             logger.warning(
                 "outer_lr is unset and the transport's peers come and go: using %.3g, the rule's value "
                 "for %d worker(s); set outer_lr for the number you expect",
@@ -141,7 +141,7 @@ class DiLoCo:
             else None
         )
         """Eager updates' own outer parameters and share in flight (``diloco_core.eager``); None otherwise."""
-        self.joined = transport.attach(self.run_state, timeout=config.reduce_timeout)
+        self.joined = attached(transport, self.run_state, timeout=config.reduce_timeout)
         """True if this worker joined a run already going: global params, outer momentum and round came
         from its peers (only transports whose peers come and go do that)."""
 

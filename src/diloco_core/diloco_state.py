@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from .fragment import Settled
+from .membership import Membership
 from .report import PendingRound
 from .transport import ReduceResult
 
@@ -45,7 +46,7 @@ def state_of(d: DiLoCo) -> dict[str, Any]:
         "round": d.round,
         "residual": None if residuals[0] is None else torch.cat(residuals) if len(frags) > 1 else residuals[0],
         "guard": frags[0].guard.state_dict() if len(frags) == 1 else [f.guard.state_dict() for f in frags],
-        "transport": d.transport.state_dict(),
+        "transport": d.transport.state_dict() if isinstance(d.transport, Membership) else {},
     }
     if d.eager is not None:
         state["eager"] = d.eager.state_dict()
@@ -102,7 +103,7 @@ def load_state(d: DiLoCo, state: dict[str, Any]) -> None:
     if d.eager is not None:
         d.eager.load_state_dict(state["eager"])
     d._pending = [restored(d, p) for p in state.get("in_flight", [])]
-    if "transport" in state:  # absent from checkpoints written before it existed
+    if "transport" in state and isinstance(d.transport, Membership):  # absent from older checkpoints
         d.transport.load_state_dict(state["transport"])
 
 

@@ -63,7 +63,8 @@ def link_from_section(section: Mapping[str, Any]) -> tuple[LinkConfig | None, di
 class SimulatedLink(ForwardingTransport):
     """``inner`` behind a serial link of ``bandwidth`` bits/s and ``latency`` seconds per reduce.
 
-    ``clock`` and ``sleep`` (seconds, monotonic) are the seams tests replace."""
+    ``clock`` and ``sleep`` (seconds, monotonic) are the seams tests replace; a reduce's handle waits on the link
+    through ``settle``, ``clock`` and ``sleep``."""
 
     def __init__(
         self,
@@ -80,7 +81,8 @@ class SimulatedLink(ForwardingTransport):
         check_field("latency", latency, is_finite_number(latency) and latency >= 0, "a finite number of seconds >= 0")
         super().__init__(inner)
         self.bandwidth, self.latency = float(bandwidth), float(latency)
-        self._clock, self._sleep = clock, sleep
+        self.clock, self.sleep = clock, sleep
+        """The link's time (seconds, monotonic) and how it waits: the seams tests replace."""
         self._lock = threading.Lock()
         self._queue: list[_LinkHandle] = []
         """Reduces started on the link whose bytes are not yet known, in call order."""
@@ -97,13 +99,13 @@ class SimulatedLink(ForwardingTransport):
         return self.latency + nbytes * 8 / self.bandwidth
 
     def all_reduce(self, tensors: Sequence[torch.Tensor], *, codec: Codec = FP32, key: str = "default") -> ReduceHandle:
-        start = self._clock()
+        start = self.clock()
         handle = _LinkHandle(self, self.inner.all_reduce(tensors, codec=codec, key=key), start)
         with self._lock:
             self._queue.append(handle)
         return handle
 
-    def _settle(self, upto: _LinkHandle, deadline: float) -> None:
+    def settle(self, upto: _LinkHandle, deadline: float) -> None:
         """Finish the inner reduces queued up to ``upto`` (in call order), placing each on the link."""
         while True:
             with self._lock:
@@ -136,14 +138,14 @@ class _LinkHandle(ReduceHandle):
             if self.result is not None or self.error is not None:
                 return
             try:
-                self.result = self.inner.wait(max(deadline - self.link._clock(), 0.0))
+                self.result = self.inner.wait(max(deadline - self.link.clock(), 0.0))
             except TransportError as e:
                 self.error = e
 
     def wait(self, timeout: float) -> ReduceResult:
         link = self.link
-        deadline = link._clock() + timeout
-        link._settle(self, deadline)
+        deadline = link.clock() + timeout
+        link.settle(self, deadline)
         if self.error is not None:
             raise self.error
         assert self.result is not None and self.done_at is not None
@@ -152,9 +154,9 @@ class _LinkHandle(ReduceHandle):
                 f"the simulated link delivers this reduce {self.done_at - self.start:.3g}s after it started, "
                 f"past the {timeout:g}s timeout"
             )
-        left = self.done_at - link._clock()
+        left = self.done_at - link.clock()
         if left > 0:
-            link._sleep(left)
+            link.sleep(left)
         r = self.result
         return ReduceResult(
             r.num_contributors, r.bytes_sent, r.bytes_received, max(self.done_at - self.start, r.seconds)

@@ -60,7 +60,7 @@ One concept per module: ``config`` (HivemindConfig), ``transport`` (HivemindTran
 ``averager`` (phases 2 and 4), ``reducer`` (phase 3), ``block_runner`` (phase 3 for block codecs),
 ``state_tag`` (the state tag and the stale verdict), ``tracked_state`` (a peer's tag, re-sync),
 ``state_server`` (state for joiners), ``checks`` (received tensors), ``handle`` (what all_reduce
-returns), ``resources`` (processes, close), ``faults`` (HivemindFaults, for tests), ``requirement``
+returns), ``deadlines`` (every deadline of a reduce, from two settings), ``resources`` (processes, close), ``faults`` (HivemindFaults, for tests), ``requirement``
 (the install hint when hivemind is missing), ``auth`` (keys from the secret, the records' MACs).
 """
 
