@@ -6,14 +6,11 @@ import concurrent.futures
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Any
 
 import torch
 
 from .codec import FP32, Codec
-
-if TYPE_CHECKING:
-    from .run_state import RunState
 
 __all__ = [
     "Capabilities",
@@ -141,8 +138,8 @@ class Transport(ABC):
     """Where other peers reach this one to join the run (hivemind: its multiaddrs), for a launcher to show.
     Empty where members are placed by their launcher (in-process, torchrun)."""
 
-    def attach(self, state: RunState, timeout: float) -> bool:
-        """Called once by ``DiLoCo``, when its global params are in place. A transport whose peers come and
+    def attach(self, state: Any, timeout: float) -> bool:
+        """Called once by ``DiLoCo``, when its global params are in place, with its ``RunState``. A transport whose peers come and
         go loads the run's outer state from its peers here (``state.loader``), serves this worker's to
         later joiners (``state.snapshot``, refreshed through ``state.subscribe``), and returns True if it
         loaded one. The default does nothing."""
