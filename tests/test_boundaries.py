@@ -67,3 +67,42 @@ def test_library_imports_without_hivemind_and_says_how_to_get_it():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=50, check=False)
     assert out.returncode == 0, out.stderr
     assert "pip install diloco[hivemind]" in out.stdout
+
+
+def test_the_cores_imports_form_no_circle_type_checking_included():
+    """Each core module's ``from .x import`` (under ``TYPE_CHECKING`` too): the graph has no cycle, so every
+    module can be read knowing only the ones below it (``diloco.py`` on top)."""
+    graph = {
+        f.stem: {n.module.split(".")[0] for n in ast.walk(ast.parse(f.read_text())) if _relative(n)}
+        for f in _core_files()
+    }
+    done: set[str] = set()
+
+    def visit(name: str, path: list[str]) -> None:
+        for dep in sorted(graph.get(name, ())):
+            assert dep not in path, f"import circle: {' -> '.join([*path[path.index(dep) :], dep])}"
+            if dep not in done:
+                visit(dep, [*path, dep])
+        done.add(name)
+
+    for name in sorted(graph):
+        visit(name, [name])
+
+
+def _relative(node: ast.AST) -> bool:
+    return isinstance(node, ast.ImportFrom) and node.level == 1 and node.module is not None
+
+
+def test_no_core_module_touches_another_objects_private_attributes():
+    """``x._name`` only where x is ``self`` or ``cls`` (or torch's own private functions): an object's state is
+    changed through its methods, so each module can be understood from the public surface of the others."""
+    found = [
+        f"{f.name}:{n.lineno}: {ast.unparse(n)}"
+        for f in _core_files()
+        for n in ast.walk(ast.parse(f.read_text()))
+        if isinstance(n, ast.Attribute)
+        and n.attr.startswith("_")
+        and not n.attr.startswith("__")
+        and not (isinstance(n.value, ast.Name) and n.value.id in ("self", "cls", "torch"))
+    ]
+    assert not found, f"private attributes of other objects: {found}"
