@@ -72,13 +72,14 @@ def test_a_changed_payload_layout_is_part_of_the_settings():
     """int4's nibbles changed layout (two's complement): a peer of the earlier layout, whose settings have no
     ``wire_layout``, is refused by the settings check (None vs 2) instead of decoding garbage; layouts that
     never changed stay None, so peers of either version still agree on them."""
-    from diloco_core import codec_for
     from diloco_core.agreement import settings_of
+    from transports import InProcessGroup
 
     def layout(wire: str):
-        c = DiLoCoConfig(wire_dtype=wire)
-        codec = codec_for(wire, c.codec_block)
-        return settings_of(c, codec=codec, outer_lr=0.7, error_feedback=c.error_feedback, fragments=1)
+        model = torch.nn.Linear(4, 4)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        d = DiLoCo(model, opt, InProcessGroup(1).transport(0), DiLoCoConfig(wire_dtype=wire))
+        return settings_of(d.config, codec=d.codec, outer_lr=d.outer_lr, fragments=d.fragments)
 
     assert layout("int4")["wire_layout"] == 2 and layout("sign")["wire_layout"] == 2
     assert layout("int8")["wire_layout"] is None and layout("fp32")["wire_layout"] is None

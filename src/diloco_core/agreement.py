@@ -11,12 +11,14 @@ and a joiner that differs refuses itself.
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 
 from .codec import FP32, Codec
 from .config import DiLoCoConfig
+from .fragment import Fragment
 from .transport import Transport
 
 __all__ = ["check_settings", "differs_anywhere", "rank0s", "settings_of"]
@@ -61,11 +63,9 @@ def check_settings(transport: Transport, settings: dict[str, Any], *, timeout: f
         )
 
 
-def settings_of(
-    c: DiLoCoConfig, *, codec: Codec, outer_lr: float, error_feedback: bool, fragments: int
-) -> dict[str, Any]:
+def settings_of(c: DiLoCoConfig, *, codec: Codec, outer_lr: float, fragments: Sequence[Fragment]) -> dict[str, Any]:
     """What every worker must agree on: the round's schedule, the outer step (``outer_lr`` as used), how
-    pseudo-gradients travel (``codec``; ``error_feedback`` as used), the guard and the overlap (``fragments``)."""
+    pseudo-gradients travel (``codec``, error feedback as used), the guard and the overlap (``fragments``)."""
     block = codec.block if codec.elementwise_dtype is None else None  # cast wires have none
     return {
         "inner_steps": c.inner_steps,
@@ -75,10 +75,10 @@ def settings_of(
         "wire_dtype": codec.name,
         "codec_block": block,
         "wire_layout": codec.layout if codec.layout != 1 else None,  # None: a layout older peers share
-        "error_feedback": error_feedback,
+        "error_feedback": fragments[0].feedback.on,
         "norm_clip": c.norm_clip,
         "overlap": c.overlap,
-        "fragments": fragments,
+        "fragments": len(fragments),
         "overlap_steps": c.overlap_steps,
         "merge_alpha": c.merge_alpha,
         "eager_fresh_weight": c.eager_fresh_weight,

@@ -114,12 +114,11 @@ class DiLoCo:
                 self.outer_lr,
                 transport.world_size,
             )
-        nesterov = config.nesterov and momentum > 0
         self.outer_optimizer = torch.optim.SGD(
             [f.param for f in self.fragments],
             lr=self.outer_lr,
             momentum=momentum,
-            nesterov=nesterov,
+            nesterov=config.nesterov and momentum > 0,
             fused=True,  # one pass over the flat buffer instead of three (and no temporary the size of the model)
         )
         self.rounds = Rounds(
@@ -135,13 +134,7 @@ class DiLoCo:
         self.outer_seconds = 0.0
         """Seconds the last ``step()`` spent on outer rounds (what training waited for; 0: none due)."""
         with torch.no_grad():
-            settings = settings_of(
-                config,
-                codec=self.codec,
-                outer_lr=self.outer_lr,
-                error_feedback=self.fragments[0].feedback.on,
-                fragments=len(self.fragments),
-            )
+            settings = settings_of(config, codec=self.codec, outer_lr=self.outer_lr, fragments=self.fragments)
             check_settings(transport, settings, timeout=config.reduce_timeout, device=global_copy.flat.device)
             self.model_state.check_same(transport, config.reduce_timeout)
             self.rounds.from_model()
@@ -149,19 +142,8 @@ class DiLoCo:
             transport.broadcast([global_copy.flat, *self.model_state.shared], src=0, timeout=config.reduce_timeout)
             self.rounds.to_model()
             self.model_state.after_broadcast()
-        self.eager = (
-            Eager(
-                self.rounds,
-                transport=transport,
-                inner_optimizer=inner_optimizer,
-                lr=self.outer_lr,
-                momentum=momentum,
-                nesterov=nesterov,
-                fresh_weight=config.eager_fresh_weight,
-            )
-            if config.overlap == "eager"
-            else None
-        )
+        eager = config.overlap == "eager"
+        self.eager = Eager(self.rounds, transport=transport, inner_optimizer=inner_optimizer) if eager else None
         """Eager updates' own outer parameters and share in flight (``diloco_core.eager``); None otherwise."""
         self.run_state = RunState(self.rounds, config, eager=self.eager)
         """The outer state a transport whose peers come and go serves to joiners (``Transport.attach``)."""
@@ -207,7 +189,8 @@ class DiLoCo:
 
     def _outer(self, s: int, c: DiLoCoConfig) -> RoundReport | None:
         if self.eager is not None:
-            return None if s % c.inner_steps else self._with_retries(self.eager.boundary)
+            eager, w = self.eager, c.eager_fresh_weight
+            return None if s % c.inner_steps else self._with_retries(lambda retry: eager.boundary(retry, w))
         report = None
         for fragment in [p.fragment for p in self.rounds.in_flight if p.finish_at == s]:
             report = self._with_retries(lambda retry, fragment=fragment: self._finish_scheduled(fragment, retry))
@@ -302,14 +285,8 @@ class DiLoCo:
         r = self.rounds
         if not any(p is pending for p in r.in_flight) and pending.round != r.round + 1:
             raise ValueError(f"pending round {pending.round} cannot finish: this worker is at round {r.round}")
-        pending = r.settle(pending)
-        r.drop(pending)
-        f, settled = self.fragments[pending.fragment], pending.settled
-        assert settled is not None
-        mean_clipped, mean_norm = f.clip_mean(settled)
-        if settled.valid:
-            r.outer_step(f)
-        f.load_global(self.config.merge_alpha)
+        pending, mean_clipped, mean_norm = r.apply(pending)
+        self.fragments[pending.fragment].load_global(self.config.merge_alpha)
         if pending.excluded:
             reset_if_nonfinite(self.inner_optimizer, r.round + 1)
         return r.advance(pending, mean_norm=mean_norm, mean_clipped=mean_clipped)

@@ -73,7 +73,7 @@ def in_flight_entry(p: PendingRound, *, mean: torch.Tensor, settled: Settled | N
     }
 
 
-_KEYS = (
+_KEYS = [
     "model",
     "param_names",
     "model_state",
@@ -85,7 +85,7 @@ _KEYS = (
     "residual",
     "guard",
     "transport",
-)
+]
 
 
 @torch.no_grad()

@@ -35,26 +35,15 @@ __all__ = ["Eager"]
 class Eager:
     """One worker's eager state: its outer parameters x (``flat``) with their own outer SGD, and the
     pseudo-gradient it last sent (``sent``, its share of the reduce in flight); it runs the boundaries of
-    ``rounds`` (one fragment), reducing through ``transport``."""
+    ``rounds`` (one fragment), reducing through ``transport``. Its SGD has the consensus outer SGD's settings."""
 
-    def __init__(
-        self,
-        rounds: Rounds,
-        *,
-        transport: Transport,
-        inner_optimizer: torch.optim.Optimizer,
-        lr: float,
-        momentum: float,
-        nesterov: bool,
-        fresh_weight: float | None,
-    ) -> None:
+    def __init__(self, rounds: Rounds, *, transport: Transport, inner_optimizer: torch.optim.Optimizer) -> None:
         self.rounds, self.transport, self.inner_optimizer = rounds, transport, inner_optimizer
-        self.fresh_weight = fresh_weight
-        """w (``eager_fresh_weight``); None: max(0.5, 1 / M) for the world size at each boundary."""
         self.flat = rounds.global_copy.flat.detach().clone()
         self.param = torch.nn.Parameter(self.flat, requires_grad=False)
         self.param.grad = torch.zeros_like(self.flat)
-        self.optimizer = torch.optim.SGD([self.param], lr=lr, momentum=momentum, nesterov=nesterov, fused=True)
+        outer = {k: rounds.outer_optimizer.defaults[k] for k in ("lr", "momentum", "nesterov")}
+        self.optimizer = torch.optim.SGD([self.param], **outer, fused=True)
         self.sent = torch.zeros_like(self.flat)
         self.sent_valid = False
         """``sent`` went into the reduce in flight as a valid contribution (False: none in flight, or excluded)."""
@@ -106,9 +95,10 @@ class Eager:
         self.sent_valid, self.sent_norm = bool(state["sent_valid"]), float(state["sent_norm"])
 
     @torch.no_grad()
-    def boundary(self, retry: bool) -> RoundReport:
+    def boundary(self, retry: bool, fresh_weight: float | None) -> RoundReport:
         """Eager updates' boundary: settle the previous round's reduce (a retry sends the same share again), step
-        the consensus copy with its mean and this worker's own params with Δ̃, send the fresh pseudo-gradient."""
+        the consensus copy with its mean and this worker's own params with Δ̃ (w: ``fresh_weight``, None: max(0.5,
+        1 / M)), send the fresh pseudo-gradient."""
         r, f, world = self.rounds, self.rounds.fragments[0], self.transport.world_size
         start = time.perf_counter()
         last = r.in_flight[0] if r.in_flight else None
@@ -116,17 +106,13 @@ class Eager:
             f.reduce.body.copy_(self.sent)
             handle, _ = f.send(self.transport, excluded=not self.sent_valid, norm=self.sent_norm)
             last = r.swap(last, handle=handle, buffers=r.model_state.begin(self.transport))
-        last = r.settle(last) if last is not None else None
+        # applied (no longer in flight): a snapshot of the run state taken as the fresh reduce starts must not hold it
+        last, mean_clipped, mean_norm = r.apply(last) if last is not None else (None, False, 0.0)
         settled = last.settled if last is not None else None
-        mean_clipped, mean_norm = f.clip_mean(settled) if settled is not None else (False, 0.0)
-        if settled is not None and settled.valid:
-            r.outer_step(f)
-        if last is not None:
-            r.drop(last)  # applied: a snapshot of the run state taken as the fresh reduce starts must not hold it
         mean = self.param.grad.copy_(f.reduce.body) if settled is not None else None  # held: the body is reused
         local_norm, excluded, clipped, sent_norm = f.pseudo_gradient(start=self.flat)
         valid = settled.valid if settled else 0
-        w = max(0.5, 1 / world) if self.fresh_weight is None else self.fresh_weight  # 1 / M: the paper's rule
+        w = max(0.5, 1 / world) if fresh_weight is None else fresh_weight  # 1 / M: the paper's rule
         self.outer_gradient(mean, f.reduce.body, valid=valid, world=world, w=w, fresh_valid=not excluded)
         self.optimizer.step()
         self.sent.copy_(f.reduce.body)
@@ -154,13 +140,7 @@ class Eager:
     def flush(self) -> None:
         """The last round's reduce settled and stepped into the consensus copy; the model and this worker's own
         params become it (the same on every worker)."""
-        r, f = self.rounds, self.rounds.fragments[0]
-        for pending in r.in_flight:
-            pending = r.settle(pending)
-            assert pending.settled is not None
-            f.clip_mean(pending.settled)
-            if pending.settled.valid:
-                r.outer_step(f)
-            r.drop(pending)
-        f.load_global()
+        for pending in self.rounds.in_flight:
+            self.rounds.apply(pending)
+        self.rounds.fragments[0].load_global()
         self.reset()

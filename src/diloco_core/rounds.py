@@ -36,15 +36,11 @@ class Rounds:
         model_state: ModelState,
         timeout: float,
     ) -> None:
-        self.fragments, self.local, self.global_copy = list(fragments), list(local), global_copy
+        self.fragments, self.global_copy, self.outer_optimizer = list(fragments), global_copy, outer_optimizer
+        self.local, self.order = list(local), list(order)
         self.ordered = [self.local[i] for i in order]
         """``local`` in the global copy's order."""
-        self.order, self.outer_optimizer, self.model_state, self.timeout = (
-            list(order),
-            outer_optimizer,
-            model_state,
-            timeout,
-        )
+        self.model_state, self.timeout = model_state, timeout
         self._round, self._inner_step = 0, 0
         self._in_flight: list[PendingRound] = []
         self._listeners: list[Callable[[], None]] = []
@@ -99,11 +95,19 @@ class Rounds:
         f = self.fragments[pending.fragment]
         return self.swap(pending, settled=f.settle(result, excluded=pending.excluded))
 
-    def outer_step(self, fragment: Fragment) -> None:
-        """The outer optimizer's step of ``fragment``, its reduced mean as the gradient."""
-        for f in self.fragments:  # SGD steps the parameters that have a gradient
-            f.param.grad = f.reduce.body if f is fragment else None
-        self.outer_optimizer.step()
+    def apply(self, pending: PendingRound) -> tuple[PendingRound, bool, float]:
+        """Settle ``pending`` (it is no longer in flight) and take its fragment's outer step if any contribution
+        was valid, the mean clipped by the norm guard: (``pending`` settled, mean clipped, the mean's norm)."""
+        pending = self.settle(pending)
+        self.drop(pending)
+        fragment, settled = self.fragments[pending.fragment], pending.settled
+        assert settled is not None
+        mean_clipped, mean_norm = fragment.clip_mean(settled)
+        if settled.valid:
+            for f in self.fragments:  # SGD steps the parameters that have a gradient
+                f.param.grad = f.reduce.body if f is fragment else None
+            self.outer_optimizer.step()
+        return pending, mean_clipped, mean_norm
 
     def advance(self, pending: PendingRound, *, mean_norm: float, mean_clipped: bool) -> RoundReport:
         """Count the round ``pending`` applied, tell the listeners, and log its report."""
