@@ -17,7 +17,6 @@ from .diloco_state import load_state, state_of
 from .eager import Eager
 from .flat import FlatBuffer, local_of
 from .fragment import cut
-from .guard import reset_if_nonfinite
 from .model_state import ModelState
 from .report import PendingRound, RoundReport
 from .rounds import Rounds
@@ -127,8 +126,10 @@ class DiLoCo:
             global_copy=global_copy,
             order=order,
             outer_optimizer=self.outer_optimizer,
+            inner_optimizer=inner_optimizer,
             model_state=self.model_state,
-            timeout=config.reduce_timeout,
+            transport=transport,
+            config=config,
         )
         """The round's mutable state: counters, global copy, outer optimizer, rounds in flight."""
         self.outer_seconds = 0.0
@@ -143,7 +144,7 @@ class DiLoCo:
             self.rounds.to_model()
             self.model_state.after_broadcast()
         eager = config.overlap == "eager"
-        self.eager = Eager(self.rounds, transport=transport, inner_optimizer=inner_optimizer) if eager else None
+        self.eager = Eager(self.rounds) if eager else None
         """Eager updates' own outer parameters and share in flight (``diloco_core.eager``); None otherwise."""
         self.run_state = RunState(self.rounds, config, eager=self.eager)
         """The outer state a transport whose peers come and go serves to joiners (``Transport.attach``)."""
@@ -196,9 +197,9 @@ class DiLoCo:
             report = self._with_retries(lambda retry, fragment=fragment: self._finish_scheduled(fragment, retry))
         p = begins_at(s, inner_steps=c.inner_steps, fragments=len(self.fragments))
         if p is not None and c.overlap_steps == 0:
-            report = self._with_retries(lambda retry: self._finish(self._begin(fragment=p)))
+            report = self._with_retries(lambda retry: self.rounds.finish(self.rounds.begin(p)))
         elif p is not None:
-            self.rounds.add(replace(self._begin(fragment=p), finish_at=s + c.overlap_steps))
+            self.rounds.add(replace(self.rounds.begin(p), finish_at=s + c.overlap_steps))
         return report
 
     def _with_retries(self, run: Callable[[bool], RoundReport]) -> RoundReport | None:
@@ -227,8 +228,8 @@ class DiLoCo:
         pending = next(p for p in self.rounds.in_flight if p.fragment == fragment)
         if retry and pending.settled is None:
             self.rounds.drop(pending)
-            pending = self._begin(fragment=fragment)
-        return self._finish(pending)
+            pending = self.rounds.begin(fragment)
+        return self.rounds.finish(pending)
 
     def _blocking(self, call: str) -> None:
         if self.config.overlap != "none":
@@ -241,7 +242,7 @@ class DiLoCo:
         """Run one outer round of the whole model now (blocking): ``begin_round`` + ``finish_round``.
         ``RuntimeError`` unless ``overlap`` is ``none`` (call ``step()`` and ``flush()`` there)."""
         self._blocking("sync")
-        return self._finish(self._begin())
+        return self.rounds.finish(self.rounds.begin(0))
 
     def begin_round(self, fragment: int = 0) -> PendingRound:
         """Phases 1-2 of a round of ``fragment``: compute this worker's pseudo-gradient and start its reduce.
@@ -249,28 +250,7 @@ class DiLoCo:
         ``finish_round``. A pseudo-gradient the guard refuses (NaN, infinite, out of the wire's range) is sent
         as zeros, flagged not valid (``diloco_core.guard``). ``RuntimeError`` unless ``overlap`` is ``none``."""
         self._blocking("begin_round")
-        return self._begin(fragment)
-
-    @torch.no_grad()
-    def _begin(self, fragment: int = 0) -> PendingRound:
-        start = time.perf_counter()
-        self.model_state.check_trainable()
-        f = self.fragments[fragment]
-        local_norm, excluded, clipped, sent_norm = f.pseudo_gradient()
-        handle, excluded = f.send(self.transport, excluded=excluded, norm=sent_norm)
-        last = fragment == len(self.fragments) - 1  # the buffers travel once per H steps, with the last fragment
-        buffers = self.model_state.begin(self.transport) if last else None
-        return PendingRound(
-            round=self.rounds.round + 1,
-            handle=handle,
-            pseudo_grad_norm=local_norm,
-            started=start,
-            buffers=buffers,
-            excluded=excluded,
-            clipped=clipped,
-            fragment=fragment,
-            sent_norm=sent_norm,
-        )
+        return self.rounds.begin(fragment)
 
     def finish_round(self, pending: PendingRound) -> RoundReport:
         """Phases 2-4: wait for the mean, take the fragment's outer step, and set the fragment's tensors of the
@@ -278,18 +258,7 @@ class DiLoCo:
         ``TransportError`` nothing has changed (call ``begin_round`` again). ``RuntimeError`` unless ``overlap``
         is ``none``."""
         self._blocking("finish_round")
-        return self._finish(pending)
-
-    @torch.no_grad()
-    def _finish(self, pending: PendingRound) -> RoundReport:
-        r = self.rounds
-        if not any(p is pending for p in r.in_flight) and pending.round != r.round + 1:
-            raise ValueError(f"pending round {pending.round} cannot finish: this worker is at round {r.round}")
-        pending, mean_clipped, mean_norm = r.apply(pending)
-        self.fragments[pending.fragment].load_global(self.config.merge_alpha)
-        if pending.excluded:
-            reset_if_nonfinite(self.inner_optimizer, r.round + 1)
-        return r.advance(pending, mean_norm=mean_norm, mean_clipped=mean_clipped)
+        return self.rounds.finish(pending)
 
     @torch.no_grad()
     def flush(self) -> None:
@@ -299,7 +268,7 @@ class DiLoCo:
             if self.eager is not None:
                 self.eager.flush()
             for pending in self.rounds.in_flight:
-                self._finish(pending)
+                self.rounds.finish(pending)
 
     def state_dict(self) -> dict[str, Any]:
         """All needed to continue bit-identically (``diloco_state``); reduces in flight settle, kept for their step."""

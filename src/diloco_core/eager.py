@@ -27,7 +27,6 @@ import torch
 from .guard import reset_if_nonfinite
 from .report import PendingRound, RoundReport
 from .rounds import Rounds
-from .transport import Transport
 
 __all__ = ["Eager"]
 
@@ -35,10 +34,10 @@ __all__ = ["Eager"]
 class Eager:
     """One worker's eager state: its outer parameters x (``flat``) with their own outer SGD, and the
     pseudo-gradient it last sent (``sent``, its share of the reduce in flight); it runs the boundaries of
-    ``rounds`` (one fragment), reducing through ``transport``. Its SGD has the consensus outer SGD's settings."""
+    ``rounds`` (one fragment). Its SGD has the consensus outer SGD's settings."""
 
-    def __init__(self, rounds: Rounds, *, transport: Transport, inner_optimizer: torch.optim.Optimizer) -> None:
-        self.rounds, self.transport, self.inner_optimizer = rounds, transport, inner_optimizer
+    def __init__(self, rounds: Rounds) -> None:
+        self.rounds = rounds
         self.flat = rounds.global_copy.flat.detach().clone()
         self.param = torch.nn.Parameter(self.flat, requires_grad=False)
         self.param.grad = torch.zeros_like(self.flat)
@@ -99,13 +98,14 @@ class Eager:
         """Eager updates' boundary: settle the previous round's reduce (a retry sends the same share again), step
         the consensus copy with its mean and this worker's own params with Δ̃ (w: ``fresh_weight``, None: max(0.5,
         1 / M)), send the fresh pseudo-gradient."""
-        r, f, world = self.rounds, self.rounds.fragments[0], self.transport.world_size
+        r, f = self.rounds, self.rounds.fragments[0]
+        transport, world = r.transport, r.transport.world_size
         start = time.perf_counter()
         last = r.in_flight[0] if r.in_flight else None
         if last is not None and retry and last.settled is None:
             f.reduce.body.copy_(self.sent)
-            handle, _ = f.send(self.transport, excluded=not self.sent_valid, norm=self.sent_norm)
-            last = r.swap(last, handle=handle, buffers=r.model_state.begin(self.transport))
+            handle, _ = f.send(transport, excluded=not self.sent_valid, norm=self.sent_norm)
+            last = r.swap(last, handle=handle, buffers=r.model_state.begin(transport))
         # applied (no longer in flight): a snapshot of the run state taken as the fresh reduce starts must not hold it
         last, mean_clipped, mean_norm = r.apply(last) if last is not None else (None, False, 0.0)
         settled = last.settled if last is not None else None
@@ -116,18 +116,18 @@ class Eager:
         self.outer_gradient(mean, f.reduce.body, valid=valid, world=world, w=w, fresh_valid=not excluded)
         self.optimizer.step()
         self.sent.copy_(f.reduce.body)
-        handle, excluded = f.send(self.transport, excluded=excluded, norm=sent_norm)
+        handle, excluded = f.send(transport, excluded=excluded, norm=sent_norm)
         self.sent_valid, self.sent_norm = not excluded, sent_norm
         parts = self.flat.split([t.numel() for t in f.local])
         torch._foreach_copy_(f.local, [x.view_as(t) for x, t in zip(parts, f.local)])
         if excluded:
-            reset_if_nonfinite(self.inner_optimizer, r.round + 1)
+            reset_if_nonfinite(r.inner_optimizer, r.round + 1)
         fresh = PendingRound(
             round=r.round + 2,
             handle=handle,
             pseudo_grad_norm=local_norm,
             started=start,
-            buffers=r.model_state.begin(self.transport),
+            buffers=r.model_state.begin(transport),
             excluded=excluded,
             clipped=clipped,
             sent_norm=sent_norm,

@@ -6,16 +6,20 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 from typing import Any
 
 import torch
 
+from .config import DiLoCoConfig
 from .flat import FlatBuffer
 from .fragment import Fragment
+from .guard import reset_if_nonfinite
 from .model_state import ModelState
 from .report import PendingRound, RoundReport, log_round, report_of
+from .transport import Transport
 
 __all__ = ["Rounds"]
 
@@ -23,7 +27,8 @@ __all__ = ["Rounds"]
 class Rounds:
     """The global copy (``global_copy``: the trainable tensors ``local[i]`` for i in ``order``, cut into
     ``fragments``), its outer optimizer, the counters ``round`` and ``inner_step``, and the rounds whose reduce
-    is in flight (``in_flight``, in the order they began). ``model_state``'s buffers travel with the rounds."""
+    is in flight (``in_flight``, in the order they began). ``model_state``'s buffers travel with the rounds,
+    through ``transport``; an excluded round restarts ``inner_optimizer`` if its state is not finite."""
 
     def __init__(
         self,
@@ -33,14 +38,17 @@ class Rounds:
         global_copy: FlatBuffer,
         order: Sequence[int],
         outer_optimizer: torch.optim.Optimizer,
+        inner_optimizer: torch.optim.Optimizer,
         model_state: ModelState,
-        timeout: float,
+        transport: Transport,
+        config: DiLoCoConfig,
     ) -> None:
         self.fragments, self.global_copy, self.outer_optimizer = list(fragments), global_copy, outer_optimizer
         self.local, self.order = list(local), list(order)
         self.ordered = [self.local[i] for i in order]
         """``local`` in the global copy's order."""
-        self.model_state, self.timeout = model_state, timeout
+        self.inner_optimizer, self.model_state, self.transport = inner_optimizer, model_state, transport
+        self.timeout, self.merge_alpha = config.reduce_timeout, config.merge_alpha
         self._round, self._inner_step = 0, 0
         self._in_flight: list[PendingRound] = []
         self._listeners: list[Callable[[], None]] = []
@@ -72,6 +80,40 @@ class Rounds:
         """Count an inner step; the number taken."""
         self._inner_step += 1
         return self._inner_step
+
+    @torch.no_grad()
+    def begin(self, fragment: int) -> PendingRound:
+        """Phases 1-2 of a round of ``fragment``: this worker's pseudo-gradient, through the guard, and its
+        reduce started (with the buffers' once per H steps, with the last fragment). Not yet in flight."""
+        start = time.perf_counter()
+        self.model_state.check_trainable()
+        f = self.fragments[fragment]
+        local_norm, excluded, clipped, sent_norm = f.pseudo_gradient()
+        handle, excluded = f.send(self.transport, excluded=excluded, norm=sent_norm)
+        last = fragment == len(self.fragments) - 1
+        return PendingRound(
+            round=self._round + 1,
+            handle=handle,
+            pseudo_grad_norm=local_norm,
+            started=start,
+            buffers=self.model_state.begin(self.transport) if last else None,
+            excluded=excluded,
+            clipped=clipped,
+            fragment=fragment,
+            sent_norm=sent_norm,
+        )
+
+    @torch.no_grad()
+    def finish(self, pending: PendingRound) -> RoundReport:
+        """Phases 2-4 of ``pending`` (the next round, or one in flight): ``apply`` it, set the fragment's tensors
+        of the model to the new global params (``merge_alpha`` of them stays local), count it."""
+        if not any(p is pending for p in self._in_flight) and pending.round != self._round + 1:
+            raise ValueError(f"pending round {pending.round} cannot finish: this worker is at round {self._round}")
+        pending, mean_clipped, mean_norm = self.apply(pending)
+        self.fragments[pending.fragment].load_global(self.merge_alpha)
+        if pending.excluded:
+            reset_if_nonfinite(self.inner_optimizer, self._round + 1)
+        return self.advance(pending, mean_norm=mean_norm, mean_clipped=mean_clipped)
 
     def add(self, pending: PendingRound) -> None:
         """A round whose reduce began, to be applied later."""
