@@ -43,6 +43,9 @@ class DiLoCo:
     3. outer step: ``torch.optim.SGD`` (Nesterov) on the global copy, the mean used as its gradient;
     4. the new global params are copied into the model, and inner training resumes from them.
 
+    The phases and the state they change (counters, global copy, outer optimizer, rounds in flight) are
+    ``rounds`` (``diloco_core.rounds.Rounds``); ``DiLoCo`` schedules them, retries them and answers for them.
+
     If phase 2 raises ``TransportError`` nothing has changed: the global copy and the outer optimizer
     are as before and the model keeps its local params. ``step()`` retries the round up to
     ``round_retries`` times (survivors of a lost peer regroup), then lets the error through; the caller
@@ -53,7 +56,8 @@ class DiLoCo:
     Overlap (``config.overlap``, docs/overlap.md): ``streaming`` cuts the model into ``fragments`` synced one
     after another (``diloco_core.streaming``), each reduce running behind ``overlap_steps`` inner steps;
     ``eager`` runs each round's reduce behind the next ``inner_steps`` (``diloco_core.eager``). Call
-    ``flush()`` at the end of training to apply what is still in flight.
+    ``flush()`` at the end of training to apply what is still in flight; the blocking ``sync()``,
+    ``begin_round()`` and ``finish_round()`` refuse to run beside it.
 
     FSDP2 islands: a model sharded by ``fully_shard`` has DTensor parameters; DiLoCo works on each one's
     local shard (``local``), so its transport's group must be the ranks holding the same shards, one per
@@ -273,12 +277,8 @@ class DiLoCo:
     def state_dict(self) -> dict[str, Any]:
         """All needed to continue bit-identically (``diloco_state``); reduces in flight settle, kept for their step."""
         with self.run_state.lock:
-            return state_of(
-                self.rounds, inner_optimizer=self.inner_optimizer, transport=self.transport, eager=self.eager
-            )
+            return state_of(self.rounds, self.eager)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         with self.run_state.lock:
-            load_state(
-                self.rounds, state, inner_optimizer=self.inner_optimizer, transport=self.transport, eager=self.eager
-            )
+            load_state(self.rounds, state, self.eager)

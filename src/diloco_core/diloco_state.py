@@ -18,16 +18,14 @@ from .eager import Eager
 from .fragment import Fragment, Settled
 from .report import PendingRound
 from .rounds import Rounds
-from .transport import ReduceResult, Transport
+from .transport import ReduceResult
 
 __all__ = ["in_flight_entry", "load_state", "restored", "state_of"]
 
 _IN_FLIGHT = ("fragment", "finish_at", "round", "excluded", "clipped", "pseudo_grad_norm", "sent_norm")
 
 
-def state_of(
-    rounds: Rounds, *, inner_optimizer: torch.optim.Optimizer, transport: Transport, eager: Eager | None
-) -> dict[str, Any]:
+def state_of(rounds: Rounds, eager: Eager | None) -> dict[str, Any]:
     """Model (trainable parameters, their names, and by name its frozen parameters and persistent
     buffers), global copy, both optimizers, counters, the error-feedback residual (None without), the
     contribution guard's references, what the transport keeps about the run's state; with overlap, the
@@ -42,12 +40,12 @@ def state_of(
         "model_state": rounds.model_state.state_dict(),
         "global": rounds.global_copy.flat,
         "outer_optimizer": rounds.outer_optimizer.state_dict(),
-        "inner_optimizer": inner_optimizer.state_dict(),
+        "inner_optimizer": rounds.inner_optimizer.state_dict(),
         "inner_step": rounds.inner_step,
         "round": rounds.round,
         "residual": None if residuals[0] is None else torch.cat(residuals) if len(frags) > 1 else residuals[0],
         "guard": frags[0].guard.state_dict() if len(frags) == 1 else [f.guard.state_dict() for f in frags],
-        "transport": transport.state_dict(),
+        "transport": rounds.transport.state_dict(),
     }
     if eager is not None:
         state["eager"] = eager.state_dict()
@@ -89,14 +87,7 @@ _KEYS = [
 
 
 @torch.no_grad()
-def load_state(
-    rounds: Rounds,
-    state: dict[str, Any],
-    *,
-    inner_optimizer: torch.optim.Optimizer,
-    transport: Transport,
-    eager: Eager | None,
-) -> None:
+def load_state(rounds: Rounds, state: dict[str, Any], eager: Eager | None) -> None:
     """Load ``state_of``'s dict (``ValueError`` naming what is missing or does not fit this run)."""
     missing = [k for k in _KEYS if k not in state]
     if missing:
@@ -116,7 +107,7 @@ def load_state(
     rounds.global_copy.flat.copy_(flat)
     rounds.model_state.load(state)
     rounds.outer_optimizer.load_state_dict(state["outer_optimizer"])
-    inner_optimizer.load_state_dict(state["inner_optimizer"])
+    rounds.inner_optimizer.load_state_dict(state["inner_optimizer"])
     residual = state["residual"]  # None: no error feedback
     parts = residual.split([f.flat.numel() for f in frags]) if residual is not None else [None] * len(frags)
     for i, f in enumerate(frags):
@@ -126,7 +117,7 @@ def load_state(
         eager.load_state_dict(state["eager"])
     in_flight = [restored(frags, p) for p in state.get("in_flight", [])]  # absent: none in flight
     rounds.restore(round=int(state["round"]), inner_step=int(state["inner_step"]), in_flight=in_flight)
-    transport.load_state_dict(state["transport"])
+    rounds.transport.load_state_dict(state["transport"])
 
 
 def restored(fragments: Sequence[Fragment], saved: dict[str, Any], *, copy: bool = True) -> PendingRound:
