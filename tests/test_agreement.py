@@ -78,7 +78,8 @@ def test_a_changed_payload_layout_is_part_of_the_settings():
     def layout(wire: str):
         model = torch.nn.Linear(4, 4)
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
-        return settings_of(DiLoCo(model, opt, InProcessGroup(1).transport(0), DiLoCoConfig(wire_dtype=wire)))
+        d = DiLoCo(model, opt, InProcessGroup(1).transport(0), DiLoCoConfig(wire_dtype=wire))
+        return settings_of(d.config, codec=d.codec, outer_lr=d.outer_lr, fragments=d.fragments)
 
     assert layout("int4")["wire_layout"] == 2 and layout("sign")["wire_layout"] == 2
     assert layout("int8")["wire_layout"] is None and layout("fp32")["wire_layout"] is None

@@ -480,8 +480,9 @@ def test_the_transports_state_travels_inside_diloco_state():
     assert state["transport"] == {"tag": (3, b"x")}
     dl.load_state_dict(state)
     assert t.loaded == [{"tag": (3, b"x")}]  # after DiLoCo's own state: hivemind serves what was loaded
-    del state["transport"]  # a checkpoint written before transports had state
-    dl.load_state_dict(state)
+    del state["transport"]  # not a DiLoCo.state_dict(): refused, nothing loaded
+    with pytest.raises(ValueError, match=r"missing \['transport'\]"):
+        dl.load_state_dict(state)
     assert t.loaded == [{"tag": (3, b"x")}]
 
 

@@ -128,10 +128,9 @@ class ContributionGuard:
     def state_dict(self) -> dict[str, float]:
         return {"ref_norm": self.ref_norm, "ref_mean": self.ref_mean}
 
-    def load_state_dict(self, state: dict | None) -> None:
-        """From ``state_dict()`` (or a peer's snapshot); None or absent (older checkpoints): no reference."""
-        state = state or {}
-        refs = (state.get("ref_norm", 0.0), state.get("ref_mean", 0.0))
+    def load_state_dict(self, state: dict) -> None:
+        """From ``state_dict()`` (or a peer's snapshot)."""
+        refs = (state.get("ref_norm"), state.get("ref_mean")) if isinstance(state, dict) else (None, None)
         if not all(isinstance(r, (int, float)) and math.isfinite(r) and r >= 0 for r in refs):
             raise ValueError(f"the contribution guard's references must be finite numbers >= 0, got {state!r}")
         self.ref_norm, self.ref_mean = float(refs[0]), float(refs[1])
