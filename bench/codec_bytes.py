@@ -18,8 +18,8 @@ import time
 import torch
 
 from diloco_core import DiLoCo, DiLoCoConfig, codec_for
+from diloco_core.codecs import mean_of_payloads
 from diloco_core.feedback import ErrorFeedback
-from diloco_core.wire import mean_of_payloads
 from transports import InProcessGroup
 
 N, WIRES = 25_000_000, ("fp32", "fp16", "int8", "int4", "sign")

@@ -11,8 +11,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from diloco_core import BF16, CODECS, FP16, FP32, INT4, INT8, codec_for, mean_of_payloads, reference_mean
-from diloco_core.codec_names import check_codec
-from diloco_core.sign_codec import SignCodec
+from diloco_core.codecs import check_codec
+from diloco_core.codecs.sign import SignCodec
 
 
 @pytest.mark.parametrize("codec", [FP32, FP16, BF16], ids=lambda c: c.name)

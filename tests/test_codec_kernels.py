@@ -1,4 +1,4 @@
-"""The block codecs' fused CPU kernels (``diloco_core.codec_kernels``) give the eager code's payloads, means and
+"""The block codecs' fused CPU kernels (``diloco_core.codecs.kernels``) give the eager code's payloads, means and
 decodes bit for bit, and a codec stays eager (and correct) where a kernel cannot be compiled."""
 
 from __future__ import annotations
@@ -11,11 +11,11 @@ import threading
 import pytest
 import torch
 
-from diloco_core import codec_kernels
-from diloco_core.block_codec import BlockCodec
-from diloco_core.codec_kernels import BUILD_MIN_VALUES, MIN_VALUES, kernels_available
-from diloco_core.sign_codec import SignCodec
-from diloco_core.wire import reference_mean
+from diloco_core.codecs import kernels as codec_kernels
+from diloco_core.codecs import reference_mean
+from diloco_core.codecs.block import BlockCodec
+from diloco_core.codecs.kernels import BUILD_MIN_VALUES, MIN_VALUES, kernels_available
+from diloco_core.codecs.sign import SignCodec
 
 pytestmark = pytest.mark.skipif(
     not kernels_available(torch.device("cpu")), reason="no C++ compiler for Inductor: the codecs run eagerly"
@@ -103,7 +103,7 @@ def test_a_kernel_that_does_not_compile_leaves_the_codec_eager(caplog):
     def broken(src, scales, *, bits):
         raise RuntimeError("no compiler here")
 
-    with caplog.at_level(logging.WARNING, logger="diloco_core.codec_kernels"):
+    with caplog.at_level(logging.WARNING, logger="diloco_core.codecs.kernels"):
         assert codec_kernels._compile(broken, [torch.zeros(4, 256), torch.zeros(4)], bits=8) is False
     assert "codec kernels unavailable, using eager torch (" in caplog.text
 

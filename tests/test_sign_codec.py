@@ -13,8 +13,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from diloco_core import SIGN, DiLoCoConfig, codec_for, mean_of_payloads, reference_mean
+from diloco_core.codecs.sign import SignCodec
 from diloco_core.feedback import ErrorFeedback
-from diloco_core.sign_codec import SignCodec
 
 FP32_MAX = torch.finfo(torch.float32).max
 

@@ -7,8 +7,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any
 
-from .block_codec import check_block
-from .codec_names import CODECS
+from .codecs.block import check_block
+from .codecs.names import CODECS
 
 __all__ = ["OVERLAP_MODES", "DiLoCoConfig", "check_field", "from_mapping", "is_finite_number", "outer_lr_for"]
 
@@ -59,7 +59,7 @@ class DiLoCoConfig:
     nesterov: bool = True
     """Nesterov momentum for the outer SGD. With momentum 0 both forms are the same plain SGD step."""
     wire_dtype: str = "fp32"
-    """The codec the pseudo-gradients travel in (``diloco_core.codec_names.CODECS``): fp32, fp16 or bf16 (casts),
+    """The codec the pseudo-gradients travel in (``diloco_core.codecs.CODECS``): fp32, fp16 or bf16 (casts),
     int8, int4 or sign (``codec_block`` values per fp32 scale). Sums are always accumulated in fp32."""
     codec_block: int = 256
     """Values per scale of the int8, int4 and sign codecs: a power of two in [16, 65536] ([32, 65536] for sign)."""

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from .codec import Codec
+from .codecs import Codec
 
 __all__ = ["ErrorFeedback"]
 

@@ -6,7 +6,7 @@ from collections.abc import Sequence
 
 import torch
 
-from .codec import FP32, Codec
+from .codecs import FP32, Codec
 from .run_state import RunState
 from .transport import Capabilities, ReduceHandle, Transport
 

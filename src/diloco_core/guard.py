@@ -29,7 +29,7 @@ import zlib
 
 import torch
 
-from .codec import Codec
+from .codecs import Codec
 from .flat import norm_of
 
 logger = logging.getLogger("diloco_core.diloco")

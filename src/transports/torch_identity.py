@@ -19,8 +19,7 @@ from collections import Counter
 
 import torch
 
-from diloco_core.codec import Codec
-from diloco_core.codec_names import CODECS
+from diloco_core.codecs import CODECS, Codec
 from diloco_core.transport import TransportError
 
 __all__ = ["Identity"]

@@ -10,8 +10,7 @@ from typing import Any
 
 import torch
 
-from diloco_core.codec import FP32, Codec
-from diloco_core.codec_names import check_codec
+from diloco_core.codecs import FP32, Codec, check_codec
 from diloco_core.run_state import RunState
 from diloco_core.transport import Capabilities, ReduceHandle, ReduceResult, Transport, TransportError
 

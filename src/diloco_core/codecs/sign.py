@@ -5,7 +5,7 @@ it drops is large: per block ||x||^2 - ||x||_1^2 / n of the squared norm (the me
 minimizes it; about 36% for Gaussian values), so it is meant for error feedback, which carries what was
 dropped into the next round (error-feedback signSGD: Karimireddy et al. 2019). Its bits travel as eight
 bit planes per block, each a contiguous eighth of it, so packing and unpacking are whole-vector shifts
-(and the mean of payloads a fused CPU kernel, ``codec_kernels``).
+(and the mean of payloads a fused CPU kernel, ``kernels``).
 """
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ from collections.abc import Callable
 
 import torch
 
-from .block_codec import BlockCodec, _blocks_of
-from .codec_kernels import packer
+from .block import BlockCodec, _blocks_of
+from .kernels import packer
 
 __all__ = ["SignCodec"]
 
@@ -38,7 +38,7 @@ class SignCodec(BlockCodec):
         self.layout = 2
 
     def _encoder(self, device: torch.device, numel: int, *, build: bool = False) -> Callable | None:
-        """The fused packing of the codes (``codec_kernels.packer``); None: eager."""
+        """The fused packing of the codes (``kernels.packer``); None: eager."""
         return packer(device=device, numel=numel, block=self.block, build=build) if self.fused else None
 
     def encode(self, values: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:

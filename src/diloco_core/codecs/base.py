@@ -1,27 +1,44 @@
-"""Codecs: how fp32 values travel on the wire, and how received payloads are summed back in fp32.
+"""The ``Codec`` interface: how fp32 values travel on the wire, and how received payloads are averaged back.
 
 A transport moves payloads and never encodes or decodes values itself: it asks the codec for the
-payload's shape (``payload_spec``), has every contribution encoded (``encode``), and sums what it
-received with ``diloco_core.wire.mean_of_payloads``, which decodes each payload into fp32
-(``add_decoded``). Cast codecs (fp32, fp16, bf16, here) cast element by element; block codecs (int8, int4:
-``block_codec``; sign: ``sign_codec``) quantize blocks of values with one scale each.
+payload's shape (``payload_spec``), has every contribution encoded (``encode``), and averages what it
+received with ``Codec.mean_of``, which decodes each payload into fp32. Cast codecs (fp32, fp16, bf16:
+``cast``) cast element by element; block codecs (int8, int4: ``block``; sign: ``sign``) quantize blocks of
+values with one scale each. Peers average together only when their codecs' ``identity`` is equal.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
-__all__ = ["BF16", "FP16", "FP32", "CastCodec", "Codec"]
+__all__ = ["Codec", "CodecId"]
+
+
+@dataclass(frozen=True)
+class CodecId:
+    """What peers must share to average together: the codec, its values per scale and its payload layout.
+    The settings check, the torch transport's reduce header and hivemind's averager names all compare it."""
+
+    name: str
+    block: int
+    layout: int
+
+    def __str__(self) -> str:
+        """The one spelling of the identity where a string is needed (names on the wire, messages):
+        ``fp16``, ``int8b256``, ``int4b256v2`` (the block where it has one, the layout where it is not 1)."""
+        block = f"b{self.block}" if self.block != 1 else ""
+        return self.name + block + (f"v{self.layout}" if self.layout != 1 else "")
 
 
 class Codec(ABC):
     """Encodes a flat fp32 tensor of ``numel`` values into a payload tensor of ``payload_spec(numel)``."""
 
     name: str
-    """The codec's name in config (``[diloco] wire_dtype``) and in error messages."""
+    """The codec's name in config (``[diloco] codec``) and in error messages."""
 
     elementwise_dtype: torch.dtype | None = None
     """The dtype each value is cast to when the payload is the values themselves, element by element
@@ -51,6 +68,23 @@ class Codec(ABC):
     def add_decoded(self, payload: torch.Tensor, into: torch.Tensor, scratch: torch.Tensor | None = None) -> None:
         """``into += decode(payload)`` in fp32; ``scratch`` (fp32, ``into``'s shape) is reused if given."""
 
+    @abstractmethod
+    def mean_of(
+        self, payloads: Sequence[torch.Tensor], out: torch.Tensor, scratch: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """``out`` = the fp32 mean of the decoded ``payloads``, summed in their order, then divided: the wire
+        contract (``reference_mean`` writes it plainly). ``scratch`` (fp32, ``out``'s shape) is reused if
+        given: allocating a large fresh buffer costs more than the arithmetic (page faults)."""
+
+    @property
+    def identity(self) -> CodecId:
+        """What a peer must share with this codec to average with it."""
+        return CodecId(self.name, self.block, self.layout)
+
+    def with_block(self, block: int) -> Codec:
+        """This codec with ``block`` values per scale (itself where values are not encoded in blocks)."""
+        return self
+
     def decode(self, payload: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         """``out = decode(payload)`` in fp32."""
         out.zero_()
@@ -78,45 +112,3 @@ class Codec(ABC):
 
     def __repr__(self) -> str:
         return f"<codec {self.name}>"
-
-
-class CastCodec(Codec):
-    """Each value cast to ``dtype`` (round to nearest); decoded by widening back to fp32."""
-
-    def __init__(self, name: str, dtype: torch.dtype) -> None:
-        self.name = name
-        self.elementwise_dtype = dtype
-
-    def payload_spec(self, numel: int) -> tuple[int, torch.dtype]:
-        return numel, self.elementwise_dtype
-
-    def encode(self, values: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-        dtype = self.elementwise_dtype
-        if dtype == torch.float32:
-            return values if out is None else out.copy_(values)
-        flat = values.reshape(-1)
-        out = torch.empty(flat.numel(), dtype=dtype, device=flat.device) if out is None else out
-        peaks = []  # chunk by chunk: the max |x| read while the chunk is still in cache
-        for src, dst in zip(flat.split(2**18), out.view(-1).split(2**18)):
-            if src.numel():  # an empty tensor splits into one empty chunk, which has no max
-                dst.copy_(src)
-                peaks.append(torch.maximum(src.amax(), src.amin().neg()))  # max |x|, NaN if any, no abs() temporary
-        # fp16 turns |x| >= 65520 into inf: the largest magnitude, cast alone, rounds as every value did
-        if peaks and not bool(torch.stack(peaks).amax().to(dtype).isfinite()):
-            raise ValueError(
-                f"{self.name} cannot encode NaN, infinite or out-of-range values (|x| > {torch.finfo(dtype).max:g})"
-            )
-        return out
-
-    def add_decoded(self, payload: torch.Tensor, into: torch.Tensor, scratch: torch.Tensor | None = None) -> None:
-        if payload.dtype != torch.float32:  # a widening copy, then an fp32 add: far faster than a mixed-dtype add
-            payload = (torch.empty_like(into) if scratch is None else scratch).copy_(payload)
-        into.add_(payload)
-
-    def decode(self, payload: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-        return out.copy_(payload)
-
-
-FP32 = CastCodec("fp32", torch.float32)
-FP16 = CastCodec("fp16", torch.float16)
-BF16 = CastCodec("bf16", torch.bfloat16)

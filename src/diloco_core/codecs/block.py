@@ -7,8 +7,8 @@ from collections.abc import Callable, Iterator, Sequence
 
 import torch
 
-from .codec import Codec
-from .codec_kernels import encoder, kernel
+from .base import Codec
+from .kernels import encoder, kernel
 
 __all__ = ["INT4", "INT8", "BlockCodec", "check_block"]
 
@@ -22,7 +22,7 @@ class BlockCodec(Codec):
     or ``block / 2`` (int4: the code's 4-bit two's complement per nibble, the block's first half low, its
     second half high) per block; a partial last block is encoded zero-padded (the sign codec: over its own
     values). Chunk by chunk, in small reused buffers; on CPU, encodes and means of whole blocks run as
-    fused kernels once ``prepare`` compiled them (``codec_kernels``: the same arithmetic, bit for bit)
+    fused kernels once ``prepare`` compiled them (``kernels``: the same arithmetic, bit for bit)
     unless ``fused`` is False.
     """
 
@@ -42,14 +42,14 @@ class BlockCodec(Codec):
         return codec
 
     def _kernel(self, device: torch.device, numel: int, payloads: int, *, build: bool = False) -> Callable | None:
-        """The fused kernel (``codec_kernels.kernel``) averaging ``payloads`` payloads of ``numel`` values;
+        """The fused kernel (``kernels.kernel``) averaging ``payloads`` payloads of ``numel`` values;
         None: eager."""
         if not self.fused:
             return None
         return kernel(device=device, numel=numel, block=self.block, bits=self.bits, payloads=payloads, build=build)
 
     def _encoder(self, device: torch.device, numel: int, *, build: bool = False) -> Callable | None:
-        """The fused encoder (``codec_kernels.encoder``) of ``numel`` values; None: eager."""
+        """The fused encoder (``kernels.encoder``) of ``numel`` values; None: eager."""
         if not self.fused or self.bits not in (4, 8):
             return None
         return encoder(device=device, numel=numel, block=self.block, bits=self.bits, build=build)
@@ -140,10 +140,11 @@ class BlockCodec(Codec):
             out.copy_(small)
         return out.mul_(scales[i:j, None])
 
-    def mean_of(self, payloads: Sequence[torch.Tensor], out: torch.Tensor) -> torch.Tensor:
-        """``out`` = the fp32 mean of the decoded ``payloads``, summed in their order and then divided, as
-        ``wire.mean_of_payloads``: the same operations value by value, but chunk by chunk in two small
-        buffers, so ``out`` is written once instead of decoded into, added to and divided in place."""
+    def mean_of(
+        self, payloads: Sequence[torch.Tensor], out: torch.Tensor, scratch: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """As ``Codec.mean_of``, value by value, but chunk by chunk in two small buffers (no ``scratch``), so
+        ``out`` is written once instead of decoded into, added to and divided in place."""
         n = out.numel()
         for p in payloads:
             self.check(p, n)
