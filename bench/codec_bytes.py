@@ -31,7 +31,7 @@ def _bytes_sent(wire: str) -> int:
     def worker(rank: int) -> None:
         model = torch.nn.Linear(N // 5, 5, bias=False)  # 25M trainable values
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
-        dl = DiLoCo(model, opt, transport=group.transport(rank), config=DiLoCoConfig(inner_steps=1, wire_dtype=wire))
+        dl = DiLoCo(model, opt, transport=group.transport(rank), config=DiLoCoConfig(inner_steps=1, codec=wire))
         model.weight.grad = torch.full_like(model.weight, 1e-3 * (rank + 1))
         sent[rank] = dl.step().bytes_sent
 

@@ -10,7 +10,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from diloco_core import BF16, CODECS, FP16, FP32, INT4, INT8, codec_for, mean_of_payloads, reference_mean
+from diloco_core import BF16, CODECS, FP16, FP32, INT4, INT8, DiLoCoConfig, codec_for, mean_of_payloads, reference_mean
 from diloco_core.codecs import check_codec
 from diloco_core.codecs.sign import SignCodec
 
@@ -46,7 +46,7 @@ def test_codecs_by_name_and_clear_errors():
     assert codec_for("int8", block=64).block == 64 and codec_for("int4").block == 256
     with pytest.raises(
         ValueError,
-        match=r"wire_dtype='int3' is invalid: expected one of \['bf16', 'fp16', 'fp32', 'int4', 'int8', 'sign'\]",
+        match=r"codec='int3' is invalid: expected one of \['bf16', 'fp16', 'fp32', 'int4', 'int8', 'sign'\]",
     ):
         codec_for("int3")
     for bad in (8, 100, 2**17, 256.0, True):
@@ -291,3 +291,11 @@ def test_block_codecs_reuse_buffers_per_thread_and_survive_pickling(codec):
     for i in range(4):
         assert torch.equal(got[i][0], want[i]) and torch.equal(got[i][1], means[i])
     assert torch.equal(pickle.loads(pickle.dumps(codec)).encode(xs[0]), want[0])
+
+
+def test_wire_dtype_is_a_deprecated_alias_of_codec():
+    with pytest.warns(DeprecationWarning, match=r"wire_dtype='int4' is deprecated: use codec='int4'"):
+        config = DiLoCoConfig(wire_dtype="int4")
+    assert config.codec == "int4" and config == DiLoCoConfig(codec="int4") and "wire_dtype" not in repr(config)
+    with pytest.warns(DeprecationWarning), pytest.raises(ValueError, match=r"codec='int3' is invalid"):
+        DiLoCoConfig(wire_dtype="int3")

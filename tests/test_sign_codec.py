@@ -33,9 +33,9 @@ def test_blocks_under_32_are_refused_since_side_by_side_payloads_would_misalign_
     with pytest.raises(ValueError, match=r"block=16 is invalid for the sign codec: expected a power of two in \[32"):
         codec_for("sign", block=16)
     with pytest.raises(
-        ValueError, match=r"codec_block=16 is invalid: expected a power of two in \[32, 65536\] for wire"
+        ValueError, match=r"codec_block=16 is invalid: expected a power of two in \[32, 65536\] for codec"
     ):
-        DiLoCoConfig(wire_dtype="sign", codec_block=16)
+        DiLoCoConfig(codec="sign", codec_block=16)
 
 
 def test_a_block_encodes_alike_alone_and_in_a_chunk_of_many_whatever_the_threads():

@@ -67,15 +67,12 @@ def settings_of(d: DiLoCo) -> dict[str, Any]:
     """What every worker of ``d`` must agree on: the round's schedule, the outer step, how pseudo-gradients
     travel, the guard and the overlap."""
     c = d.config
-    block = d.codec.block if d.codec.elementwise_dtype is None else None  # cast wires have none
     return {
         "inner_steps": c.inner_steps,
         "outer_lr": d.outer_lr,
         "outer_momentum": c.outer_momentum,
         "nesterov": c.nesterov,
-        "wire_dtype": d.codec.name,
-        "codec_block": block,
-        "wire_layout": d.codec.layout if d.codec.layout != 1 else None,  # None: a layout older peers share
+        "codec": str(d.codec.identity),  # its name, block and payload layout
         "error_feedback": d.fragments[0].feedback.on,
         "norm_clip": c.norm_clip,
         "overlap": c.overlap,

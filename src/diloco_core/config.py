@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Mapping
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 from .codecs.block import check_block
@@ -58,9 +59,11 @@ class DiLoCoConfig:
     was best in our sweep at H = 10-50 and stays stable with the unset-lr rule (docs/results.md)."""
     nesterov: bool = True
     """Nesterov momentum for the outer SGD. With momentum 0 both forms are the same plain SGD step."""
-    wire_dtype: str = "fp32"
+    codec: str = "fp32"
     """The codec the pseudo-gradients travel in (``diloco_core.codecs.CODECS``): fp32, fp16 or bf16 (casts),
     int8, int4 or sign (``codec_block`` values per fp32 scale). Sums are always accumulated in fp32."""
+    wire_dtype: str | None = field(default=None, repr=False, compare=False)
+    """Deprecated alias of ``codec`` (int4 and sign are not dtypes): given, it sets ``codec`` and warns."""
     codec_block: int = 256
     """Values per scale of the int8, int4 and sign codecs: a power of two in [16, 65536] ([32, 65536] for sign)."""
     error_feedback: bool = True
@@ -99,10 +102,15 @@ class DiLoCoConfig:
         mom = self.outer_momentum
         check_field("outer_momentum", mom, is_finite_number(mom) and 0 <= mom < 1, "a number in [0, 1)")
         check_field("nesterov", self.nesterov, isinstance(self.nesterov, bool), "true or false")
-        check_field("wire_dtype", self.wire_dtype, self.wire_dtype in CODECS, f"one of {sorted(CODECS)}")
+        if self.wire_dtype is not None:
+            msg = f"wire_dtype={self.wire_dtype!r} is deprecated: use codec={self.wire_dtype!r} (the same names)"
+            warnings.warn(msg, DeprecationWarning, stacklevel=3)
+            object.__setattr__(self, "codec", self.wire_dtype)
+            object.__setattr__(self, "wire_dtype", None)
+        check_field("codec", self.codec, self.codec in CODECS, f"one of {sorted(CODECS)}")
         check_block(self.codec_block, "codec_block")
-        ok = self.wire_dtype != "sign" or self.codec_block >= 32
-        check_field("codec_block", self.codec_block, ok, "a power of two in [32, 65536] for wire_dtype='sign'")
+        ok = self.codec != "sign" or self.codec_block >= 32
+        check_field("codec_block", self.codec_block, ok, "a power of two in [32, 65536] for codec='sign'")
         check_field("error_feedback", self.error_feedback, isinstance(self.error_feedback, bool), "true or false")
         t = self.reduce_timeout
         check_field("reduce_timeout", t, is_finite_number(t) and t > 0, "a finite number of seconds > 0")

@@ -22,7 +22,7 @@ def codec_for(name: str | Codec, block: int = 256) -> Codec:
     try:
         codec = CODECS[name]
     except (KeyError, TypeError):
-        raise ValueError(f"wire_dtype={name!r} is invalid: expected one of {sorted(CODECS)}") from None
+        raise ValueError(f"codec={name!r} is invalid: expected one of {sorted(CODECS)}") from None
     return codec if type(block) is int and block == codec.block else codec.with_block(block)
 
 
