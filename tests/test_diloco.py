@@ -697,12 +697,9 @@ def test_a_bad_pseudo_gradient_is_left_out_and_its_worker_takes_the_mean_of_the_
 
     results = run_threads(3, worker)
     codec = codec_for(wire_dtype, cfg.codec_block)
-    # each travels in a block padded with zeros (the sign codec's scale is the mean |x| of all its values)
-    pseudo_grads = [
-        torch.tensor(start + [0.0] * (codec.block - 3)) - torch.tensor(x + [0.0] * (codec.block - 3))
-        for x in targets[:2]
-    ]
-    want = torch.tensor(start) - reference_mean(pseudo_grads, codec)[:3]
+    # each in a partial block of its own 3 values (the sign codec's scale is their mean |x|, not the padding's)
+    pseudo_grads = [torch.tensor(start) - torch.tensor(x) for x in targets[:2]]
+    want = torch.tensor(start) - reference_mean(pseudo_grads, codec)
     for rank, (report, params, local, kept) in enumerate(results):
         assert (report.num_contributors, report.valid_contributors, report.excluded) == (3, 2, rank == 2), report
         torch.testing.assert_close(params, want, rtol=1e-6, atol=0)  # the mean of the two valid ones

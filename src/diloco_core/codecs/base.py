@@ -81,6 +81,12 @@ class Codec(ABC):
         """What a peer must share with this codec to average with it."""
         return CodecId(self.name, self.block, self.layout)
 
+    def pad(self, flat: torch.Tensor, numel: int) -> None:
+        """Fill ``flat[numel:]`` up to the end of the block of value ``numel - 1`` (the padding a buffer puts
+        after ``numel`` values, so that what follows starts a block), so that the block encodes as its own
+        values would alone: zeros here (an absmax ignores them)."""
+        flat[numel : -(-numel // self.block) * self.block].zero_()
+
     def with_block(self, block: int) -> Codec:
         """This codec with ``block`` values per scale (itself where values are not encoded in blocks)."""
         return self

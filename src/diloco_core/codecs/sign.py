@@ -37,6 +37,12 @@ class SignCodec(BlockCodec):
         super().__init__(name, bits=1, block=block)
         self.layout = 2
 
+    def pad(self, flat: torch.Tensor, numel: int) -> None:
+        """The padding holds the block's mean |x| over its own values (zeros would count in its mean)."""
+        own = flat[numel - numel % self.block : numel]
+        if own.numel():
+            flat[numel : numel - own.numel() + self.block].fill_(torch.mean(own.abs(), dtype=torch.float64))
+
     def _encoder(self, device: torch.device, numel: int, *, build: bool = False) -> Callable | None:
         """The fused packing of the codes (``kernels.packer``); None: eager."""
         return packer(device=device, numel=numel, block=self.block, build=build) if self.fused else None
