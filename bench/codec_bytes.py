@@ -17,8 +17,7 @@ import time
 
 import torch
 
-from diloco_core import DiLoCo, DiLoCoConfig, codec_for
-from diloco_core.codecs import mean_of_payloads
+from diloco_core import DiLoCo, DiLoCoConfig, codec_for, mean_of_payloads
 from diloco_core.feedback import ErrorFeedback
 from transports import InProcessGroup
 
@@ -59,7 +58,7 @@ def _times(codec) -> tuple[float, float, float, float]:
     size, dtype = codec.payload_spec(N)
     payload, scratch = torch.empty(size, dtype=dtype), torch.empty(N)
     encode = _best_ms(lambda: codec.encode(x, out=payload))
-    add = _best_ms(lambda: codec.add_decoded(payload, total, scratch))
+    add = _best_ms(lambda: codec.decode(payload, total))
     mean = _best_ms(lambda: mean_of_payloads([payload, payload], codec, out=total, scratch=scratch))
     feedback = ErrorFeedback(codec, x, fed=N - 1, on=True)
     return encode, add, mean, _best_ms(lambda: feedback.feed(x))
@@ -80,7 +79,7 @@ def main() -> None:
         codec = _eager(w.removesuffix("-eager")) if w.endswith("-eager") else codec_for(w)
         encode, add, mean, feed = _times(codec)
         print(
-            f"{w}, 1 thread, 25M values: encode {encode:.0f} ms, add_decoded {add:.0f} ms, mean of 2 {mean:.0f} ms,"
+            f"{w}, 1 thread, 25M values: encode {encode:.0f} ms, decode {add:.0f} ms, mean of 2 {mean:.0f} ms,"
             f" error feedback {feed:.0f} ms"
         )
 

@@ -11,8 +11,7 @@ import torch
 from test_diloco import run_threads
 from torch import nn
 
-from diloco_core import DiLoCo, DiLoCoConfig, ForwardingTransport, Transport, TransportError
-from diloco_core.codecs import FP32
+from diloco_core import FP32, DiLoCo, DiLoCoConfig, ForwardingTransport, Transport, TransportError
 from diloco_core.streaming import begins_at, strided_fragments, user_fragments
 from diloco_core.transport import Capabilities, ReduceHandle, ReduceResult
 from transports import InProcessGroup

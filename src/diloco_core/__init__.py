@@ -1,6 +1,8 @@
 """diloco_core: the DiLoCo algorithm, its config and the Transport contract (torch + stdlib only)."""
 
-from .codecs import BF16, CODECS, FP16, FP32, INT4, INT8, SIGN, BlockCodec, CastCodec, Codec, codec_for
+from .codecs.base import BF16, FP16, FP32, CastCodec, Codec
+from .codecs.block import INT4, INT8, BlockCodec
+from .codecs.names import CODECS, SIGN, codec_for
 from .codecs.wire import mean_of_payloads, reference_mean
 from .config import DiLoCoConfig
 from .diloco import DiLoCo

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from .codecs import FP32
+from .codecs.base import FP32
 from .transport import Transport
 
 if TYPE_CHECKING:

@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from .agreement import check_settings, settings_of
-from .codecs import codec_for
+from .codecs.names import codec_for
 from .config import DiLoCoConfig, outer_lr_for
 from .diloco_state import load_state, state_of
 from .eager import Eager, eager_flush, eager_round

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from .codecs import Codec
+from .codecs.base import Codec
 
 __all__ = ["ErrorFeedback"]
 

@@ -6,7 +6,7 @@ from collections.abc import Sequence
 
 import torch
 
-from .codecs import FP32, Codec
+from .codecs.base import FP32, Codec
 from .run_state import RunState
 from .transport import Capabilities, ReduceHandle, Transport
 

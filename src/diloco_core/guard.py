@@ -29,7 +29,7 @@ import zlib
 
 import torch
 
-from .codecs import Codec
+from .codecs.base import Codec
 from .flat import norm_of
 
 logger = logging.getLogger("diloco_core.diloco")

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from .codecs import FP32, Codec
+from .codecs.base import FP32, Codec
 
 if TYPE_CHECKING:
     from .run_state import RunState

@@ -19,7 +19,8 @@ from collections import Counter
 
 import torch
 
-from diloco_core.codecs import CODECS, Codec, CodecId
+from diloco_core import CODECS, Codec
+from diloco_core.codecs.base import CodecId
 from diloco_core.transport import TransportError
 
 __all__ = ["Identity"]

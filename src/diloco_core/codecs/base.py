@@ -1,11 +1,9 @@
 """The ``Codec`` interface: how fp32 values travel on the wire, and how received payloads are averaged back.
 
-A transport moves payloads and never encodes or decodes values itself: it asks the codec for the
-payload's shape (``payload_spec``), has every contribution encoded (``encode``), and averages what it
-received with ``Codec.mean_of``, which decodes each payload into fp32. Cast codecs (fp32, fp16, bf16:
-``cast``) cast element by element; block codecs (int8, int4: ``block``; sign: ``sign``) quantize blocks of
-values with one scale each. Peers average together only when their codecs' ``identity`` is equal.
-"""
+A transport moves payloads and never encodes or decodes values itself: it asks the codec for the payload's
+shape (``payload_spec``), has every contribution encoded (``encode``) and averages what it received with
+``mean_of``. Peers average together only when their codecs' ``identity`` is equal. Here too: the casts
+(fp32, fp16, bf16), each value cast to a float dtype, averaged in fp32."""
 
 from __future__ import annotations
 
@@ -15,21 +13,20 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["Codec", "CodecId"]
+__all__ = ["BF16", "FP16", "FP32", "CastCodec", "Codec", "CodecId"]
 
 
 @dataclass(frozen=True)
 class CodecId:
-    """What peers must share to average together: the codec, its values per scale and its payload layout.
-    The settings check, the torch transport's reduce header and hivemind's averager names all compare it."""
+    """What peers must share to average together: the codec, its values per scale, its payload layout.
+    The settings check, the torch reduce header and hivemind's averager names compare it; ``str`` is its one
+    spelling where a string is needed: ``fp16``, ``int8b256``, ``int4b256v2`` (a block and layout not 1)."""
 
     name: str
     block: int
     layout: int
 
     def __str__(self) -> str:
-        """The one spelling of the identity where a string is needed (names on the wire, messages):
-        ``fp16``, ``int8b256``, ``int4b256v2`` (the block where it has one, the layout where it is not 1)."""
         block = f"b{self.block}" if self.block != 1 else ""
         return self.name + block + (f"v{self.layout}" if self.layout != 1 else "")
 
@@ -47,8 +44,7 @@ class Codec(ABC):
 
     layout: int = 1
     """Version of the payload's layout (int4: 2 since its codes travel as two's complement nibbles; sign: 2
-    since its bits travel as bit planes): peers whose layouts differ never average together (``DiLoCo``'s
-    settings check, hivemind's group names)."""
+    since its bits travel as bit planes), part of the ``identity``."""
 
     block: int = 1
     """Values encoded together. The payload of a slice that starts at a multiple of ``block`` decodes to
@@ -65,10 +61,6 @@ class Codec(ABC):
         itself when the payload is the values (fp32): the caller must not change them meanwhile."""
 
     @abstractmethod
-    def add_decoded(self, payload: torch.Tensor, into: torch.Tensor, scratch: torch.Tensor | None = None) -> None:
-        """``into += decode(payload)`` in fp32; ``scratch`` (fp32, ``into``'s shape) is reused if given."""
-
-    @abstractmethod
     def mean_of(
         self, payloads: Sequence[torch.Tensor], out: torch.Tensor, scratch: torch.Tensor | None = None
     ) -> torch.Tensor:
@@ -82,20 +74,13 @@ class Codec(ABC):
         return CodecId(self.name, self.block, self.layout)
 
     def pad(self, flat: torch.Tensor, numel: int) -> None:
-        """Fill ``flat[numel:]`` up to the end of the block of value ``numel - 1`` (the padding a buffer puts
-        after ``numel`` values, so that what follows starts a block), so that the block encodes as its own
-        values would alone: zeros here (an absmax ignores them)."""
+        """Fill the padding after ``numel`` values up to the end of their last block so that the block encodes
+        as its own values alone would: zeros here (an absmax ignores them)."""
         flat[numel : -(-numel // self.block) * self.block].zero_()
 
-    def with_block(self, block: int) -> Codec:
-        """This codec with ``block`` values per scale (itself where values are not encoded in blocks)."""
-        return self
-
     def decode(self, payload: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-        """``out = decode(payload)`` in fp32."""
-        out.zero_()
-        self.add_decoded(payload, out)
-        return out
+        """``out = decode(payload)`` in fp32: the mean of one payload (its values divided by 1: exact)."""
+        return self.mean_of([payload], out)
 
     def prepare(self, like: torch.Tensor, *, payloads: Sequence[int] = (2,)) -> None:
         """Get ready to encode, decode, and average ``payloads`` payloads of up to ``like.numel()`` values on
@@ -118,3 +103,63 @@ class Codec(ABC):
 
     def __repr__(self) -> str:
         return f"<codec {self.name}>"
+
+
+class CastCodec(Codec):
+    """Each value cast to ``dtype`` (round to nearest); decoded by widening back to fp32."""
+
+    def __init__(self, name: str, dtype: torch.dtype) -> None:
+        self.name = name
+        self.elementwise_dtype = dtype
+
+    def payload_spec(self, numel: int) -> tuple[int, torch.dtype]:
+        return numel, self.elementwise_dtype
+
+    def encode(self, values: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        dtype = self.elementwise_dtype
+        if dtype == torch.float32:
+            return values if out is None else out.copy_(values)
+        flat = values.reshape(-1)
+        out = torch.empty(flat.numel(), dtype=dtype, device=flat.device) if out is None else out
+        peaks = []  # chunk by chunk: the max |x| read while the chunk is still in cache
+        for src, dst in zip(flat.split(2**18), out.view(-1).split(2**18)):
+            if src.numel():  # an empty tensor splits into one empty chunk, which has no max
+                dst.copy_(src)
+                peaks.append(torch.maximum(src.amax(), src.amin().neg()))  # max |x|, NaN if any, no abs() temporary
+        # fp16 turns |x| >= 65520 into inf: the largest magnitude, cast alone, rounds as every value did
+        if peaks and not bool(torch.stack(peaks).amax().to(dtype).isfinite()):
+            raise ValueError(
+                f"{self.name} cannot encode NaN, infinite or out-of-range values (|x| > {torch.finfo(dtype).max:g})"
+            )
+        return out
+
+    def add_decoded(self, payload: torch.Tensor, into: torch.Tensor, scratch: torch.Tensor | None = None) -> None:
+        """``into += decode(payload)`` in fp32; ``scratch`` (fp32, ``into``'s shape) is reused if given."""
+        if payload.dtype != torch.float32:  # a widening copy, then an fp32 add: far faster than a mixed-dtype add
+            payload = (torch.empty_like(into) if scratch is None else scratch).copy_(payload)
+        into.add_(payload)
+
+    def decode(self, payload: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        return out.copy_(payload)
+
+    def mean_of(
+        self, payloads: Sequence[torch.Tensor], out: torch.Tensor, scratch: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        assert payloads, "a mean needs at least one contribution"
+        fp32 = self.elementwise_dtype == torch.float32
+        if len(payloads) > 1 and fp32:
+            torch.add(payloads[0], payloads[1], out=out)  # one pass for the first two addends
+            rest = payloads[2:]
+        else:
+            self.decode(payloads[0], out)
+            rest = payloads[1:]
+        if rest and scratch is None and not fp32:
+            scratch = torch.empty_like(out)
+        for p in rest:
+            self.add_decoded(p, out, scratch)
+        return out.div_(len(payloads))
+
+
+FP32 = CastCodec("fp32", torch.float32)
+FP16 = CastCodec("fp16", torch.float16)
+BF16 = CastCodec("bf16", torch.bfloat16)

@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-from .base import Codec
+from .base import BF16, FP16, FP32, Codec
 from .block import INT4, INT8
-from .cast import BF16, FP16, FP32
 from .sign import SignCodec
 
 __all__ = ["CODECS", "SIGN", "check_codec", "codec_for"]
@@ -23,7 +22,9 @@ def codec_for(name: str | Codec, block: int = 256) -> Codec:
         codec = CODECS[name]
     except (KeyError, TypeError):
         raise ValueError(f"codec={name!r} is invalid: expected one of {sorted(CODECS)}") from None
-    return codec if type(block) is int and block == codec.block else codec.with_block(block)
+    if codec.block == 1 or (type(block) is int and block == codec.block):  # casts have no blocks
+        return codec
+    return codec.with_block(block)
 
 
 def check_codec(codec: object) -> Codec:

@@ -2,8 +2,7 @@
 
 Contract: each contribution travels as its codec's payload; the receiver decodes every payload into
 fp32, sums them in rank order, and divides by the number of contributors. Every participant ends
-with the same fp32 result, so replicas never drift apart through rounding.
-"""
+with the same fp32 result, so replicas never drift apart through rounding."""
 
 from __future__ import annotations
 

@@ -10,7 +10,8 @@ from typing import Any
 
 import torch
 
-from diloco_core.codecs import FP32, Codec, check_codec
+from diloco_core import FP32, Codec
+from diloco_core.codecs.names import check_codec
 from diloco_core.run_state import RunState
 from diloco_core.transport import Capabilities, ReduceHandle, ReduceResult, Transport, TransportError
 
