@@ -83,7 +83,7 @@ def world(request, tmp_path):
 
 @pytest.mark.parametrize("wire_dtype", ["fp32", "int8"])  # buffers travel in fp32 whatever the codec
 def test_frozen_params_and_buffers_start_equal_and_float_buffers_are_averaged_every_round(world, wire_dtype):
-    results = world.run(functools.partial(_start_and_train, codec=wire_dtype))
+    results = world.run(functools.partial(_start_and_train, wire_dtype=wire_dtype))
     assert not any(isinstance(r, RankError) for r in results), results
     (start0, rounds0, end0, cache0, saved0), (start1, rounds1, end1, cache1, _) = results
     want = Net(seed=0).state_dict()
