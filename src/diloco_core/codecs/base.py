@@ -78,6 +78,10 @@ class Codec(ABC):
         as its own values alone would: zeros here (an absmax ignores them)."""
         flat[numel : -(-numel // self.block) * self.block].zero_()
 
+    def with_block(self, block: int) -> Codec:
+        """This codec with ``block`` values per scale (itself where values are not encoded in blocks)."""
+        return self
+
     def decode(self, payload: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         """``out = decode(payload)`` in fp32: the mean of one payload (its values divided by 1: exact)."""
         return self.mean_of([payload], out)

@@ -22,9 +22,7 @@ def codec_for(name: str | Codec, block: int = 256) -> Codec:
         codec = CODECS[name]
     except (KeyError, TypeError):
         raise ValueError(f"codec={name!r} is invalid: expected one of {sorted(CODECS)}") from None
-    if codec.block == 1 or (type(block) is int and block == codec.block):  # casts have no blocks
-        return codec
-    return codec.with_block(block)
+    return codec if type(block) is int and block == codec.block else codec.with_block(block)
 
 
 def check_codec(codec: object) -> Codec:
