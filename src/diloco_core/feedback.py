@@ -14,10 +14,10 @@ class ErrorFeedback:
     what its peers lose of its contribution (the codec is deterministic and transports cut payloads only
     at multiples of ``codec.block``). So the updates applied sum to the pseudo-gradients' sum minus the
     last residual, which stays bounded (int8/int4: half a step per value; sign: per block s/(1-s) times the
-    largest block norm fed, s = sqrt(1 - 1/block)). Only the first ``fed`` values are fed;
-    the rest of their last block is padding (``Codec.pad``), then diagnostics. Costs one encode and decode
-    per round besides the transport's, and two fp32 buffers: the next residual waits until the reduce
-    succeeded (``commit``), so a retried round feeds the same e again. In ``DiLoCo.state_dict()``, not in ``RunState``: joiners start at zero.
+    largest block norm fed, s = sqrt(1 - 1/block)). Only the first ``fed`` values are fed; the rest of
+    their last block is padding (``Codec.pad``), then diagnostics. One encode and decode per round besides
+    the transport's, and two fp32 buffers: the next residual waits until the reduce succeeded (``commit``),
+    so a retried round feeds the same e again. In ``DiLoCo.state_dict()``, not ``RunState``: joiners start at 0.
     Off (does nothing, holds nothing) unless ``on`` and the codec is lossy (not fp32).
     """
 

@@ -54,8 +54,8 @@ class ContributionGuard:
         pad = -numel % codec.block
         self.valid_at = numel + pad
         """Where the valid flag sits: a codec block of its own, filled with it (the pseudo-gradient's last block
-        padded as the codec asks, ``Codec.pad``), which every codec carries as it is (the sign codec too: all values of one
-        magnitude); the digest and its square follow, a block each, as is the RMS (a block of one)."""
+        padded as ``Codec.pad`` asks), which every codec carries as it is (the sign codec too: all values of
+        one magnitude); the digest and its square follow, a block each, as is the RMS (a block of one)."""
         self.tail_size = pad + 3 * codec.block + 1
         """Values after the pseudo-gradient: padding, the blocks of the valid flag, the digest and its
         square, the RMS (a block of one)."""
