@@ -36,7 +36,7 @@ GROUP = "2 gloo processes, 25M fp32 values"
 
 @functools.cache  # one codec per name: a block codec keeps its chunk buffers from call to call
 def _codec(name: str) -> Codec:
-    """``int8-eager``: int8 without its fused CPU kernels (``diloco_core.codec_kernels``), for comparison."""
+    """``int8-eager``: int8 without its fused CPU kernels (``diloco_core.codecs.kernels``), for comparison."""
     if name.endswith("-eager"):
         codec = copy.copy(codec_for(name.removesuffix("-eager")))
         codec.fused = False

@@ -416,7 +416,7 @@ def _diloco_peer(transport: HivemindTransport, seed: int):
     torch.manual_seed(seed)
     model = torch.nn.Linear(8, 8)
     inner = torch.optim.SGD(model.parameters(), lr=0.1)
-    diloco = DiLoCo(model, inner, transport, DiLoCoConfig(inner_steps=2, wire_dtype="fp16", reduce_timeout=60))
+    diloco = DiLoCo(model, inner, transport, DiLoCoConfig(inner_steps=2, codec="fp16", reduce_timeout=60))
     data = torch.randn(16, 8, generator=torch.Generator().manual_seed(seed))
 
     def one_round():

@@ -45,7 +45,7 @@ def _batch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
 def _build(t: Transport, wire_dtype: str = "fp32") -> tuple[Net, torch.optim.Optimizer, DiLoCo]:
     model = Net(seed=t.rank)  # every rank starts different, frozen layer and buffers included
     opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.05)
-    cfg = DiLoCoConfig(inner_steps=2, outer_lr=0.7, wire_dtype=wire_dtype, reduce_timeout=30)
+    cfg = DiLoCoConfig(inner_steps=2, outer_lr=0.7, codec=wire_dtype, reduce_timeout=30)
     return model, opt, DiLoCo(model, opt, t, cfg)
 
 

@@ -11,8 +11,7 @@ import torch
 from test_diloco import run_threads
 from torch import nn
 
-from diloco_core import DiLoCo, DiLoCoConfig, ForwardingTransport, Transport, TransportError
-from diloco_core.codec import FP32
+from diloco_core import FP32, DiLoCo, DiLoCoConfig, ForwardingTransport, Transport, TransportError
 from diloco_core.streaming import begins_at, strided_fragments, user_fragments
 from diloco_core.transport import Capabilities, ReduceHandle, ReduceResult
 from transports import InProcessGroup
@@ -82,7 +81,7 @@ def _train(t: Transport, config: DiLoCoConfig, steps: range, state: dict | None 
 
 @pytest.mark.parametrize("wire", ["fp32", "int8"])
 def test_streaming_with_one_fragment_no_overlap_and_alpha_0_is_blocking_diloco_bit_for_bit(wire):
-    base = {"inner_steps": 3, "outer_lr": 0.7, "outer_momentum": 0.5, "wire_dtype": wire, "codec_block": 16}
+    base = {"inner_steps": 3, "outer_lr": 0.7, "outer_momentum": 0.5, "codec": wire, "codec_block": 16}
     blocking = run_threads(2, lambda t: _train(t, DiLoCoConfig(**base), range(12))[:3])
     streamed = run_threads(2, lambda t: _train(t, DiLoCoConfig(**base, overlap="streaming"), range(12))[:3])
     for (pa, ra, ga), (pb, rb, gb) in zip(blocking, streamed):
@@ -238,7 +237,7 @@ MODES = {
 @pytest.mark.parametrize("mode", sorted(MODES))
 @pytest.mark.parametrize("wire", ["fp32", "int4"])
 def test_a_checkpoint_taken_with_a_reduce_in_flight_resumes_bit_exact(mode, wire):
-    config = DiLoCoConfig(inner_steps=4, outer_lr=0.7, wire_dtype=wire, codec_block=16, **MODES[mode])
+    config = DiLoCoConfig(inner_steps=4, outer_lr=0.7, codec=wire, codec_block=16, **MODES[mode])
     whole = run_threads(2, lambda t: _train(t, config, range(14))[:3])
     saving = run_threads(2, lambda t: _train(t, config, range(14), save_at=6))
     states = [r[3] for r in saving]

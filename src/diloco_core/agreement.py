@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from .codec import FP32, Codec
+from .codecs.base import FP32, Codec
 from .config import DiLoCoConfig
 from .fragment import Fragment
 from .transport import Transport
@@ -66,15 +66,12 @@ def check_settings(transport: Transport, settings: dict[str, Any], *, timeout: f
 def settings_of(c: DiLoCoConfig, *, codec: Codec, outer_lr: float, fragments: Sequence[Fragment]) -> dict[str, Any]:
     """What every worker must agree on: the round's schedule, the outer step (``outer_lr`` as used), how
     pseudo-gradients travel (``codec``, error feedback as used), the guard and the overlap (``fragments``)."""
-    block = codec.block if codec.elementwise_dtype is None else None  # cast wires have none
     return {
         "inner_steps": c.inner_steps,
         "outer_lr": outer_lr,
         "outer_momentum": c.outer_momentum,
         "nesterov": c.nesterov,
-        "wire_dtype": codec.name,
-        "codec_block": block,
-        "wire_layout": codec.layout if codec.layout != 1 else None,  # None: a layout older peers share
+        "codec": str(codec.identity),  # its name, block and payload layout
         "error_feedback": fragments[0].feedback.on,
         "norm_clip": c.norm_clip,
         "overlap": c.overlap,

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from .block_codec import check_block
-from .codec_names import CODECS
+from .codecs.block import check_block
+from .codecs.names import CODECS
 
 __all__ = [
     "OVERLAP_MODES",
@@ -171,9 +172,11 @@ class DiLoCoConfig:
     was best in our sweep at H = 10-50 and stays stable with the unset-lr rule (docs/results.md)."""
     nesterov: bool = field(default=True, metadata=boolean())
     """Nesterov momentum for the outer SGD. With momentum 0 both forms are the same plain SGD step."""
-    wire_dtype: str = "fp32"
-    """The codec the pseudo-gradients travel in (``diloco_core.codec_names.CODECS``): fp32, fp16 or bf16 (casts),
+    codec: str = field(default="fp32", metadata=choice(sorted(CODECS)))
+    """The codec the pseudo-gradients travel in (``diloco_core.codecs.CODECS``): fp32, fp16 or bf16 (casts),
     int8, int4 or sign (``codec_block`` values per fp32 scale). Sums are always accumulated in fp32."""
+    wire_dtype: str | None = field(default=None, repr=False, compare=False)
+    """Deprecated alias of ``codec`` (int4 and sign are not dtypes): given, it sets ``codec`` and warns."""
     codec_block: int = 256
     """Values per scale of the int8, int4 and sign codecs: a power of two in [16, 65536] ([32, 65536] for sign)."""
     error_feedback: bool = field(default=True, metadata=boolean())
@@ -210,11 +213,15 @@ class DiLoCoConfig:
     """Where the fp32 global copy and the outer optimizer state live (CPU saves accelerator memory)."""
 
     def __post_init__(self) -> None:
+        if self.wire_dtype is not None:  # the deprecated alias: becomes codec, checked as codec
+            msg = f"wire_dtype={self.wire_dtype!r} is deprecated: use codec={self.wire_dtype!r} (the same names)"
+            warnings.warn(msg, DeprecationWarning, stacklevel=3)
+            object.__setattr__(self, "codec", self.wire_dtype)
+            object.__setattr__(self, "wire_dtype", None)
         check_fields(self)
-        check_field("wire_dtype", self.wire_dtype, self.wire_dtype in CODECS, f"one of {sorted(CODECS)}")
         check_block(self.codec_block, "codec_block")
-        ok = self.wire_dtype != "sign" or self.codec_block >= 32
-        check_field("codec_block", self.codec_block, ok, "a power of two in [32, 65536] for wire_dtype='sign'")
+        ok = self.codec != "sign" or self.codec_block >= 32
+        check_field("codec_block", self.codec_block, ok, "a power of two in [32, 65536] for codec='sign'")
         mode, w = self.overlap, self.eager_fresh_weight
         p, tau, alpha = self.fragments, self.overlap_steps, self.merge_alpha
         if mode != "eager" and w is not None:

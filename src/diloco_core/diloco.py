@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from .agreement import check_settings, settings_of
-from .codec_names import codec_for
+from .codecs.names import codec_for
 from .config import DiLoCoConfig, outer_lr_for
 from .diloco_state import load_state, state_of
 from .eager import Eager
@@ -40,7 +40,7 @@ class DiLoCo:
 
     1. pseudo-gradient: ``global - local`` (old minus new), in fp32 on ``global_device``;
     2. mean of the pseudo-gradients over the contributors, through the transport, travelling as
-       ``wire_dtype`` and summed in fp32;
+       ``codec`` and summed in fp32;
     3. outer step: ``torch.optim.SGD`` (Nesterov) on the global copy, the mean used as its gradient;
     4. the new global params are copied into the model, and inner training resumes from them.
 
@@ -90,8 +90,8 @@ class DiLoCo:
         """What this rank holds of ``params``: each DTensor's local shard (FSDP2), else the parameter itself."""
         self.model_state = ModelState(model, self.params, config.global_device)
         """The model's entries by name, its frozen parameters and buffers (synchronized and checkpointed)."""
-        self.codec = codec_for(config.wire_dtype, config.codec_block)
-        """How pseudo-gradients travel (``config.wire_dtype`` names it)."""
+        self.codec = codec_for(config.codec, config.codec_block)
+        """How pseudo-gradients travel (``config.codec`` names it)."""
         names = self.model_state.names
         groups = (
             user_fragments(names, fragments, config.fragments)

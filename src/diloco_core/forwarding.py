@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from .codec import FP32, Codec
+from .codecs.base import FP32, Codec
 from .membership import Membership
 from .run_state import RunState
 from .transport import Capabilities, ReduceHandle, Transport

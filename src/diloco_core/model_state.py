@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from .agreement import differs_anywhere, rank0s
-from .codec import FP32
+from .codecs.base import FP32
 from .flat import FlatBuffer, local_of, placement_of
 from .transport import ReduceHandle, ReduceResult, Transport, TransportError
 

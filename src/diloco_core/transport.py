@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .codec import FP32, Codec
+from .codecs.base import FP32, Codec
 
 __all__ = [
     "Capabilities",
@@ -106,7 +106,7 @@ class Transport(ABC):
 
     ``all_reduce`` returns at once; until its handle's ``wait`` returns, the caller must not touch the
     tensors. On success they hold the fp32 mean over the contributors that actually took part (see
-    ``diloco_core.wire.reference_mean``): the core never divides by a world size it remembered.
+    ``diloco_core.reference_mean``): the core never divides by a world size it remembered.
 
     Every reduce carries a ``key``: the n-th reduce with a key on one member meets the n-th reduce with
     that key on the others, and a transport keeps its buffers (hivemind: its averagers) per key, so

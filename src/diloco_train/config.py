@@ -72,7 +72,7 @@ class TrainConfig:
     twelfth of ``steps`` (50 of the default run's 600) where the transport's ranks are fixed (in-process, torch),
     0 where peers come and go (hivemind: a joiner could not take part in a DDP phase)."""
     ddp_wire_dtype: str = field(default="fp32", metadata=choice(sorted(CODECS)))
-    """The wire of DDP's gradients (ddp mode, diloco's warm start): a codec name as ``diloco.wire_dtype``."""
+    """The wire of DDP's gradients (ddp mode, diloco's warm start): a codec name as ``diloco.codec``."""
     warm_start_sync: str = field(default="gradients", metadata=choice(WARM_START_SYNCS))
     """What diloco's warm start averages every step: ``gradients`` (DDP: one AdamW step on the mean gradient) or
     ``updates`` (each worker's own AdamW step, then the mean of the workers' weights: DiLoCo with H = 1 and
@@ -157,7 +157,7 @@ SECTIONS: dict[str, type] = {"model": ModelConfig, "data": DataConfig, "train": 
 # within the seeds' noise of fp32 on the convergence table at 7.8x fewer bytes per round, which pays for
 # the default DDP warm start (train.ddp_warm_start) and keeps the default run >= 10x below DDP's traffic
 # (docs/results.md).
-TRAINER_DEFAULTS: dict[str, dict[str, Any]] = {"diloco": {"inner_steps": 10, "wire_dtype": "int4"}}
+TRAINER_DEFAULTS: dict[str, dict[str, Any]] = {"diloco": {"inner_steps": 10, "codec": "int4"}}
 
 
 def load_toml(path: str | Path) -> dict[str, Any]:

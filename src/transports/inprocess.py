@@ -1,7 +1,7 @@
 """In-process transport: ranks are threads of one process sharing an ``InProcessGroup``.
 
 It is the oracle the network transports are tested against: the mean of the contributions' codec
-payloads in rank order (``diloco_core.wire.mean_of_payloads``), computed once and handed to every
+payloads in rank order (``diloco_core.mean_of_payloads``), computed once and handed to every
 rank. Collectives meet by key: the n-th call with a key on every rank meets in the same slot. A rank that ``close()``s leaves
 the group; collectives then complete among the members that remain.
 """
@@ -15,11 +15,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from diloco_core.codec import FP32, Codec
-from diloco_core.codec_names import check_codec
+from diloco_core import FP32, Codec, mean_of_payloads
+from diloco_core.codecs.names import check_codec
 from diloco_core.config import check_fields, integer, string
 from diloco_core.transport import Capabilities, ReduceHandle, ReduceResult, Transport, TransportError, reduce_inputs
-from diloco_core.wire import mean_of_payloads
 
 __all__ = ["InProcessConfig", "InProcessGroup", "InProcessTransport"]
 

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from diloco_core.codec import FP32, Codec
+from diloco_core import FP32, Codec
 from diloco_core.config import check_field, check_fields, from_mapping, is_finite_number, number
 from diloco_core.forwarding import ForwardingTransport
 from diloco_core.transport import ReduceHandle, ReduceResult, Transport, TransportError

@@ -30,7 +30,7 @@ One all-reduce (``HivemindTransport.all_reduce``) runs in phases:
 
 Exact guarantee, casts: the result is ``to_wire(sum_in_group_order(to_wire(x_i)) / n)`` widened to
 fp32 (for fp32 the rounding is the identity), bit-identical on every contributor. Against
-``diloco_core.wire.reference_mean`` it differs by the final rounding to the wire dtype (at most half
+``diloco_core.reference_mean`` it differs by the final rounding to the wire dtype (at most half
 an ulp of the wire dtype) and, for 3 or more peers, by fp32 summation order. Block codecs: the result
 is ``sum_in_group_order(decode(encode(x_i))) / n`` in fp32, never rounded again, bit-identical on every
 contributor: ``reference_mean`` of the contributions in group order, exactly (so for 2 peers in any

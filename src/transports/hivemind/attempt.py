@@ -11,7 +11,7 @@ from hivemind.averaging.allreduce import AllreduceException
 from hivemind.averaging.matchmaking import MatchmakingException
 from hivemind.p2p import P2PDaemonError, P2PHandlerError
 
-from diloco_core.codec import Codec
+from diloco_core import Codec
 from diloco_core.transport import ReduceResult, TransportError
 
 from .averager import Averager

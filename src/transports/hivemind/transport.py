@@ -10,8 +10,8 @@ from typing import Any
 
 import torch
 
-from diloco_core.codec import FP32, Codec
-from diloco_core.codec_names import check_codec
+from diloco_core import FP32, Codec
+from diloco_core.codecs.names import check_codec
 from diloco_core.membership import Membership
 from diloco_core.run_state import RunState
 from diloco_core.transport import Capabilities, ReduceHandle, ReduceResult, Transport, TransportError, reduce_inputs
@@ -176,9 +176,8 @@ class HivemindTransport(Transport, Membership):
 
     def _averager(self, key: str, size: int, codec: Codec) -> Averager:
         """The averager of ``key`` (hivemind fixes an averager's tensors when it starts: one per size and codec)."""
-        wire = codec.name if codec.elementwise_dtype is not None else f"{codec.name}b{codec.block}"
-        wire += f"v{codec.layout}" if codec.layout != 1 else ""
-        ident = (key, size, wire)  # peers meet only with the same wire (block size, payload layout)
+        wire = str(codec.identity)
+        ident = (key, size, wire)  # peers meet only with the same codec identity (block size, payload layout)
         if ident not in self._averagers:
             prefix = f"{self._ns}_{key_hash(key)}_{wire}_{size}"  # any key, in names the DHT and p2p accept
             self._averagers[ident] = self._res.start_averager(size, codec, prefix=prefix)

@@ -5,7 +5,7 @@ size while the next is still on the wire. Any other codec must cut bytes *and* k
 a 16-bit all-reduce does not (gloo sums fp16 in fp16, and on CPU it is no faster). So that path moves
 the codec's payloads with point-to-point sends and has the codec decode them into fp32 sums, in rank
 order, which makes the result bit-identical on every rank and equal to
-``diloco_core.wire.reference_mean``:
+``diloco_core.reference_mean``:
 
 - up to 3 ranks: every rank sends its payload to every peer and sums all W in fp32
   ((W-1)·P payload bytes out per rank; fp16 at W=2: half the bytes of an fp32 ring);
@@ -38,10 +38,9 @@ from collections.abc import Iterator, Sequence
 import torch
 import torch.distributed as dist
 
-from diloco_core.codec import FP32, Codec
-from diloco_core.codec_names import check_codec
+from diloco_core import FP32, Codec, mean_of_payloads
+from diloco_core.codecs.names import check_codec
 from diloco_core.transport import ReduceHandle, Transport, TransportError, reduce_inputs
-from diloco_core.wire import mean_of_payloads
 
 from .group import BACKEND_DEVICE, TorchDistConfig, init_process_group
 from .handle import TorchReduce, finish, transport_error
