@@ -1,7 +1,7 @@
 """The codec ablation: DiLoCo x4 of the convergence benchmark with each wire, error feedback on and off.
 
 Same protocol, seeds and settings as ``bench/convergence.py``'s ``diloco-4`` row (its defaults: 1100
-steps, H = 10, 100 DDP warm-start steps, batch 16, seq 64); only ``[diloco] wire_dtype`` and
+steps, H = 10, 100 DDP warm-start steps, batch 16, seq 64); only ``[diloco] codec`` and
 ``error_feedback`` change. The warm start's DDP gradients travel on the same wire
 (``train.ddp_wire_dtype``, as the table in docs/results.md was measured). The fp32 row and DDP's traffic are read from the convergence
 benchmark's folder (``--baseline``; ``diloco-4-sSEED`` and ``ddp-4-sSEED``), or run here if absent.
@@ -25,7 +25,7 @@ from convergence import Outcome, protocol, run_one
 
 def _wire(codec: str, *, rounds_ef: bool, ddp_ef: bool) -> list[str]:
     return [
-        f"diloco.wire_dtype={codec}",
+        f"diloco.codec={codec}",
         f"train.ddp_wire_dtype={codec}",
         f"diloco.error_feedback={str(rounds_ef).lower()}",
         f"train.ddp_error_feedback={str(ddp_ef).lower()}",

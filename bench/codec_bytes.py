@@ -17,9 +17,8 @@ import time
 
 import torch
 
-from diloco_core import DiLoCo, DiLoCoConfig, codec_for
+from diloco_core import DiLoCo, DiLoCoConfig, codec_for, mean_of_payloads
 from diloco_core.feedback import ErrorFeedback
-from diloco_core.wire import mean_of_payloads
 from transports import InProcessGroup
 
 N, WIRES = 25_000_000, ("fp32", "fp16", "int8", "int4", "sign")
@@ -31,7 +30,7 @@ def _bytes_sent(wire: str) -> int:
     def worker(rank: int) -> None:
         model = torch.nn.Linear(N // 5, 5, bias=False)  # 25M trainable values
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
-        dl = DiLoCo(model, opt, transport=group.transport(rank), config=DiLoCoConfig(inner_steps=1, wire_dtype=wire))
+        dl = DiLoCo(model, opt, transport=group.transport(rank), config=DiLoCoConfig(inner_steps=1, codec=wire))
         model.weight.grad = torch.full_like(model.weight, 1e-3 * (rank + 1))
         sent[rank] = dl.step().bytes_sent
 
@@ -59,7 +58,7 @@ def _times(codec) -> tuple[float, float, float, float]:
     size, dtype = codec.payload_spec(N)
     payload, scratch = torch.empty(size, dtype=dtype), torch.empty(N)
     encode = _best_ms(lambda: codec.encode(x, out=payload))
-    add = _best_ms(lambda: codec.add_decoded(payload, total, scratch))
+    add = _best_ms(lambda: codec.decode(payload, total))
     mean = _best_ms(lambda: mean_of_payloads([payload, payload], codec, out=total, scratch=scratch))
     feedback = ErrorFeedback(codec, x, fed=N - 1, on=True)
     return encode, add, mean, _best_ms(lambda: feedback.feed(x))
@@ -80,7 +79,7 @@ def main() -> None:
         codec = _eager(w.removesuffix("-eager")) if w.endswith("-eager") else codec_for(w)
         encode, add, mean, feed = _times(codec)
         print(
-            f"{w}, 1 thread, 25M values: encode {encode:.0f} ms, add_decoded {add:.0f} ms, mean of 2 {mean:.0f} ms,"
+            f"{w}, 1 thread, 25M values: encode {encode:.0f} ms, decode {add:.0f} ms, mean of 2 {mean:.0f} ms,"
             f" error feedback {feed:.0f} ms"
         )
 

@@ -109,7 +109,7 @@ def protocol(*, steps: int, inner_steps: int, seq_len: int, batch: int) -> list[
     """The trainer overrides every run of the protocol shares (eval every tenth of the run, 32 batches; an
     fp32 wire and no warm start unless a run adds one, whatever the trainer's defaults)."""
     return [
-        "diloco.wire_dtype=fp32",
+        "diloco.codec=fp32",
         "train.ddp_warm_start=0",
         f"train.steps={steps}",
         f"diloco.inner_steps={inner_steps}",

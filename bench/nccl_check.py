@@ -40,7 +40,7 @@ def main() -> None:
 
     model = torch.nn.Linear(64, 64).to(dev)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    config = DiLoCoConfig(inner_steps=2, global_device="cuda", wire_dtype="int8", error_feedback=True)
+    config = DiLoCoConfig(inner_steps=2, global_device="cuda", codec="int8", error_feedback=True)
     dl = DiLoCo(model, opt, transport, config)
     for _ in range(4):
         model(torch.randn(8, 64, device=dev)).square().mean().backward()

@@ -4,10 +4,13 @@ exchanges and decodes: the whole reduce of a round, error feedback aside; ``-eag
 fused CPU kernels).
 
     python -m pytest bench/test_bench_torch.py --benchmark-only
+    python -m pytest bench/test_bench_torch.py --benchmark-only -k interleaved  # the LAN target alone
     bench/shaped_link.sh 1gbit python -m pytest bench/test_bench_torch.py --benchmark-only  # a 1 Gbit/s link
 
 This process is rank 0 and times each call; rank 1 is a spawned process that runs the same call on
-command, so both ranks enter every collective together.
+command, so both ranks enter every collective together. The LAN target (the fp32 mean within 1.05x of a
+raw ``dist.all_reduce`` + divide on the same tensor) is ``test_gloo_fp32_against_raw_interleaved``: the two
+alternate rep by rep, so both see the same load on a shared machine, and it reports their median ratio.
 """
 
 from __future__ import annotations
@@ -17,6 +20,8 @@ import datetime
 import functools
 import multiprocessing as mp
 import os
+import statistics
+import time
 
 import pytest
 import torch
@@ -31,7 +36,7 @@ GROUP = "2 gloo processes, 25M fp32 values"
 
 @functools.cache  # one codec per name: a block codec keeps its chunk buffers from call to call
 def _codec(name: str) -> Codec:
-    """``int8-eager``: int8 without its fused CPU kernels (``diloco_core.codec_kernels``), for comparison."""
+    """``int8-eager``: int8 without its fused CPU kernels (``diloco_core.codecs.kernels``), for comparison."""
     if name.endswith("-eager"):
         codec = copy.copy(codec_for(name.removesuffix("-eager")))
         codec.fused = False
@@ -42,7 +47,7 @@ def _codec(name: str) -> Codec:
 
 
 def _op(name: str, transport: TorchDistTransport, x: torch.Tensor) -> None:
-    if name == "raw":  # the mean, as the transport returns (a bare sum would overflow x within ~130 calls)
+    if name == "raw":  # the mean, as the transport returns: all_reduce + divide (a bare sum would overflow x)
         dist.all_reduce(x)
         x.div_(2)
     else:
@@ -100,3 +105,32 @@ def test_gloo_all_reduce_25m(benchmark, pair, name):
     benchmark.group = GROUP
     op = "raw" if name == "raw_baseline" else name
     benchmark.pedantic(pair, args=(op,), rounds=20, warmup_rounds=3)
+
+
+INTERLEAVED_REPS = 9
+"""Reps of the interleaved pair (>= 7, the target's median), after 3 unrecorded ones."""
+
+
+def test_gloo_fp32_against_raw_interleaved(benchmark, pair):
+    """Raw ``dist.all_reduce`` + divide and the transport's fp32 mean on the same tensor, one after the other in
+    every rep (the order alternating rep by rep): the ratio of their medians, and the median of the per-rep
+    ratios, are in the summary (bench/conftest.py). The benchmark's own time is the pair's."""
+    benchmark.group = f"{GROUP}, raw and fp32 interleaved"
+    times: dict[str, list[float]] = {"raw": [], "fp32": []}
+    calls = [0]
+
+    def rep() -> None:
+        order = ["raw", "fp32"] if calls[0] % 2 == 0 else ["fp32", "raw"]
+        calls[0] += 1
+        for name in order:
+            start = time.perf_counter()
+            pair(name)
+            times[name].append(time.perf_counter() - start)
+
+    benchmark.pedantic(rep, rounds=INTERLEAVED_REPS, warmup_rounds=3)
+    raw, fp32 = (times[name][-INTERLEAVED_REPS:] for name in ("raw", "fp32"))
+    benchmark.extra_info["ratio"] = (
+        f"fp32 {statistics.median(fp32) * 1e3:.1f} ms / raw all_reduce + divide {statistics.median(raw) * 1e3:.1f} ms "
+        f"(medians of {INTERLEAVED_REPS} interleaved reps) = {statistics.median(fp32) / statistics.median(raw):.3f}x; "
+        f"median per-rep ratio {statistics.median(f / r for f, r in zip(fp32, raw)):.3f}x"
+    )

@@ -79,7 +79,7 @@ def command(*, link: str, mode: str, run_dir: Path, args: argparse.Namespace) ->
         "train.ddp_warm_start=0",
         "train.warmup_steps=5",
         f"diloco.inner_steps={args.inner_steps}",
-        f"diloco.wire_dtype={args.wire}",
+        f"diloco.codec={args.wire}",
         f"train.runs_dir={json.dumps(str(run_dir.parent))}",
         *mode_settings(mode, inner_steps=args.inner_steps, fragments=args.fragments, overlap_steps=args.overlap_steps),
         *args.extra,

@@ -22,7 +22,7 @@ def job(transport: Transport, wire_dtype: str) -> list[torch.Tensor]:
     for p in model.parameters():  # a generator of its own: ranks may be threads sharing torch's global one
         p.data = torch.randn(p.shape, generator=init) * 0.3
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
-    dl = DiLoCo(model, opt, transport, DiLoCoConfig(inner_steps=H, wire_dtype=wire_dtype, reduce_timeout=60))
+    dl = DiLoCo(model, opt, transport, DiLoCoConfig(inner_steps=H, codec=wire_dtype, reduce_timeout=60))
     for step in range(ROUNDS * H):
         g = torch.Generator().manual_seed(1000 * transport.rank + step)
         x = torch.randn(32, 10, generator=g)

@@ -10,7 +10,7 @@ import pytest
 import torch
 from world import RankError, make_world
 
-from diloco_core import DiLoCo, DiLoCoConfig
+from diloco_core import SIGN, DiLoCo, DiLoCoConfig
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -34,8 +34,8 @@ DRIFTS = [
     ({"outer_lr": 0.5}, "outer_lr=0.5 here vs 0.7 on rank 0", "outer_lr=0.7"),
     ({"outer_momentum": 0.9}, "outer_momentum=0.9 here vs 0.5 on rank 0", "outer_momentum=0.5"),
     ({"inner_steps": 3}, "inner_steps=3 here vs 2 on rank 0", "inner_steps=2"),
-    ({"wire_dtype": "fp16"}, "wire_dtype='fp16' here vs 'fp32' on rank 0", "wire_dtype='fp32'"),
-    ({"wire_dtype": "int8", "codec_block": 64}, "codec_block=64 here vs None on rank 0", "codec_block=None"),
+    ({"codec": "fp16"}, "codec='fp16' here vs 'fp32' on rank 0", "codec='fp32'"),
+    ({"codec": "int8", "codec_block": 64}, "codec='int8b64' here vs 'fp32' on rank 0", "codec='fp32'"),
     ({"norm_clip": 4.0}, "norm_clip=4.0 here vs None on rank 0", "norm_clip=None"),
 ]
 
@@ -69,17 +69,17 @@ def test_on_hivemind_a_joiner_whose_settings_differ_refuses_itself(tmp_path):
         world.close()
 
 
-def test_a_changed_payload_layout_is_part_of_the_settings():
-    """int4's nibbles changed layout (two's complement): a peer of the earlier layout, whose settings have no
-    ``wire_layout``, is refused by the settings check (None vs 2) instead of decoding garbage; layouts that
-    never changed stay None, so peers of either version still agree on them."""
+def test_the_codecs_identity_with_its_block_and_payload_layout_is_part_of_the_settings():
+    """int4's nibbles changed layout (two's complement): a peer of the earlier layout is refused by the
+    settings check instead of decoding garbage; the block and the layout are spelled where they matter."""
     from diloco_core.agreement import settings_of
     from transports import InProcessGroup
 
-    def layout(wire: str):
+    def codec(wire: str):
         model = torch.nn.Linear(4, 4)
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
-        return settings_of(DiLoCo(model, opt, InProcessGroup(1).transport(0), DiLoCoConfig(wire_dtype=wire)))
+        d = DiLoCo(model, opt, InProcessGroup(1).transport(0), DiLoCoConfig(codec=wire))
+        return settings_of(d.config, codec=d.codec, outer_lr=d.outer_lr, fragments=d.fragments)["codec"]
 
-    assert layout("int4")["wire_layout"] == 2 and layout("sign")["wire_layout"] == 2
-    assert layout("int8")["wire_layout"] is None and layout("fp32")["wire_layout"] is None
+    assert [codec(w) for w in ("fp32", "int8", "int4")] == ["fp32", "int8b256", "int4b256v2"]
+    assert codec("sign") == str(SIGN.identity) and SIGN.identity.layout == SIGN.layout

@@ -1,4 +1,4 @@
-"""The block codecs' fused CPU kernels (``diloco_core.codec_kernels``) give the eager code's payloads, means and
+"""The block codecs' fused CPU kernels (``diloco_core.codecs.kernels``) give the eager code's payloads, means and
 decodes bit for bit, and a codec stays eager (and correct) where a kernel cannot be compiled."""
 
 from __future__ import annotations
@@ -11,11 +11,11 @@ import threading
 import pytest
 import torch
 
-from diloco_core import codec_kernels
-from diloco_core.block_codec import BlockCodec
-from diloco_core.codec_kernels import BUILD_MIN_VALUES, MIN_VALUES, kernels_available
-from diloco_core.sign_codec import SignCodec
-from diloco_core.wire import reference_mean
+from diloco_core import reference_mean
+from diloco_core.codecs import kernels as codec_kernels
+from diloco_core.codecs.block import BlockCodec
+from diloco_core.codecs.kernels import BUILD_MIN_VALUES, MIN_VALUES, kernels_available
+from diloco_core.codecs.sign import SignCodec
 
 pytestmark = pytest.mark.skipif(
     not kernels_available(torch.device("cpu")), reason="no C++ compiler for Inductor: the codecs run eagerly"
@@ -49,8 +49,10 @@ def _codec(bits: int, block: int, *, fused: bool) -> BlockCodec:
 def test_fused_kernels_equal_the_eager_code_bit_for_bit(bits, block, n):
     fused, eager = _codec(bits, block, fused=True), _codec(bits, block, fused=False)
     fused.prepare(torch.empty(()).expand(BUILD_MIN_VALUES), payloads=(2, 3))  # as for a model this large
-    assert fused._encoder(torch.device("cpu"), n) is not None  # the kernels do run here (sign: its packing)
-    assert all(fused._kernel(torch.device("cpu"), n, k) is not None for k in (1, 2, 3))
+    assert (
+        fused._fused(fused._encoding, torch.device("cpu"), n) is not None
+    )  # the kernels do run here (sign: its packing)
+    assert all(fused._fused("mean", torch.device("cpu"), n, payloads=k) is not None for k in (1, 2, 3))
     xs = [_hard_values(n, seed) for seed in range(3)]
     payloads = [fused.encode(x) for x in xs]
     for p, x in zip(payloads, xs):
@@ -82,7 +84,7 @@ def test_a_slice_encodes_and_averages_as_its_part_of_the_whole_with_kernels():
 def test_nan_input_still_raises_with_kernels(bad):
     codec = BlockCodec("int8", 8)
     codec.prepare(torch.empty(()).expand(BUILD_MIN_VALUES))
-    assert codec._encoder(torch.device("cpu"), 2**21) is not None
+    assert codec._fused(codec._encoding, torch.device("cpu"), 2**21) is not None
     x = torch.randn(2**21)
     x[1_123_456] = bad  # in the second chunk: the first is encoded by the kernel before it
     with pytest.raises(
@@ -103,7 +105,7 @@ def test_a_kernel_that_does_not_compile_leaves_the_codec_eager(caplog):
     def broken(src, scales, *, bits):
         raise RuntimeError("no compiler here")
 
-    with caplog.at_level(logging.WARNING, logger="diloco_core.codec_kernels"):
+    with caplog.at_level(logging.WARNING, logger="diloco_core.codecs.kernels"):
         assert codec_kernels._compile(broken, [torch.zeros(4, 256), torch.zeros(4)], bits=8) is False
     assert "codec kernels unavailable, using eager torch (" in caplog.text
 
@@ -111,11 +113,23 @@ def test_a_kernel_that_does_not_compile_leaves_the_codec_eager(caplog):
 def test_small_tensors_and_other_devices_stay_eager():
     codec, cpu, meta = BlockCodec("int8", 8), torch.device("cpu"), torch.device("meta")
     codec.prepare(torch.empty(()).expand(BUILD_MIN_VALUES))
-    assert codec._kernel(cpu, MIN_VALUES, 2) is not None and codec._encoder(cpu, MIN_VALUES) is not None
-    assert codec._kernel(cpu, MIN_VALUES - 1, 2) is None and codec._encoder(cpu, MIN_VALUES - 1) is None
-    assert codec._kernel(meta, MIN_VALUES, 2) is None and codec._encoder(meta, MIN_VALUES) is None
+    assert (
+        codec._fused("mean", cpu, MIN_VALUES, payloads=2) is not None
+        and codec._fused(codec._encoding, cpu, MIN_VALUES) is not None
+    )
+    assert (
+        codec._fused("mean", cpu, MIN_VALUES - 1, payloads=2) is None
+        and codec._fused(codec._encoding, cpu, MIN_VALUES - 1) is None
+    )
+    assert (
+        codec._fused("mean", meta, MIN_VALUES, payloads=2) is None
+        and codec._fused(codec._encoding, meta, MIN_VALUES) is None
+    )
     eager = BlockCodec("int8", 8, fused=False)
-    assert eager._kernel(cpu, MIN_VALUES, 2) is None and eager._encoder(cpu, MIN_VALUES) is None
+    assert (
+        eager._fused("mean", cpu, MIN_VALUES, payloads=2) is None
+        and eager._fused(eager._encoding, cpu, MIN_VALUES) is None
+    )
 
 
 def test_kernels_do_not_recompile_for_another_threads_grad_mode_or_thread_count():
@@ -131,7 +145,10 @@ def test_kernels_do_not_recompile_for_another_threads_grad_mode_or_thread_count(
 
     def calls() -> None:
         with torch.no_grad():
-            assert codec._encoder(x.device, n) is not None and codec._kernel(x.device, n, 2) is not None
+            assert (
+                codec._fused(codec._encoding, x.device, n) is not None
+                and codec._fused("mean", x.device, n, payloads=2) is not None
+            )
             codec.mean_of([codec.encode(x), payload], out)
 
     worker = threading.Thread(target=calls)
@@ -152,7 +169,9 @@ def test_in_inference_mode_the_codecs_stay_eager_and_exact():
     eager = BlockCodec("int4", 4, fused=False)
     x = torch.randn(n)
     with torch.inference_mode():
-        assert codec._encoder(x.device, n) is None and codec._kernel(x.device, n, 2) is None
+        assert (
+            codec._fused(codec._encoding, x.device, n) is None and codec._fused("mean", x.device, n, payloads=2) is None
+        )
         payload, out = codec.encode(x), torch.empty(n)
         assert torch.equal(payload, eager.encode(x))
         assert torch.equal(codec.mean_of([payload, payload], out), eager.mean_of([payload, payload], torch.empty(n)))

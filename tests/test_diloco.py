@@ -13,6 +13,8 @@ from diloco_core import (
     FP32,
     DiLoCo,
     DiLoCoConfig,
+    ForwardingTransport,
+    Membership,
     ReduceHandle,
     RunState,
     Transport,
@@ -177,7 +179,7 @@ def _train(dl: DiLoCo, opt: torch.optim.Optimizer, rank: int, steps: range) -> N
 @pytest.mark.parametrize("wire_dtype", ["fp32", "bf16", "int8", "int4", "int8/16", "int4/16", "sign/32"])
 def test_resume_from_a_saved_round_is_bit_identical(wire_dtype):
     wire_dtype, _, block = wire_dtype.partition("/")
-    cfg = DiLoCoConfig(inner_steps=3, wire_dtype=wire_dtype, codec_block=int(block or 256))
+    cfg = DiLoCoConfig(inner_steps=3, codec=wire_dtype, codec_block=int(block or 256))
     saved: dict[int, bytes] = {}
 
     def uninterrupted(t: Transport):
@@ -216,16 +218,7 @@ class FailingTransport(Transport):
 
     rank = property(lambda self: self.inner.rank)
     world_size = property(lambda self: self.inner.world_size)
-    fixed_ranks = property(lambda self: self.inner.fixed_ranks)
-
-    def attach(self, state, timeout):
-        return self.inner.attach(state, timeout)
-
-    def state_dict(self):
-        return self.inner.state_dict()
-
-    def load_state_dict(self, state):
-        self.inner.load_state_dict(state)
+    capabilities = property(lambda self: self.inner.capabilities)
 
     def all_reduce(self, tensors, *, codec=FP32, key="default") -> ReduceHandle:
         self.calls += 1
@@ -304,7 +297,7 @@ def test_models_with_different_shapes_are_refused_on_every_rank():
         ("outer_lr", float("nan"), "finite"),
         ("outer_momentum", 1.0, "[0, 1)"),
         ("nesterov", "yes", "true or false"),
-        ("wire_dtype", "int3", "int8"),
+        ("codec", "int3", "int8"),
         ("codec_block", 100, "a power of two in [16, 65536]"),
         ("codec_block", 2**17, "a power of two in [16, 65536]"),
         ("error_feedback", 1, "true or false"),
@@ -323,7 +316,7 @@ def test_config_is_keyword_only_and_frozen():
     with pytest.raises(TypeError):
         DiLoCoConfig(500)  # type: ignore[misc]
     cfg = DiLoCoConfig()
-    assert (cfg.inner_steps, cfg.outer_lr, cfg.outer_momentum, cfg.nesterov, cfg.wire_dtype) == (
+    assert (cfg.inner_steps, cfg.outer_lr, cfg.outer_momentum, cfg.nesterov, cfg.codec) == (
         500,
         None,
         0.5,
@@ -365,26 +358,32 @@ def test_a_replaced_state_drops_the_round_without_retrying_it():
 
 
 def test_the_transport_is_attached_once_the_global_params_are_in_place():
-    """``attach`` is where a transport whose peers come and go loads the run's outer state (hivemind);
-    it must see the broadcast global params, and its answer becomes ``DiLoCo.joined``."""
+    """``attach`` is where a transport whose peers come and go (a ``Membership``) loads the run's outer state
+    (hivemind); it must see the broadcast global params, and its answer becomes ``DiLoCo.joined``."""
 
     def build(transport: Transport) -> tuple[DiLoCo, list]:
         seen: list = []
         model = Scalar([float(transport.rank + 1), 5.0])  # different weights per rank: the broadcast fixes that
 
-        def attach(state: RunState, timeout: float) -> bool:  # this worker pretends to join a running run
-            seen.append((model.w.detach().clone(), state.snapshot(), timeout))
-            return True
+        class Joining(ForwardingTransport, Membership):  # this worker pretends to join a running run
+            def attach(self, state: RunState, timeout: float) -> bool:
+                seen.append((model.w.detach().clone(), state.snapshot(), timeout))
+                return True
 
-        if transport.rank == 1:
-            transport.attach = attach
+            def state_dict(self) -> dict:
+                return {}
+
+            def load_state_dict(self, state: dict) -> None:
+                pass
+
+        t = Joining(transport) if transport.rank == 1 else transport  # rank 0: no Membership, nothing attached
         dl = DiLoCo(
-            model, torch.optim.SGD(model.parameters(), lr=1.0), transport, DiLoCoConfig(inner_steps=1, reduce_timeout=7)
+            model, torch.optim.SGD(model.parameters(), lr=1.0), t, DiLoCoConfig(inner_steps=1, reduce_timeout=7)
         )
         return dl, seen
 
     (first, none), (joiner, seen) = run_threads(2, build)
-    assert not first.joined and not none  # the default attach does nothing
+    assert not first.joined and not none  # a fixed group's transport is not attached
     assert joiner.joined
     [(params, (meta, momentum), timeout)] = seen
     assert timeout == 7 and torch.equal(params, torch.tensor([1.0, 5.0]))  # rank 0's weights, broadcast first
@@ -433,20 +432,41 @@ def test_run_state_moves_round_and_momentum_to_another_worker_and_checks_them_fi
     assert torch.equal(source.state_dict()["global"], joiner.state_dict()["global"])
 
 
+class _Tagged(ForwardingTransport, Membership):
+    """A transport whose peers come and go, as far as its state goes: it keeps a tag and records loads."""
+
+    def __init__(self, inner: Transport) -> None:
+        super().__init__(inner)
+        self.loaded: list = []
+
+    def attach(self, state: RunState, timeout: float) -> bool:
+        return False
+
+    def state_dict(self) -> dict:
+        return {"tag": (3, b"x")}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.loaded.append(state)
+
+
 def test_the_transports_state_travels_inside_diloco_state():
-    t = InProcessGroup(1).transport(0)
-    loaded: list = []
-    t.state_dict = lambda: {"tag": (3, b"x")}
-    t.load_state_dict = loaded.append
+    t = _Tagged(InProcessGroup(1).transport(0))
     model = _model()
     dl = DiLoCo(model, torch.optim.SGD(model.parameters(), lr=0.1), t, DiLoCoConfig(inner_steps=1))
     state = dl.state_dict()
     assert state["transport"] == {"tag": (3, b"x")}
     dl.load_state_dict(state)
-    assert loaded == [{"tag": (3, b"x")}]  # after DiLoCo's own state: hivemind serves what was loaded
-    del state["transport"]  # a checkpoint written before transports had state
-    dl.load_state_dict(state)
-    assert loaded == [{"tag": (3, b"x")}]
+    assert t.loaded == [{"tag": (3, b"x")}]  # after DiLoCo's own state: hivemind serves what was loaded
+    del state["transport"]  # not a DiLoCo.state_dict(): refused, nothing loaded
+    with pytest.raises(ValueError, match=r"missing \['transport'\]"):
+        dl.load_state_dict(state)
+    assert t.loaded == [{"tag": (3, b"x")}]
+
+
+def test_a_fixed_groups_transport_keeps_no_state_in_diloco_state():
+    model = _model()
+    dl = DiLoCo(model, torch.optim.SGD(model.parameters(), lr=0.1), InProcessGroup(1).transport(0), DiLoCoConfig())
+    assert dl.state_dict()["transport"] == {}  # not a Membership: nothing to keep, and the same checkpoint keys
 
 
 # -- round diagnostics: norms and agreement, against numbers computed by hand ----------------------------
@@ -458,7 +478,7 @@ def _one_round(moves: list[list[float]], wire_dtype: str = "fp32"):
     def worker(t: Transport):
         model = Scalar([1.0, 2.0, 2.0])
         opt = torch.optim.SGD(model.parameters(), lr=1.0)
-        dl = DiLoCo(model, opt, t, DiLoCoConfig(inner_steps=1, outer_lr=1.0, outer_momentum=0.0, wire_dtype=wire_dtype))
+        dl = DiLoCo(model, opt, t, DiLoCoConfig(inner_steps=1, outer_lr=1.0, outer_momentum=0.0, codec=wire_dtype))
         move_to(model, opt, moves[t.rank])
         return dl.step()
 
@@ -574,9 +594,7 @@ def _feedback_rounds(wire_dtype: str, error_feedback: bool, rounds: int = 40):
     n, g = 1000, torch.Generator().manual_seed(0)
     model = Scalar([0.0] * n)
     opt = torch.optim.SGD(model.parameters(), lr=1.0)
-    cfg = DiLoCoConfig(
-        inner_steps=1, outer_lr=1.0, outer_momentum=0.0, wire_dtype=wire_dtype, error_feedback=error_feedback
-    )
+    cfg = DiLoCoConfig(inner_steps=1, outer_lr=1.0, outer_momentum=0.0, codec=wire_dtype, error_feedback=error_feedback)
     dl = DiLoCo(model, opt, transport=InProcessGroup(1).transport(0), config=cfg)
     q = dl.codec.qmax
     start, pseudo_grads = dl.global_params[0].clone(), torch.zeros(n, dtype=torch.float64)
@@ -613,7 +631,7 @@ def test_the_diagnostic_rms_travels_in_a_block_of_its_own_and_is_not_fed():
     assert report.agreement == pytest.approx(report.mean_pseudo_grad_norm / 3.0, rel=1e-6)  # ...the RMS was not
     model = Scalar([0.0] * 300)
     opt, t = torch.optim.SGD(model.parameters(), lr=1.0), InProcessGroup(1).transport(0)
-    dl = DiLoCo(model, opt, transport=t, config=DiLoCoConfig(wire_dtype="int8", codec_block=256))
+    dl = DiLoCo(model, opt, transport=t, config=DiLoCoConfig(codec="int8", codec_block=256))
     # 300 values, zeros up to a block, the blocks of the valid flag, the digest and its square, the RMS
     assert dl.reduce_numel == 512 + 3 * 256 + 1 and dl.state_dict()["residual"].shape == (300,)
 
@@ -624,7 +642,7 @@ def test_a_failed_round_leaves_the_residual_for_its_retry():
     t = FailingTransport(
         InProcessGroup(1).transport(0), fail_at={4}
     )  # 1, 2: settings and shape checks, 3: round 1, 4: round 2
-    cfg = DiLoCoConfig(inner_steps=1, wire_dtype="int4", codec_block=16, round_retries=0)
+    cfg = DiLoCoConfig(inner_steps=1, codec="int4", codec_block=16, round_retries=0)
     dl = DiLoCo(model, opt, transport=t, config=cfg)
     for r in range(2):
         model.w.grad = torch.linspace(-1, 1, 40) * (r + 1)
@@ -661,9 +679,7 @@ WIRES = [
 )
 def test_a_bad_pseudo_gradient_is_left_out_and_its_worker_takes_the_mean_of_the_others(bad, wire_dtype, error_feedback):
     start, targets = [1.0, 2.0, 2.0], [[0.0, 0.0, 0.0], [1.0, 1.0, 1.0], [0.5, bad, 0.5]]
-    cfg = DiLoCoConfig(
-        inner_steps=1, outer_lr=1.0, outer_momentum=0.0, wire_dtype=wire_dtype, error_feedback=error_feedback
-    )
+    cfg = DiLoCoConfig(inner_steps=1, outer_lr=1.0, outer_momentum=0.0, codec=wire_dtype, error_feedback=error_feedback)
 
     def worker(t: Transport):
         model = Scalar(start)
@@ -678,12 +694,9 @@ def test_a_bad_pseudo_gradient_is_left_out_and_its_worker_takes_the_mean_of_the_
 
     results = run_threads(3, worker)
     codec = codec_for(wire_dtype, cfg.codec_block)
-    # each travels in a block padded with zeros (the sign codec's scale is the mean |x| of all its values)
-    pseudo_grads = [
-        torch.tensor(start + [0.0] * (codec.block - 3)) - torch.tensor(x + [0.0] * (codec.block - 3))
-        for x in targets[:2]
-    ]
-    want = torch.tensor(start) - reference_mean(pseudo_grads, codec)[:3]
+    # each in a partial block of its own 3 values (the sign codec's scale is their mean |x|, not the padding's)
+    pseudo_grads = [torch.tensor(start) - torch.tensor(x) for x in targets[:2]]
+    want = torch.tensor(start) - reference_mean(pseudo_grads, codec)
     for rank, (report, params, local, kept) in enumerate(results):
         assert (report.num_contributors, report.valid_contributors, report.excluded) == (3, 2, rank == 2), report
         torch.testing.assert_close(params, want, rtol=1e-6, atol=0)  # the mean of the two valid ones
@@ -694,7 +707,7 @@ def test_a_bad_pseudo_gradient_is_left_out_and_its_worker_takes_the_mean_of_the_
 def test_an_excluded_round_keeps_the_residual_the_worker_owes():
     model = Scalar([0.0] * 40)
     opt = torch.optim.SGD(model.parameters(), lr=1.0)
-    cfg = DiLoCoConfig(inner_steps=1, wire_dtype="int4", codec_block=16)
+    cfg = DiLoCoConfig(inner_steps=1, codec="int4", codec_block=16)
     dl = DiLoCo(model, opt, InProcessGroup(1).transport(0), cfg)
     model.w.grad = torch.linspace(-1, 1, 40)
     opt.step()
@@ -778,7 +791,7 @@ def test_an_honest_outlier_clips_its_own_contribution():
 def test_replicas_that_differ_are_caught_by_the_rounds_digest_on_every_worker(wire_dtype):
     """A replica whose global params differ (a bug, a bit flip, a silent pairing) is an error on every worker,
     raised by the round's own reduce before anything changes."""
-    cfg = DiLoCoConfig(inner_steps=1, outer_lr=1.0, wire_dtype=wire_dtype)
+    cfg = DiLoCoConfig(inner_steps=1, outer_lr=1.0, codec=wire_dtype)
 
     def worker(t: Transport):
         model = Scalar([1.0, 2.0, 3.0])

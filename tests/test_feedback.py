@@ -94,18 +94,19 @@ def test_a_failed_reduce_does_not_advance_the_residual_and_its_retry_matches_a_r
 
 def test_the_residual_round_trips_through_load_and_only_fed_values_are_kept():
     codec = codec_for("int4", block=16)
-    fb = ErrorFeedback(codec, torch.zeros(40), fed=33, on=True)  # 33 fed values, then diagnostics
-    flat = torch.linspace(-1, 1, 40)
+    fb = ErrorFeedback(codec, torch.zeros(56), fed=33, on=True)  # 33 fed values, the pad, then diagnostics
+    flat = torch.linspace(-1, 1, 56)
     fb.feed(flat)
     fb.commit()
     assert fb.residual.shape == (33,) and fb.residual.abs().max() > 0
     saved = fb.residual.clone()
-    other = ErrorFeedback(codec, torch.zeros(40), fed=33, on=True)
+    other = ErrorFeedback(codec, torch.zeros(56), fed=33, on=True)
     other.load(saved)
-    a, b = torch.linspace(1, 2, 40), torch.linspace(1, 2, 40)
+    a, b = torch.linspace(1, 2, 56), torch.linspace(1, 2, 56)
     fb.feed(a)
     other.feed(b)
-    assert torch.equal(a, b) and torch.equal(a[33:], torch.linspace(1, 2, 40)[33:])  # diagnostics not fed
+    assert torch.equal(a, b) and torch.equal(a[48:], torch.linspace(1, 2, 56)[48:])  # diagnostics not fed
+    assert torch.equal(a[33:48], torch.zeros(15))  # the last fed block's pad, as the codec pads it
     other.load(None)
     assert torch.equal(other.residual, torch.zeros(33))
     with pytest.raises(ValueError, match="the saved error-feedback residual has 32 values, not 33"):

@@ -87,6 +87,16 @@ def test_config_errors_name_the_field():
     assert HivemindConfig(initial_peers=["/ip4/1.2.3.4/tcp/5"]).initial_peers == ("/ip4/1.2.3.4/tcp/5",)
 
 
+def test_every_deadline_of_a_reduce_derives_from_the_two_settings():
+    from transports.hivemind.deadlines import deadlines
+
+    d = deadlines(HivemindConfig(matchmaking_time=15.0, averaging_timeout=120.0))
+    assert (d.presence, d.matchmaking, d.attempt, d.retries) == (2.0, 30.0, 160.0, 180.0)
+    assert d.own_timeout == 2 * 120 + 6 * 15 + 10  # docs/architecture.md, "Timeouts": retries, then one attempt
+    assert deadlines(HivemindConfig(matchmaking_time=0.5, averaging_timeout=3.0)).presence == 0.5
+    assert HivemindTransport.own_timeout.fget(type("Peer", (), {"config": HivemindConfig()})()) == 340.0
+
+
 def test_background_niceness_reaches_every_process_of_the_peer():
     with pytest.raises(ValueError, match=r"background_niceness=20 is invalid: expected an integer in \[0, 19\]"):
         HivemindConfig(background_niceness=20)
@@ -402,7 +412,7 @@ def _diloco_peer(transport: HivemindTransport, seed: int):
     torch.manual_seed(seed)
     model = torch.nn.Linear(8, 8)
     inner = torch.optim.SGD(model.parameters(), lr=0.1)
-    diloco = DiLoCo(model, inner, transport, DiLoCoConfig(inner_steps=2, wire_dtype="fp16", reduce_timeout=60))
+    diloco = DiLoCo(model, inner, transport, DiLoCoConfig(inner_steps=2, codec="fp16", reduce_timeout=60))
     data = torch.randn(16, 8, generator=torch.Generator().manual_seed(seed))
 
     def one_round():

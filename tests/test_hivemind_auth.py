@@ -86,7 +86,7 @@ class _ReadAnything(RecordValidatorBase):
         return self._inner.sign_value(record)
 
     def strip_value(self, record: DHTRecord) -> bytes:
-        return record.value[:-MAC_BYTES] if record.key in self._inner._ids else record.value
+        return record.value[:-MAC_BYTES] if record.key in self._inner.key_ids else record.value
 
     @property
     def priority(self) -> int:

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import functools
 import io
-import logging
 
 import pytest
 import torch
@@ -46,7 +45,7 @@ def _batch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
 def _build(t: Transport, wire_dtype: str = "fp32") -> tuple[Net, torch.optim.Optimizer, DiLoCo]:
     model = Net(seed=t.rank)  # every rank starts different, frozen layer and buffers included
     opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.05)
-    cfg = DiLoCoConfig(inner_steps=2, outer_lr=0.7, wire_dtype=wire_dtype, reduce_timeout=30)
+    cfg = DiLoCoConfig(inner_steps=2, outer_lr=0.7, codec=wire_dtype, reduce_timeout=30)
     return model, opt, DiLoCo(model, opt, t, cfg)
 
 
@@ -176,7 +175,7 @@ def test_resume_restores_buffers_and_frozen_params_bit_identically():
         assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), [k for k in a if not a[k].equal(b[k])]
 
 
-def test_a_state_of_another_model_is_refused_by_name_and_an_old_one_still_loads(caplog):
+def test_a_state_of_another_model_is_refused_by_name_and_one_without_names_or_buffers_too():
     _, _, dl = _build(InProcessGroup(1).transport(0))
     state = dl.state_dict()
     bad = {**state, "param_names": ["hidden.weight", "bn.weight", "hidden.bias", "bn.bias", "out.weight", "out.bias"]}
@@ -184,16 +183,9 @@ def test_a_state_of_another_model_is_refused_by_name_and_an_old_one_still_loads(
         dl.load_state_dict(bad)
     with pytest.raises(ValueError, match="'bn.running_var' is \\(7,\\), this model's \\(8,\\)"):
         dl.load_state_dict({**state, "model_state": {**state["model_state"], "bn.running_var": torch.ones(7)}})
-    old = {k: v for k, v in state.items() if k not in ("param_names", "model_state")}  # written before both
-    with caplog.at_level(logging.WARNING):
-        dl.load_state_dict(old)
-    assert "holds no buffers or frozen parameters" in caplog.text
-
-    plain = torch.nn.Linear(3, 2)  # no frozen params, no buffers: an old state loads without a word
-    dp = DiLoCo(plain, torch.optim.SGD(plain.parameters(), lr=0.1), InProcessGroup(1).transport(0), DiLoCoConfig())
-    caplog.clear()
-    dp.load_state_dict({k: v for k, v in dp.state_dict().items() if k not in ("param_names", "model_state")})
-    assert dp.state_dict()["model_state"] == {} and not caplog.text
+    for key in ("param_names", "model_state"):  # the package was never released: no older format to accept
+        with pytest.raises(ValueError, match=f"missing \\['{key}'\\]"):
+            dl.load_state_dict({k: v for k, v in state.items() if k != key})
 
 
 def test_a_model_without_buffers_or_frozen_params_reduces_once_per_round():

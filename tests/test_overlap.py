@@ -11,8 +11,7 @@ import torch
 from threads import run_threads
 from torch import nn
 
-from diloco_core import DiLoCo, DiLoCoConfig, ForwardingTransport, Transport, TransportError
-from diloco_core.codec import FP32
+from diloco_core import FP32, DiLoCo, DiLoCoConfig, ForwardingTransport, Transport, TransportError
 from diloco_core.streaming import begins_at, strided_fragments, user_fragments
 from diloco_core.transport import Capabilities, ReduceHandle, ReduceResult
 from transports import InProcessGroup
@@ -82,7 +81,7 @@ def _train(t: Transport, config: DiLoCoConfig, steps: range, state: dict | None 
 
 @pytest.mark.parametrize("wire", ["fp32", "int8"])
 def test_streaming_with_one_fragment_no_overlap_and_alpha_0_is_blocking_diloco_bit_for_bit(wire):
-    base = {"inner_steps": 3, "outer_lr": 0.7, "outer_momentum": 0.5, "wire_dtype": wire, "codec_block": 16}
+    base = {"inner_steps": 3, "outer_lr": 0.7, "outer_momentum": 0.5, "codec": wire, "codec_block": 16}
     blocking = run_threads(2, lambda t: _train(t, DiLoCoConfig(**base), range(12))[:3])
     streamed = run_threads(2, lambda t: _train(t, DiLoCoConfig(**base, overlap="streaming"), range(12))[:3])
     for (pa, ra, ga), (pb, rb, gb) in zip(blocking, streamed):
@@ -171,11 +170,11 @@ def test_eager_outer_gradient_keeps_the_papers_shares_where_a_contribution_was_e
 ):
     """With fewer valid contributions than workers (V < M) the stale share is 1 / V of the mean, as in the
     paper's rule; w only moves a change between two valid shares of this worker's."""
-    from diloco_core.eager import Eager
-
     g = torch.Generator().manual_seed(0)
     mean, stale, fresh = (torch.randn(5, generator=g) for _ in range(3))
-    e = Eager(torch.zeros(5), lr=1.0, momentum=0.0, nesterov=False)
+    model = nn.Linear(4, 1)  # 5 values
+    config = DiLoCoConfig(outer_lr=1.0, outer_momentum=0.0, overlap="eager")
+    e = DiLoCo(model, torch.optim.SGD(model.parameters(), lr=0.1), InProcessGroup(1).transport(0), config).eager
     e.sent.copy_(stale)
     e.sent_valid = stale_sent
     got = e.outer_gradient(mean.clone(), fresh, valid=valid, world=4, w=W, fresh_valid=fresh_valid)
@@ -238,7 +237,7 @@ MODES = {
 @pytest.mark.parametrize("mode", sorted(MODES))
 @pytest.mark.parametrize("wire", ["fp32", "int4"])
 def test_a_checkpoint_taken_with_a_reduce_in_flight_resumes_bit_exact(mode, wire):
-    config = DiLoCoConfig(inner_steps=4, outer_lr=0.7, wire_dtype=wire, codec_block=16, **MODES[mode])
+    config = DiLoCoConfig(inner_steps=4, outer_lr=0.7, codec=wire, codec_block=16, **MODES[mode])
     whole = run_threads(2, lambda t: _train(t, config, range(14))[:3])
     saving = run_threads(2, lambda t: _train(t, config, range(14), save_at=6))
     states = [r[3] for r in saving]
@@ -365,7 +364,7 @@ def test_a_peer_that_loads_the_run_state_mid_overlap_applies_the_same_means_at_t
             dl.step()
             dl.inner_optimizer.zero_grad()
         assert all(torch.equal(a, b) for a, b in zip(donor.global_params, peer.global_params)), s + 1
-    assert donor.round == peer.round and peer._pending != []
+    assert donor.round == peer.round and peer.in_flight != ()
 
 
 def test_the_run_state_is_not_served_while_a_reduce_in_flight_has_not_completed_and_inside_a_boundary_is_a_step_back():
@@ -376,12 +375,35 @@ def test_the_run_state_is_not_served_while_a_reduce_in_flight_has_not_completed_
         _inner_step(model, None, 0, s)
         dl.step()
         dl.inner_optimizer.zero_grad()
-    assert dl._pending and dl.run_state.snapshot() is None
+    assert dl.in_flight and dl.run_state.snapshot() is None
+    dl.flush()  # nothing in flight any more
     with dl.run_state.boundary(9):  # as a reduce starts at step 9: the state before that step's outer work
-        dl._pending = []
         meta, _ = dl.run_state.snapshot()
     assert meta["inner_step"] == 8 and meta["in_flight"] == []
     assert dl.run_state.snapshot()[0]["inner_step"] == 5
+
+
+@pytest.mark.parametrize("mode", ["eager", "streaming"])
+def test_a_blocking_round_is_refused_while_an_overlap_mode_has_a_reduce_in_flight(mode):
+    """``sync()``, ``begin_round()`` and ``finish_round()`` would run a blocking round beside the reduce in flight
+    (eager: writing the buffer that reduce may still read); they refuse, naming ``overlap``, and change nothing."""
+    settings = {"fragments": 2, "overlap_steps": 1} if mode == "streaming" else {}
+    config = DiLoCoConfig(inner_steps=4, outer_lr=0.7, overlap=mode, **settings)
+    model = Tower()
+    dl = DiLoCo(model, torch.optim.SGD(model.parameters(), lr=0.05), InProcessGroup(1).transport(0), config)
+    for s in range(5 if mode == "eager" else 2):  # a reduce in flight
+        _inner_step(model, None, 0, s)
+        dl.step()
+        dl.inner_optimizer.zero_grad()
+    before = (dl.round, _flat(dl.global_params).clone(), _params(model))
+    for call in (dl.sync, dl.begin_round, lambda: dl.finish_round(dl.in_flight[0])):
+        with pytest.raises(RuntimeError, match=f"overlap='{mode}'.*step\\(\\).*flush\\(\\)"):
+            call()
+    assert dl.round == before[0] and len(dl.in_flight) == 1 and dl.in_flight[0].settled is None
+    assert torch.equal(_flat(dl.global_params), before[1])
+    assert all(torch.equal(a, b) for a, b in zip(_params(model), before[2]))
+    dl.flush()  # what to call instead at the end of training
+    assert dl.in_flight == ()
 
 
 def test_workers_with_different_overlap_settings_are_refused():
@@ -422,7 +444,7 @@ def test_a_lost_peer_during_an_eager_reduce_fails_the_round_and_changes_nothing(
         with pytest.raises(TransportError):
             dl.step()
         assert torch.equal(_flat(dl.global_params), before[0]) and torch.equal(dl.eager.flat, before[1])
-        assert dl.round == 3 and len(dl._pending) == 1
+        assert dl.round == 3 and len(dl.in_flight) == 1
         return True
 
     assert run_threads(2, worker)[0] is True

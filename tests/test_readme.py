@@ -35,8 +35,8 @@ def test_codec_page_examples_are_valid_config() -> None:
     (toml,) = re.findall(r"```toml\n(.*?)```", page, flags=re.DOTALL)
     diloco = tomllib.loads(toml)["diloco"]
     config = build_config(overrides=[f"diloco.{k}={str(v).lower()}" for k, v in diloco.items()])
-    assert (config.diloco.wire_dtype, config.diloco.codec_block, config.diloco.error_feedback) == ("int8", 256, True)
+    assert (config.diloco.codec, config.diloco.codec_block, config.diloco.error_feedback) == ("int8", 256, True)
     (python,) = re.findall(r"```python\n(.*?)```", page, flags=re.DOTALL)
     scope: dict = {}
     exec(python, scope)  # noqa: S102 - our own doc's example
-    assert isinstance(scope["config"], DiLoCoConfig) and scope["config"].wire_dtype == "int4"
+    assert isinstance(scope["config"], DiLoCoConfig) and scope["config"].codec == "int4"

@@ -12,9 +12,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from diloco_core import SIGN, DiLoCoConfig, codec_for, mean_of_payloads, reference_mean
+from diloco_core import SIGN, DiLoCo, DiLoCoConfig, codec_for, mean_of_payloads, reference_mean
+from diloco_core.codecs.sign import SignCodec
 from diloco_core.feedback import ErrorFeedback
-from diloco_core.sign_codec import SignCodec
+from transports import InProcessGroup
 
 FP32_MAX = torch.finfo(torch.float32).max
 
@@ -33,9 +34,9 @@ def test_blocks_under_32_are_refused_since_side_by_side_payloads_would_misalign_
     with pytest.raises(ValueError, match=r"block=16 is invalid for the sign codec: expected a power of two in \[32"):
         codec_for("sign", block=16)
     with pytest.raises(
-        ValueError, match=r"codec_block=16 is invalid: expected a power of two in \[32, 65536\] for wire"
+        ValueError, match=r"codec_block=16 is invalid: expected a power of two in \[32, 65536\] for codec"
     ):
-        DiLoCoConfig(wire_dtype="sign", codec_block=16)
+        DiLoCoConfig(codec="sign", codec_block=16)
 
 
 def test_a_block_encodes_alike_alone_and_in_a_chunk_of_many_whatever_the_threads():
@@ -128,3 +129,23 @@ def test_error_feedback_sends_the_fed_sum_minus_a_residual_that_stays_bounded(bl
         s = math.sqrt(1 - 1 / residual.numel())
         assert residual.norm() <= s / (1 - s) * top * (1 + 1e-4) + 1e-30
     assert ((sent - (fed - fb.residual.double())).abs() <= slack + 2**-126).all()
+
+
+@pytest.mark.parametrize("feedback", [False, True])
+def test_a_fragments_partial_last_block_is_scaled_by_its_own_values_not_the_padding(feedback):
+    """docs/codecs.md: a partial last block's scale is the mean |x| over its own values. Inside DiLoCo the
+    reduce buffer pads the pseudo-gradient's last block; a 257-value parameter at block 256 moved its last
+    value by 1/256 of its step before (the pad's zeros counted), now by the step itself."""
+    model = torch.nn.Module()
+    model.w = torch.nn.Parameter(torch.zeros(257))
+    opt = torch.optim.SGD(model.parameters(), lr=1.0)
+    config = DiLoCoConfig(inner_steps=1, outer_lr=1.0, outer_momentum=0.0, codec="sign", error_feedback=feedback)
+    dl = DiLoCo(model, opt, InProcessGroup(1).transport(0), config)
+    step = torch.linspace(-2.0, 3.0, 257)
+    step[256] = 5.0  # alone in its block: its own mean |x| is 5
+    model.w.grad = -step  # the inner SGD moves w by +step
+    dl.step()
+    moved = model.w.detach()
+    assert moved[256].item() == pytest.approx(5.0, rel=1e-6)  # 5 / 256 before
+    sign = codec_for("sign")
+    assert torch.equal(moved[:256], sign.decode(sign.encode(step[:256]), torch.empty(256)))

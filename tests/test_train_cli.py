@@ -184,7 +184,7 @@ def test_a_warm_start_that_averages_updates_sends_every_step_and_resumes_exactly
 
 @pytest.mark.timeout(60)
 def test_the_summary_puts_diloco_traffic_against_ddp(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    wire = ["--set", "diloco.wire_dtype=int4"]
+    wire = ["--set", "diloco.codec=int4"]
     assert main(["train", "--name", "r", "--set", f"train.runs_dir={tmp_path!s}", *FAST, *wire]) == 0
     out = capsys.readouterr().out
     # 12 steps, a round every 3: DDP would all-reduce the same number of values 12 times in fp32, DiLoCo
@@ -218,9 +218,7 @@ def test_version_and_the_config_keys_in_help(capsys: pytest.CaptureFixture[str])
     for section in ("[model]", "[data]", "[train]", "[diloco]", "[transport]"):
         assert section in out
     # Generated from the dataclasses, with the trainer's own defaults where they differ from the core's.
-    assert (
-        "steps=600" in out and "inner_steps=10" in out and "wire_dtype='int4'" in out and "reduce_timeout=600.0" in out
-    )
+    assert "steps=600" in out and "inner_steps=10" in out and "codec='int4'" in out and "reduce_timeout=600.0" in out
 
 
 def test_plot_of_several_runs_goes_next_to_the_first(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

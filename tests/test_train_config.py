@@ -7,6 +7,7 @@ from types import SimpleNamespace
 import pytest
 import tomllib
 
+from diloco_core import Capabilities
 from diloco_train.config import build_config, dump_toml, load_toml, parse_override
 from diloco_train.modes import warm_start_steps
 
@@ -16,7 +17,7 @@ def test_defaults_and_trainer_defaults() -> None:
     c = build_config()
     assert c.train.mode == "diloco" and c.train.workers == 4 and c.model.preset == "tiny"
     assert c.diloco.inner_steps == 10 and c.diloco.outer_lr is None and c.diloco.outer_momentum == 0.5
-    assert c.diloco.wire_dtype == "int4" and c.diloco.error_feedback and c.train.ddp_wire_dtype == "fp32"
+    assert c.diloco.codec == "int4" and c.diloco.error_feedback and c.train.ddp_wire_dtype == "fp32"
     assert c.diloco.nesterov and c.train.ddp_warm_start is None  # a twelfth of the steps (modes.warm_start_steps)
     assert "outer_lr" not in c.to_dict()["diloco"]  # unset stays unset in a run's config.toml: the rule decides
     assert c.transport == {"kind": "inprocess"}
@@ -64,7 +65,7 @@ def test_a_bad_ddp_wire_names_the_field_and_the_choices() -> None:
 def test_the_default_warm_start_is_a_twelfth_of_the_steps_where_ranks_are_fixed(
     overrides: list[str], fixed_ranks: bool, warm: int
 ) -> None:
-    transport = SimpleNamespace(fixed_ranks=fixed_ranks)
+    transport = SimpleNamespace(capabilities=Capabilities(fixed_ranks=fixed_ranks))
     assert warm_start_steps(build_config(overrides=overrides), transport) == warm
 
 
@@ -72,9 +73,20 @@ def test_the_default_warm_start_is_a_twelfth_of_the_steps_where_ranks_are_fixed(
 def test_toml_file_then_overrides(tmp_path: Path) -> None:
     f = tmp_path / "run.toml"
     f.write_text('[train]\nsteps = 10\nmode = "ddp"\n[diloco]\nouter_lr = 0.5\n[model]\nnum_layers = 2\n')
-    c = build_config([f], ["train.steps=20", "data.seq_len=96", "diloco.wire_dtype=fp16", "train.bf16=false"])
+    c = build_config([f], ["train.steps=20", "data.seq_len=96", "diloco.codec=fp16", "train.bf16=false"])
     assert (c.train.steps, c.train.mode, c.diloco.outer_lr, c.model.num_layers) == (20, "ddp", 0.5, 2)
-    assert c.data.seq_len == 96 and c.diloco.wire_dtype == "fp16" and c.train.bf16 is False
+    assert c.data.seq_len == 96 and c.diloco.codec == "fp16" and c.train.bf16 is False
+
+
+@pytest.mark.timeout(30)
+def test_the_deprecated_wire_dtype_key_still_sets_the_codec_with_one_deprecation_warning(tmp_path: Path) -> None:
+    f = tmp_path / "old.toml"
+    f.write_text('[diloco]\nwire_dtype = "sign"\n')
+    for files, overrides, codec in [([f], [], "sign"), ([], ["diloco.wire_dtype=fp16"], "fp16")]:
+        with pytest.warns(DeprecationWarning, match=f"use codec='{codec}'") as caught:
+            c = build_config(files, overrides)
+        assert len(caught) == 1 and c.diloco.codec == codec  # over the trainer's default codec, int4
+        assert "wire_dtype" not in c.to_dict()["diloco"] and c.to_dict()["diloco"]["codec"] == codec
 
 
 @pytest.mark.timeout(30)
@@ -140,6 +152,16 @@ def test_saved_config_round_trips(tmp_path: Path) -> None:
 
 
 @pytest.mark.timeout(30)
+def test_toml_text_reads_back_unchanged_and_has_no_null() -> None:
+    tables = {"s": {"f": -0.0, "inf": float("inf"), "t": 'a"b\\c\né', "list": ("x", 2), "yes": True}}
+    back = tomllib.loads(dump_toml(tables))
+    assert back == {"s": {"f": -0.0, "inf": float("inf"), "t": 'a"b\\c\né', "list": ["x", 2], "yes": True}}
+    assert str(back["s"]["f"]) == "-0.0"
+    with pytest.raises(ValueError, match="cannot write to TOML"):
+        dump_toml({"s": {"unset": None}})  # TOML has no null: RunConfig.to_dict leaves unset values out
+
+
+@pytest.mark.timeout(30)
 def test_a_warm_start_that_averages_updates_is_refused_where_peers_come_and_go() -> None:
     import torch
 
@@ -148,6 +170,6 @@ def test_a_warm_start_that_averages_updates_is_refused_where_peers_come_and_go()
 
     config = build_config(overrides=["train.ddp_warm_start=5", "train.warm_start_sync=updates", "model.num_layers=1"])
     model = Llama(config.model)
-    swarm = SimpleNamespace(fixed_ranks=False)  # refused before anything is sent
+    swarm = SimpleNamespace(capabilities=Capabilities(fixed_ranks=False))  # refused before anything is sent
     with pytest.raises(ValueError, match=r"warm_start_sync='updates' is invalid on a transport whose peers come"):
         Sync(config=config, model=model, optimizer=torch.optim.AdamW(model.parameters()), transport=swarm, device="cpu")

@@ -29,7 +29,7 @@ def test_torchrun_islands_of_two_fsdp_ranks_restart_a_killed_rank_and_resume_to_
         "train.fsdp_shards": "2",
         "train.steps": "40",
         "diloco.inner_steps": "10",
-        "diloco.wire_dtype": "'fp32'",  # the bytes below are fp32 shards
+        "diloco.codec": "'fp32'",  # the bytes below are fp32 shards
         "train.eval_batches": "2",
         "train.checkpoint_every": "1",
         "train.runs_dir": repr(str(tmp_path)),

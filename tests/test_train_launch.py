@@ -97,7 +97,7 @@ def test_two_hivemind_peers_on_loopback_end_with_identical_global_params(tmp_pat
         "--set",
         "train.eval_batches=2",
         "--set",
-        "diloco.wire_dtype=fp16",
+        "diloco.codec=fp16",
         "--set",
         f"train.runs_dir={str(tmp_path)!r}",
         "-q",

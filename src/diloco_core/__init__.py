@@ -1,17 +1,18 @@
 """diloco_core: the DiLoCo algorithm, its config and the Transport contract (torch + stdlib only)."""
 
-from .block_codec import INT4, INT8, BlockCodec
-from .codec import BF16, FP16, FP32, CastCodec, Codec
-from .codec_names import CODECS, SIGN, codec_for
+from .codecs.base import BF16, FP16, FP32, CastCodec, Codec
+from .codecs.block import INT4, INT8, BlockCodec
+from .codecs.names import CODECS, SIGN, codec_for
+from .codecs.wire import mean_of_payloads, reference_mean
 from .config import DiLoCoConfig
 from .diloco import DiLoCo
 from .forwarding import ForwardingTransport
 from .guard import ContributionGuard
+from .membership import Membership
 from .optimizer import DiLoCoOptimizer
 from .report import PendingRound, RoundReport
 from .run_state import RunState
 from .transport import Capabilities, FutureHandle, ReduceHandle, ReduceResult, StateReplaced, Transport, TransportError
-from .wire import mean_of_payloads, reference_mean
 
 __all__ = [
     "BF16",
@@ -31,6 +32,7 @@ __all__ = [
     "DiLoCoOptimizer",
     "ForwardingTransport",
     "FutureHandle",
+    "Membership",
     "PendingRound",
     "ReduceHandle",
     "ReduceResult",

@@ -11,15 +11,15 @@ and a joiner that differs refuses itself.
 from __future__ import annotations
 
 import json
-from typing import TYPE_CHECKING, Any
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 
-from .codec import FP32
+from .codecs.base import FP32, Codec
+from .config import DiLoCoConfig
+from .fragment import Fragment
 from .transport import Transport
-
-if TYPE_CHECKING:
-    from .diloco import DiLoCo
 
 __all__ = ["check_settings", "differs_anywhere", "rank0s", "settings_of"]
 
@@ -63,23 +63,19 @@ def check_settings(transport: Transport, settings: dict[str, Any], *, timeout: f
         )
 
 
-def settings_of(d: DiLoCo) -> dict[str, Any]:
-    """What every worker of ``d`` must agree on: the round's schedule, the outer step, how pseudo-gradients
-    travel, the guard and the overlap."""
-    c = d.config
-    block = d.codec.block if d.codec.elementwise_dtype is None else None  # cast wires have none
+def settings_of(c: DiLoCoConfig, *, codec: Codec, outer_lr: float, fragments: Sequence[Fragment]) -> dict[str, Any]:
+    """What every worker must agree on: the round's schedule, the outer step (``outer_lr`` as used), how
+    pseudo-gradients travel (``codec``, error feedback as used), the guard and the overlap (``fragments``)."""
     return {
         "inner_steps": c.inner_steps,
-        "outer_lr": d.outer_lr,
+        "outer_lr": outer_lr,
         "outer_momentum": c.outer_momentum,
         "nesterov": c.nesterov,
-        "wire_dtype": d.codec.name,
-        "codec_block": block,
-        "wire_layout": d.codec.layout if d.codec.layout != 1 else None,  # None: a layout older peers share
-        "error_feedback": d.fragments[0].feedback.on,
+        "codec": str(codec.identity),  # its name, block and payload layout
+        "error_feedback": fragments[0].feedback.on,
         "norm_clip": c.norm_clip,
         "overlap": c.overlap,
-        "fragments": len(d.fragments),
+        "fragments": len(fragments),
         "overlap_steps": c.overlap_steps,
         "merge_alpha": c.merge_alpha,
         "eager_fresh_weight": c.eager_fresh_weight,

@@ -3,14 +3,30 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
-from dataclasses import dataclass, fields
+import warnings
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field, fields
 from typing import Any
 
-from .block_codec import check_block
-from .codec_names import CODECS
+from .codecs.block import check_block
+from .codecs.names import CODECS
 
-__all__ = ["OVERLAP_MODES", "DiLoCoConfig", "check_field", "from_mapping", "is_finite_number", "outer_lr_for"]
+__all__ = [
+    "OVERLAP_MODES",
+    "DiLoCoConfig",
+    "Rule",
+    "boolean",
+    "check_field",
+    "check_fields",
+    "choice",
+    "from_mapping",
+    "integer",
+    "is_finite_number",
+    "number",
+    "outer_lr_for",
+    "rule",
+    "string",
+]
 
 OVERLAP_MODES = ("none", "streaming", "eager")
 """How a round's reduce meets training (docs/overlap.md): ``none`` blocks; ``streaming`` syncs the model's
@@ -29,6 +45,104 @@ def is_finite_number(value: object) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
+Bound = float | Callable[[Any], float] | None
+"""A range's end: a number, or a callable of the config where the range depends on another field."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Rule:
+    """A config field's valid values, declared in its metadata (``field(default=1, metadata=integer(low=1))``)
+    and checked by ``check_fields``: ``test`` holds and the value lies between ``low`` and ``high`` (None: no
+    end; ``*_open``: the end itself is out), or it is None where ``unset``."""
+
+    test: Callable[[Any], bool]
+    noun: str
+    """What the value is, in words: ``an integer``, ``a finite number of seconds``, ``true or false``."""
+    low: Bound = None
+    high: Bound = None
+    low_open: bool = False
+    high_open: bool = False
+    unset: bool = False
+    valid: str | None = None
+    """The valid range in words, ``{low}`` and ``{high}`` filled in; None: the noun and the ends, e.g. ``an
+    integer in [0, 19]``, ``a number > 0 (or unset)``."""
+
+    def check(self, config: object, name: str, value: Any) -> None:
+        """Raise ``ValueError`` naming the field, the value and the valid range unless ``value`` is valid."""
+        if self.unset and value is None:
+            return
+        low = self.low(config) if callable(self.low) else self.low
+        high = self.high(config) if callable(self.high) else self.high
+        ok = self.test(value) and (low is None or value > low or (value == low and not self.low_open))
+        ok = ok and (high is None or value < high or (value == high and not self.high_open))
+        check_field(name, value, ok, self._words(low, high))
+
+    def _words(self, low: float | None, high: float | None) -> str:
+        if self.valid is not None:
+            return self.valid.format(low=low, high=high)
+        words = self.noun
+        if low is not None and high is not None:
+            words += f" in {'(' if self.low_open else '['}{low}, {high}{')' if self.high_open else ']'}"
+        elif low is not None:
+            words += f" {'>' if self.low_open else '>='} {low}"
+        return f"{words} (or unset)" if self.unset else words
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def integer(low: Bound = None, high: Bound = None, *, unset: bool = False, valid: str | None = None) -> dict[str, Rule]:
+    """Field metadata: an int (a bool is none here) in [low, high]; None too where ``unset``."""
+    return {"rule": Rule(test=_is_int, noun="an integer", low=low, high=high, unset=unset, valid=valid)}
+
+
+def number(
+    *,
+    gt: float | None = None,
+    ge: float | None = None,
+    lt: float | None = None,
+    le: float | None = None,
+    noun: str = "a number",
+    unset: bool = False,
+    valid: str | None = None,
+) -> dict[str, Rule]:
+    """Field metadata: a finite int or float (not a bool) above ``gt`` or from ``ge``, below ``lt`` or up to ``le``."""
+    low, high = ge if gt is None else gt, le if lt is None else lt
+    ends = {"low": low, "high": high, "low_open": gt is not None, "high_open": lt is not None}
+    return {"rule": Rule(test=is_finite_number, noun=noun, unset=unset, valid=valid, **ends)}
+
+
+def choice(options: Iterable[object]) -> dict[str, Rule]:
+    """Field metadata: one of ``options`` (the message lists them in this order)."""
+    valid = tuple(options)
+    return rule(lambda v: v in valid, f"one of {list(valid)}")
+
+
+def boolean() -> dict[str, Rule]:
+    """Field metadata: a bool (TOML's true or false)."""
+    return rule(lambda v: isinstance(v, bool), "true or false")
+
+
+def string(*, empty: bool = True, valid: str | None = None) -> dict[str, Rule]:
+    """Field metadata: a string (not empty unless ``empty``)."""
+    words = valid or ("a string" if empty else "a non-empty string")
+    return rule(lambda v: isinstance(v, str) and (empty or v != ""), words)
+
+
+def rule(test: Callable[[Any], bool], valid: str) -> dict[str, Rule]:
+    """Field metadata: valid where ``test(value)``, ``valid`` in words."""
+    return {"rule": Rule(test=test, noun=valid)}
+
+
+def check_fields(config: object) -> None:
+    """Check every field of the dataclass ``config`` that declares a ``Rule``, in field order (a bound taken from
+    another field sees it checked): the first invalid one raises ``ValueError`` naming it, its value and range."""
+    for f in fields(config):  # type: ignore[arg-type]
+        if "rule" in f.metadata:
+            f.metadata["rule"].check(config, f.name, getattr(config, f.name))
+
+
 def outer_lr_for(num_workers: int, momentum: float) -> float:
     """The outer learning rate for ``num_workers`` workers at outer ``momentum`` (Nesterov), when unset.
 
@@ -39,97 +153,77 @@ def outer_lr_for(num_workers: int, momentum: float) -> float:
     of 2 and more diverged or lost to 1.4 at M = 4, and 0.5 at momentum 0.5 was best for M = 1
     (docs/results.md). The scaling-law paper (arXiv 2503.09799) finds the same growth with M.
     """
-    if not isinstance(num_workers, int) or isinstance(num_workers, bool) or num_workers < 1:
+    if not _is_int(num_workers) or num_workers < 1:
         raise ValueError(f"num_workers={num_workers!r} is invalid: expected an integer >= 1")
     return (1 + 0.2 * math.log2(num_workers)) * (1 - momentum)
 
 
 @dataclass(frozen=True, kw_only=True)
 class DiLoCoConfig:
-    inner_steps: int = 500
+    inner_steps: int = field(default=500, metadata=integer(low=1))
     """H: inner optimizer steps between two outer rounds (the paper's 500)."""
-    outer_lr: float | None = None
+    outer_lr: float | None = field(default=None, metadata=number(gt=0, noun="a finite number", unset=True))
     """Learning rate of the outer SGD (1.0 with momentum 0 is plain averaging). Unset: chosen by the number
     of workers M at construction, ``outer_lr_for(M, outer_momentum)`` (docs/results.md has the sweep
     behind the rule). A transport whose peers come and go knows no M up front: set it there. Eager updates
     take the rule's value for M = 1 (the others' shares arrive a round late: 0.5 beat 0.7 and 0.35 at M = 4)."""
-    outer_momentum: float = 0.5
+    outer_momentum: float = field(default=0.5, metadata=number(ge=0, lt=1))
     """Momentum of the outer SGD. The paper's 0.9 (with lr 0.7) needs hundreds of rounds to pay off; 0.5
     was best in our sweep at H = 10-50 and stays stable with the unset-lr rule (docs/results.md)."""
-    nesterov: bool = True
+    nesterov: bool = field(default=True, metadata=boolean())
     """Nesterov momentum for the outer SGD. With momentum 0 both forms are the same plain SGD step."""
-    wire_dtype: str = "fp32"
-    """The codec the pseudo-gradients travel in (``diloco_core.codec_names.CODECS``): fp32, fp16 or bf16 (casts),
+    codec: str = field(default="fp32", metadata=choice(sorted(CODECS)))
+    """The codec the pseudo-gradients travel in (``diloco_core.codecs.CODECS``): fp32, fp16 or bf16 (casts),
     int8, int4 or sign (``codec_block`` values per fp32 scale). Sums are always accumulated in fp32."""
+    wire_dtype: str | None = field(default=None, repr=False, compare=False)
+    """Deprecated alias of ``codec`` (int4 and sign are not dtypes): given, it sets ``codec`` and warns."""
     codec_block: int = 256
     """Values per scale of the int8, int4 and sign codecs: a power of two in [16, 65536] ([32, 65536] for sign)."""
-    error_feedback: bool = True
+    error_feedback: bool = field(default=True, metadata=boolean())
     """Add what a lossy codec dropped of this worker's pseudo-gradients to its next one (not for fp32).
     Saved in ``DiLoCo.state_dict()``; not served to joiners, who start from a zero residual."""
-    reduce_timeout: float = 600.0
+    reduce_timeout: float = field(default=600.0, metadata=number(gt=0, noun="a finite number of seconds"))
     """Seconds an outer all-reduce (or the initial broadcast) may take before TransportError."""
-    round_retries: int = 2
+    round_retries: int = field(default=2, metadata=integer(low=0))
     """Times ``step()`` retries a round whose all-reduce failed (a peer left: the survivors regroup)
     before the TransportError reaches the caller. Nothing changes until a round succeeds."""
-    norm_clip: float | None = None
+    norm_clip: float | None = field(default=None, metadata=number(gt=1, noun="a finite number", unset=True))
     """The norm guard (``diloco_core.guard``): clip each worker's pseudo-gradient, and the round's mean, to
     this many times their norms in the last round it did not clip. Unset: off. A number > 1 (e.g. 4)."""
-    overlap: str = "none"
+    overlap: str = field(default="none", metadata=choice(OVERLAP_MODES))
     """One of ``OVERLAP_MODES``: ``none`` (every worker waits for the round's mean), ``streaming`` or ``eager``."""
-    fragments: int = 1
+    fragments: int = field(
+        default=1, metadata=integer(low=1, high=lambda c: c.inner_steps, valid="an integer in [1, inner_steps={high}]")
+    )
     """Streaming: P, the fragments synchronized one after another, every ``inner_steps // P`` steps (strided
     blocks of the model: block i in fragment i % P; an integer in [1, inner_steps])."""
-    overlap_steps: int = 0
+    overlap_steps: int = field(
+        default=0,
+        metadata=integer(low=0, high=lambda c: c.inner_steps - 1, valid="an integer in [0, inner_steps - 1 = {high}]"),
+    )
     """Streaming: tau, inner steps a fragment's reduce runs behind before its outer step is applied (an integer
     in [0, inner_steps - 1]; 0 waits at once)."""
-    merge_alpha: float = 0.0
+    merge_alpha: float = field(default=0.0, metadata=number(ge=0, le=1))
     """Streaming: a synced fragment becomes ``alpha * local + (1 - alpha) * global`` (0: the global params)."""
-    eager_fresh_weight: float | None = None
+    eager_fresh_weight: float | None = field(default=None, metadata=number(gt=0, le=1, unset=True))
     """Eager: w in (0, 1], how much of the change in this worker's own pseudo-gradient since the last round it
     adds to the round-old mean: it steps with Δ̄(t-1) + w (Δ_m(t) - Δ_m(t-1)); 1 / M is the paper's rule.
     Unset: max(0.5, 1 / M), the paper's for M <= 2; at M = 4 it lost 2.3% to blocking, 1 / M 3.9% (docs/overlap.md)."""
-    global_device: str = "cpu"
+    global_device: str = field(default="cpu", metadata=string(valid="a torch device string"))
     """Where the fp32 global copy and the outer optimizer state live (CPU saves accelerator memory)."""
 
     def __post_init__(self) -> None:
-        h = self.inner_steps
-        check_field("inner_steps", h, isinstance(h, int) and not isinstance(h, bool) and h >= 1, "an integer >= 1")
-        lr = self.outer_lr
-        check_field("outer_lr", lr, lr is None or (is_finite_number(lr) and lr > 0), "a finite number > 0 (or unset)")
-        mom = self.outer_momentum
-        check_field("outer_momentum", mom, is_finite_number(mom) and 0 <= mom < 1, "a number in [0, 1)")
-        check_field("nesterov", self.nesterov, isinstance(self.nesterov, bool), "true or false")
-        check_field("wire_dtype", self.wire_dtype, self.wire_dtype in CODECS, f"one of {sorted(CODECS)}")
+        if self.wire_dtype is not None:  # the deprecated alias: becomes codec, checked as codec
+            msg = f"wire_dtype={self.wire_dtype!r} is deprecated: use codec={self.wire_dtype!r} (the same names)"
+            warnings.warn(msg, DeprecationWarning, stacklevel=3)
+            object.__setattr__(self, "codec", self.wire_dtype)
+            object.__setattr__(self, "wire_dtype", None)
+        check_fields(self)
         check_block(self.codec_block, "codec_block")
-        ok = self.wire_dtype != "sign" or self.codec_block >= 32
-        check_field("codec_block", self.codec_block, ok, "a power of two in [32, 65536] for wire_dtype='sign'")
-        check_field("error_feedback", self.error_feedback, isinstance(self.error_feedback, bool), "true or false")
-        t = self.reduce_timeout
-        check_field("reduce_timeout", t, is_finite_number(t) and t > 0, "a finite number of seconds > 0")
-        r = self.round_retries
-        check_field("round_retries", r, isinstance(r, int) and not isinstance(r, bool) and r >= 0, "an integer >= 0")
-        k = self.norm_clip
-        check_field("norm_clip", k, k is None or (is_finite_number(k) and k > 1), "a finite number > 1 (or unset)")
-        self._check_overlap()
-        check_field("global_device", self.global_device, isinstance(self.global_device, str), "a torch device string")
-        try:
-            import torch
-
-            torch.device(self.global_device)
-        except RuntimeError as e:
-            raise ValueError(f"global_device={self.global_device!r} is invalid: {e}") from None
-
-    def _check_overlap(self) -> None:
-        mode, h, p, tau, alpha = self.overlap, self.inner_steps, self.fragments, self.overlap_steps, self.merge_alpha
-        check_field("overlap", mode, mode in OVERLAP_MODES, f"one of {list(OVERLAP_MODES)}")
-        is_int = isinstance(p, int) and not isinstance(p, bool)
-        check_field("fragments", p, is_int and 1 <= p <= h, f"an integer in [1, inner_steps={h}]")
-        is_int = isinstance(tau, int) and not isinstance(tau, bool)
-        check_field("overlap_steps", tau, is_int and 0 <= tau < h, f"an integer in [0, inner_steps - 1 = {h - 1}]")
-        check_field("merge_alpha", alpha, is_finite_number(alpha) and 0 <= alpha <= 1, "a number in [0, 1]")
-        w = self.eager_fresh_weight
-        is_w = w is None or (is_finite_number(w) and 0 < w <= 1)
-        check_field("eager_fresh_weight", w, is_w, "a number in (0, 1] (or unset)")
+        ok = self.codec != "sign" or self.codec_block >= 32
+        check_field("codec_block", self.codec_block, ok, "a power of two in [32, 65536] for codec='sign'")
+        mode, w = self.overlap, self.eager_fresh_weight
+        p, tau, alpha = self.fragments, self.overlap_steps, self.merge_alpha
         if mode != "eager" and w is not None:
             raise ValueError(
                 f"eager_fresh_weight={w:g} is eager's setting: set overlap='eager' or leave it unset (overlap={mode!r})"
@@ -139,6 +233,12 @@ class DiLoCoConfig:
                 f"fragments={p}, overlap_steps={tau}, merge_alpha={alpha:g} are streaming's settings: "
                 f"set overlap='streaming' or leave them at 1, 0, 0 (overlap={mode!r})"
             )
+        try:
+            import torch
+
+            torch.device(self.global_device)
+        except RuntimeError as e:
+            raise ValueError(f"global_device={self.global_device!r} is invalid: {e}") from None
 
 
 def from_mapping(cls: type, section: Mapping[str, Any], where: str) -> Any:

@@ -11,15 +11,16 @@ from typing import Any
 import torch
 
 from .agreement import check_settings, settings_of
-from .codec_names import codec_for
+from .codecs.names import codec_for
 from .config import DiLoCoConfig, outer_lr_for
 from .diloco_state import load_state, state_of
-from .eager import Eager, eager_flush, eager_round
+from .eager import Eager
 from .flat import FlatBuffer, local_of
-from .fragment import Fragment, cut
-from .guard import reset_if_nonfinite
+from .fragment import cut
+from .membership import attached, load_membership_state, membership_state
 from .model_state import ModelState
-from .report import PendingRound, RoundReport, log_round, report_of
+from .report import PendingRound, RoundReport
+from .rounds import Rounds
 from .run_state import RunState
 from .streaming import begins_at, strided_fragments, user_fragments
 from .transport import StateReplaced, Transport, TransportError
@@ -39,9 +40,12 @@ class DiLoCo:
 
     1. pseudo-gradient: ``global - local`` (old minus new), in fp32 on ``global_device``;
     2. mean of the pseudo-gradients over the contributors, through the transport, travelling as
-       ``wire_dtype`` and summed in fp32;
+       ``codec`` and summed in fp32;
     3. outer step: ``torch.optim.SGD`` (Nesterov) on the global copy, the mean used as its gradient;
     4. the new global params are copied into the model, and inner training resumes from them.
+
+    The phases and the state they change (counters, global copy, outer optimizer, rounds in flight) are
+    ``rounds`` (``diloco_core.rounds.Rounds``); ``DiLoCo`` schedules them, retries them and answers for them.
 
     If phase 2 raises ``TransportError`` nothing has changed: the global copy and the outer optimizer
     are as before and the model keeps its local params. ``step()`` retries the round up to
@@ -53,7 +57,8 @@ class DiLoCo:
     Overlap (``config.overlap``, docs/overlap.md): ``streaming`` cuts the model into ``fragments`` synced one
     after another (``diloco_core.streaming``), each reduce running behind ``overlap_steps`` inner steps;
     ``eager`` runs each round's reduce behind the next ``inner_steps`` (``diloco_core.eager``). Call
-    ``flush()`` at the end of training to apply what is still in flight.
+    ``flush()`` at the end of training to apply what is still in flight; the blocking ``sync()``,
+    ``begin_round()`` and ``finish_round()`` refuse to run beside it.
 
     FSDP2 islands: a model sharded by ``fully_shard`` has DTensor parameters; DiLoCo works on each one's
     local shard (``local``), so its transport's group must be the ranks holding the same shards, one per
@@ -85,21 +90,19 @@ class DiLoCo:
         """What this rank holds of ``params``: each DTensor's local shard (FSDP2), else the parameter itself."""
         self.model_state = ModelState(model, self.params, config.global_device)
         """The model's entries by name, its frozen parameters and buffers (synchronized and checkpointed)."""
-        self.inner_step, self.round = 0, 0
-        self.codec = codec_for(config.wire_dtype, config.codec_block)
-        """How pseudo-gradients travel (``config.wire_dtype`` names it)."""
+        self.codec = codec_for(config.codec, config.codec_block)
+        """How pseudo-gradients travel (``config.codec`` names it)."""
         names = self.model_state.names
         groups = (
             user_fragments(names, fragments, config.fragments)
             if fragments is not None
             else strided_fragments(model, self.params, config.fragments)
         )
-        self._order = [i for g in groups for i in g]  # the global copy holds the fragments one after another
-        self._global = FlatBuffer([self.local[i] for i in self._order], config.global_device)
-        self.codec.prepare(self._global.flat, payloads=(2, transport.world_size))  # its kernels: not in a round
-        self.fragments = cut(
-            groups, self.local, self._global, codec=self.codec, config=config, compare=transport.fixed_ranks
-        )
+        order = [i for g in groups for i in g]  # the global copy holds the fragments one after another
+        global_copy = FlatBuffer([self.local[i] for i in order], config.global_device)
+        self.codec.prepare(global_copy.flat, payloads=(2, transport.world_size))  # its kernels: not in a round
+        fixed = transport.capabilities.fixed_ranks
+        self.fragments = cut(groups, self.local, global_copy, codec=self.codec, config=config, compare=fixed)
         """The parts synchronized on their own, each a slice of the global copy (one unless streaming)."""
         self.guard = self.fragments[0].guard
         """The first fragment's contribution guard (``diloco_core.guard``; the only one unless streaming)."""
@@ -107,41 +110,49 @@ class DiLoCo:
         rule_m = 1 if config.overlap == "eager" else transport.world_size  # eager: M's share of each step lags
         self.outer_lr = config.outer_lr if config.outer_lr is not None else outer_lr_for(rule_m, momentum)
         """The outer SGD's learning rate: ``config.outer_lr``, or the rule's for the world size (eager: for 1)."""
-        if config.outer_lr is None and not transport.fixed_ranks:
+        if config.outer_lr is None and not fixed:
             logger.warning(
                 "outer_lr is unset and the transport's peers come and go: using %.3g, the rule's value "
                 "for %d worker(s); set outer_lr for the number you expect",
                 self.outer_lr,
                 transport.world_size,
             )
-        nesterov = config.nesterov and momentum > 0
         self.outer_optimizer = torch.optim.SGD(
             [f.param for f in self.fragments],
             lr=self.outer_lr,
             momentum=momentum,
-            nesterov=nesterov,
+            nesterov=config.nesterov and momentum > 0,
             fused=True,  # one pass over the flat buffer instead of three (and no temporary the size of the model)
         )
-        self._pending: list[PendingRound] = []  # reduces in flight (overlap), in the order they began
-        self.run_state = RunState(self)
-        """The outer state a transport whose peers come and go serves to joiners (``Transport.attach``)."""
+        self.rounds = Rounds(
+            self.fragments,
+            local=self.local,
+            global_copy=global_copy,
+            order=order,
+            outer_optimizer=self.outer_optimizer,
+            inner_optimizer=inner_optimizer,
+            model_state=self.model_state,
+            transport=transport,
+            config=config,
+        )
+        """The round's mutable state: counters, global copy, outer optimizer, rounds in flight."""
         self.outer_seconds = 0.0
         """Seconds the last ``step()`` spent on outer rounds (what training waited for; 0: none due)."""
         with torch.no_grad():
-            check_settings(transport, settings_of(self), timeout=config.reduce_timeout, device=self._global.flat.device)
+            settings = settings_of(config, codec=self.codec, outer_lr=self.outer_lr, fragments=self.fragments)
+            check_settings(transport, settings, timeout=config.reduce_timeout, device=global_copy.flat.device)
             self.model_state.check_same(transport, config.reduce_timeout)
-            self._global.copy_from([self.local[i] for i in self._order])
+            self.rounds.from_model()
             self.model_state.before_broadcast()
-            transport.broadcast([self._global.flat, *self.model_state.shared], src=0, timeout=config.reduce_timeout)
-            self._global.copy_to([self.local[i] for i in self._order])
+            transport.broadcast([global_copy.flat, *self.model_state.shared], src=0, timeout=config.reduce_timeout)
+            self.rounds.to_model()
             self.model_state.after_broadcast()
-        self.eager = (
-            Eager(self._global.flat, lr=self.outer_lr, momentum=momentum, nesterov=nesterov)
-            if config.overlap == "eager"
-            else None
-        )
+        eager = config.overlap == "eager"
+        self.eager = Eager(self.rounds) if eager else None
         """Eager updates' own outer parameters and share in flight (``diloco_core.eager``); None otherwise."""
-        self.joined = transport.attach(self.run_state, timeout=config.reduce_timeout)
+        self.run_state = RunState(self.rounds, config, eager=self.eager)
+        """The outer state a transport whose peers come and go serves to joiners (``Membership.attach``)."""
+        self.joined = attached(transport, self.run_state, timeout=config.reduce_timeout)
         """True if this worker joined a run already going: global params, outer momentum and round came
         from its peers (only transports whose peers come and go do that)."""
 
@@ -153,33 +164,46 @@ class DiLoCo:
     @property
     def global_params(self) -> list[torch.Tensor]:
         """The fp32 global copy, one view per trainable parameter's ``local`` tensor (read only, please)."""
-        views: list[torch.Tensor] = [torch.empty(0)] * len(self.local)
-        for pos, i in enumerate(self._order):
-            views[i] = self._global.views[pos]
-        return views
+        return self.rounds.global_params
+
+    @property
+    def round(self) -> int:
+        """Outer rounds applied so far."""
+        return self.rounds.round
+
+    @property
+    def inner_step(self) -> int:
+        """Inner steps taken so far."""
+        return self.rounds.inner_step
+
+    @property
+    def in_flight(self) -> tuple[PendingRound, ...]:
+        """The rounds whose reduce is in flight, in the order they began (overlap; ``flush()`` applies them)."""
+        return self.rounds.in_flight
 
     def step(self) -> RoundReport | None:
         """Step the inner optimizer; at the steps the overlap mode says, begin or finish an outer round
         (``none``: every ``inner_steps``-th step runs a whole round)."""
         self.inner_optimizer.step()
-        self.inner_step += 1
+        step = self.rounds.stepped()
         start = time.perf_counter()
-        with self.run_state.boundary(self.inner_step):  # a transport may snapshot it from its own thread
-            report = self._outer(self.inner_step, self.config)
+        with self.run_state.boundary(step):  # a transport may snapshot it from its own thread
+            report = self._outer(step, self.config)
         self.outer_seconds = time.perf_counter() - start
         return report
 
     def _outer(self, s: int, c: DiLoCoConfig) -> RoundReport | None:
-        if c.overlap == "eager":
-            return None if s % c.inner_steps else self._with_retries(lambda retry: eager_round(self, retry))
+        if self.eager is not None:
+            eager, w = self.eager, c.eager_fresh_weight
+            return None if s % c.inner_steps else self._with_retries(lambda retry: eager.boundary(retry, w))
         report = None
-        for fragment in [p.fragment for p in self._pending if p.finish_at == s]:
+        for fragment in [p.fragment for p in self.rounds.in_flight if p.finish_at == s]:
             report = self._with_retries(lambda retry, fragment=fragment: self._finish_scheduled(fragment, retry))
         p = begins_at(s, inner_steps=c.inner_steps, fragments=len(self.fragments))
         if p is not None and c.overlap_steps == 0:
-            report = self._with_retries(lambda retry: self.finish_round(self.begin_round(fragment=p)))
+            report = self._with_retries(lambda retry: self.rounds.finish(self.rounds.begin(p)))
         elif p is not None:
-            self._pending.append(replace(self.begin_round(fragment=p), finish_at=s + c.overlap_steps))
+            self.rounds.add(replace(self.rounds.begin(p), finish_at=s + c.overlap_steps))
         return report
 
     def _with_retries(self, run: Callable[[bool], RoundReport]) -> RoundReport | None:
@@ -188,14 +212,14 @@ class DiLoCo:
             try:
                 return run(attempt > 0)
             except StateReplaced as e:  # the transport loaded the group's state: nothing to retry
-                logger.warning("this round was dropped (%s); continuing from round %d", e, self.round)
+                logger.warning("this round was dropped (%s); continuing from round %d", e, self.rounds.round)
                 return None
             except TransportError as e:
                 if attempt == self.config.round_retries:
                     raise
                 logger.warning(
                     "round %d failed (%s); retrying (%d of %d)",
-                    self.round + 1,
+                    self.rounds.round + 1,
                     e,
                     attempt + 1,
                     self.config.round_retries,
@@ -205,80 +229,40 @@ class DiLoCo:
     def _finish_scheduled(self, fragment: int, retry: bool) -> RoundReport:
         """A streamed fragment's outer step, ``overlap_steps`` after its reduce began; a retry after its reduce
         failed takes its pseudo-gradient afresh and waits for it (every worker retries at the same step)."""
-        pending = next(p for p in self._pending if p.fragment == fragment)
+        pending = next(p for p in self.rounds.in_flight if p.fragment == fragment)
         if retry and pending.settled is None:
-            self._pending = [p for p in self._pending if p is not pending]
-            pending = self.begin_round(fragment=fragment)
-        return self.finish_round(pending)
+            self.rounds.drop(pending)
+            pending = self.rounds.begin(fragment)
+        return self.rounds.finish(pending)
 
-    @torch.no_grad()
+    def _blocking(self, call: str) -> None:
+        if self.config.overlap != "none":
+            raise RuntimeError(
+                f"{call}() runs a blocking round, but overlap={self.config.overlap!r} runs its own rounds with "
+                "reduces in flight: call step() (it begins and finishes them) and flush() at the end of training"
+            )
+
     def sync(self) -> RoundReport:
-        """Run one outer round of the first fragment now (blocking: the whole model): ``begin_round`` +
-        ``finish_round``."""
-        return self.finish_round(self.begin_round())
+        """Run one outer round of the whole model now (blocking): ``begin_round`` + ``finish_round``.
+        ``RuntimeError`` unless ``overlap`` is ``none`` (call ``step()`` and ``flush()`` there)."""
+        self._blocking("sync")
+        return self.rounds.finish(self.rounds.begin(0))
 
-    @torch.no_grad()
     def begin_round(self, fragment: int = 0) -> PendingRound:
         """Phases 1-2 of a round of ``fragment``: compute this worker's pseudo-gradient and start its reduce.
         The model may train on meanwhile (the reduce reads a copy); nothing else changes until
         ``finish_round``. A pseudo-gradient the guard refuses (NaN, infinite, out of the wire's range) is sent
-        as zeros, flagged not valid (``diloco_core.guard``)."""
-        start = time.perf_counter()
-        self.model_state.check_trainable()
-        f = self.fragments[fragment]
-        local_norm, excluded, clipped, sent_norm = f.pseudo_gradient()
-        handle, excluded = f.send(self.transport, excluded=excluded, norm=sent_norm)
-        last = fragment == len(self.fragments) - 1  # the buffers travel once per H steps, with the last fragment
-        buffers = self.model_state.begin(self.transport) if last else None
-        return PendingRound(
-            round=self.round + 1,
-            handle=handle,
-            pseudo_grad_norm=local_norm,
-            started=start,
-            buffers=buffers,
-            excluded=excluded,
-            clipped=clipped,
-            fragment=fragment,
-            sent_norm=sent_norm,
-        )
+        as zeros, flagged not valid (``diloco_core.guard``). ``RuntimeError`` unless ``overlap`` is ``none``."""
+        self._blocking("begin_round")
+        return self.rounds.begin(fragment)
 
-    def _settle(self, pending: PendingRound) -> PendingRound:
-        """Wait for a reduce in flight and put its mean in place (not yet used); idempotent."""
-        if pending.settled is not None:
-            return pending
-        result = self.model_state.wait(pending.handle, pending.buffers, timeout=self.config.reduce_timeout)
-        settled = replace(pending, settled=self.fragments[pending.fragment].settle(result, excluded=pending.excluded))
-        self._pending = [settled if p is pending else p for p in self._pending]
-        return settled
-
-    @torch.no_grad()
     def finish_round(self, pending: PendingRound) -> RoundReport:
         """Phases 2-4: wait for the mean, take the fragment's outer step, and set the fragment's tensors of the
         model to the new global params (streaming: ``merge_alpha`` of them stays local). If the reduce raises
-        ``TransportError`` nothing has changed (call ``begin_round`` again)."""
-        if not any(p is pending for p in self._pending) and pending.round != self.round + 1:
-            raise ValueError(f"pending round {pending.round} cannot finish: this worker is at round {self.round}")
-        pending = self._settle(pending)
-        self._pending = [p for p in self._pending if p is not pending]
-        f, settled = self.fragments[pending.fragment], pending.settled
-        assert settled is not None
-        mean_clipped, mean_norm = f.clip_mean(settled)
-        if settled.valid:
-            self._outer_step(f)
-        f.load_global(self.config.merge_alpha)
-        if pending.excluded:
-            reset_if_nonfinite(self.inner_optimizer, self.round + 1)
-        return self._advanced(pending, mean_norm=mean_norm, mean_clipped=mean_clipped)
-
-    def _outer_step(self, fragment: Fragment) -> None:
-        for f in self.fragments:  # SGD steps the parameters that have a gradient
-            f.param.grad = f.reduce.body if f is fragment else None
-        self.outer_optimizer.step()
-
-    def _advanced(self, pending: PendingRound, *, mean_norm: float, mean_clipped: bool) -> RoundReport:
-        self.round += 1
-        self.run_state.advanced()
-        return log_round(report_of(pending, round=self.round, mean_norm=mean_norm, mean_clipped=mean_clipped))
+        ``TransportError`` nothing has changed (call ``begin_round`` again). ``RuntimeError`` unless ``overlap``
+        is ``none``."""
+        self._blocking("finish_round")
+        return self.rounds.finish(pending)
 
     @torch.no_grad()
     def flush(self) -> None:
@@ -286,15 +270,16 @@ class DiLoCo:
         eager: ``Eager.flush``). Call it at the end of training; without overlap, nothing is in flight."""
         with self.run_state.lock:
             if self.eager is not None:
-                eager_flush(self)
-            for pending in list(self._pending):
-                self.finish_round(pending)
+                self.eager.flush()
+            for pending in self.rounds.in_flight:
+                self.rounds.finish(pending)
 
     def state_dict(self) -> dict[str, Any]:
         """All needed to continue bit-identically (``diloco_state``); reduces in flight settle, kept for their step."""
         with self.run_state.lock:
-            return state_of(self)
+            return {**state_of(self.rounds, self.eager), "transport": membership_state(self.transport)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         with self.run_state.lock:
-            load_state(self, state)
+            load_state(self.rounds, state, self.eager)
+            load_membership_state(self.transport, state["transport"])

@@ -9,48 +9,47 @@ already averaged in it.
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Any
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 
-from .fragment import Settled
+from .eager import Eager
+from .fragment import Fragment, Settled
 from .report import PendingRound
+from .rounds import Rounds
 from .transport import ReduceResult
-
-if TYPE_CHECKING:
-    from .diloco import DiLoCo
 
 __all__ = ["in_flight_entry", "load_state", "restored", "state_of"]
 
 _IN_FLIGHT = ("fragment", "finish_at", "round", "excluded", "clipped", "pseudo_grad_norm", "sent_norm")
 
 
-def state_of(d: DiLoCo) -> dict[str, Any]:
+def state_of(rounds: Rounds, eager: Eager | None) -> dict[str, Any]:
     """Model (trainable parameters, their names, and by name its frozen parameters and persistent
     buffers), global copy, both optimizers, counters, the error-feedback residual (None without), the
     contribution guard's references, what the transport keeps about the run's state; with overlap, the
     settled means in flight and eager's own params."""
-    for pending in list(d._pending):
-        d._settle(pending)
-    frags = d.fragments
+    for pending in rounds.in_flight:
+        rounds.settle(pending)
+    frags = rounds.fragments
     residuals = [f.feedback.residual for f in frags]
     state = {
-        "model": [p.detach() for p in d.local],
-        "param_names": list(d.model_state.names),
-        "model_state": d.model_state.state_dict(),
-        "global": d._global.flat,
-        "outer_optimizer": d.outer_optimizer.state_dict(),
-        "inner_optimizer": d.inner_optimizer.state_dict(),
-        "inner_step": d.inner_step,
-        "round": d.round,
+        "model": [p.detach() for p in rounds.local],
+        "param_names": list(rounds.model_state.names),
+        "model_state": rounds.model_state.state_dict(),
+        "global": rounds.global_copy.flat,
+        "outer_optimizer": rounds.outer_optimizer.state_dict(),
+        "inner_optimizer": rounds.inner_optimizer.state_dict(),
+        "inner_step": rounds.inner_step,
+        "round": rounds.round,
         "residual": None if residuals[0] is None else torch.cat(residuals) if len(frags) > 1 else residuals[0],
         "guard": frags[0].guard.state_dict() if len(frags) == 1 else [f.guard.state_dict() for f in frags],
-        "transport": d.transport.state_dict(),
     }
-    if d.eager is not None:
-        state["eager"] = d.eager.state_dict()
-    if d._pending:
-        state["in_flight"] = [in_flight_entry(p, mean=d.fragments[p.fragment].reduce.flat) for p in d._pending]
+    if eager is not None:
+        state["eager"] = eager.state_dict()
+    if rounds.in_flight:
+        state["in_flight"] = [in_flight_entry(p, mean=frags[p.fragment].reduce.flat) for p in rounds.in_flight]
     return state
 
 
@@ -71,49 +70,58 @@ def in_flight_entry(p: PendingRound, *, mean: torch.Tensor, settled: Settled | N
     }
 
 
+_KEYS = [
+    "model",
+    "param_names",
+    "model_state",
+    "global",
+    "outer_optimizer",
+    "inner_optimizer",
+    "inner_step",
+    "round",
+    "residual",
+    "guard",
+    "transport",
+]
+
+
 @torch.no_grad()
-def load_state(d: DiLoCo, state: dict[str, Any]) -> None:
-    missing = {"model", "global", "outer_optimizer", "inner_optimizer", "inner_step", "round"} - set(state)
+def load_state(rounds: Rounds, state: dict[str, Any], eager: Eager | None) -> None:
+    """Load ``state_of``'s dict (``ValueError`` naming what is missing or does not fit this run)."""
+    missing = [k for k in _KEYS if k not in state]
     if missing:
-        raise ValueError(f"DiLoCo state is missing {sorted(missing)}")
-    model, flat = state["model"], state["global"]
-    shapes, here = [tuple(t.shape) for t in model], [tuple(t.shape) for t in d.local]
-    if shapes != here or flat.shape != d._global.flat.shape:
+        raise ValueError(f"DiLoCo state is missing {missing}: it was not written by DiLoCo.state_dict()")
+    model, flat, frags = state["model"], state["global"], rounds.fragments
+    shapes, here = [tuple(t.shape) for t in model], [tuple(t.shape) for t in rounds.local]
+    if shapes != here or flat.shape != rounds.global_copy.flat.shape:
         raise ValueError(
             f"DiLoCo state holds {len(shapes)} tensors ({flat.numel()} values); this model has "
-            f"{len(here)} ({d._global.flat.numel()} values)"
+            f"{len(here)} ({rounds.global_copy.flat.numel()} values)"
         )
-    d.model_state.check_loadable(state)  # absent names and model_state (older checkpoints) pass
-    if ("eager" in state) != (d.eager is not None) or len(d.fragments) != _fragments_in(state):
+    rounds.model_state.check_loadable(state)
+    guards = state["guard"]
+    if ("eager" in state) != (eager is not None) or len(frags) != (len(guards) if isinstance(guards, list) else 1):
         raise ValueError("DiLoCo state was saved with other overlap settings (overlap, fragments) than this run's")
-    torch._foreach_copy_(d.local, list(model))
-    d._global.flat.copy_(flat)
-    d.model_state.load(state)
-    d.outer_optimizer.load_state_dict(state["outer_optimizer"])
-    d.inner_optimizer.load_state_dict(state["inner_optimizer"])
-    d.inner_step = int(state["inner_step"])
-    d.round = int(state["round"])
-    residual = state.get("residual")  # absent (older checkpoints) or None: zero
-    parts = residual.split([f.flat.numel() for f in d.fragments]) if residual is not None else [None] * len(d.fragments)
-    guards = state.get("guard")  # absent (older checkpoints): no reference yet
-    for i, f in enumerate(d.fragments):
+    torch._foreach_copy_(rounds.local, list(model))
+    rounds.global_copy.flat.copy_(flat)
+    rounds.model_state.load(state)
+    rounds.outer_optimizer.load_state_dict(state["outer_optimizer"])
+    rounds.inner_optimizer.load_state_dict(state["inner_optimizer"])
+    residual = state["residual"]  # None: no error feedback
+    parts = residual.split([f.flat.numel() for f in frags]) if residual is not None else [None] * len(frags)
+    for i, f in enumerate(frags):
         f.feedback.load(parts[i])
         f.guard.load_state_dict(guards[i] if isinstance(guards, list) else guards)
-    if d.eager is not None:
-        d.eager.load_state_dict(state["eager"])
-    d._pending = [restored(d, p) for p in state.get("in_flight", [])]
-    if "transport" in state:  # absent from checkpoints written before it existed
-        d.transport.load_state_dict(state["transport"])
+    if eager is not None:
+        eager.load_state_dict(state["eager"])
+    in_flight = [restored(frags, p) for p in state.get("in_flight", [])]  # absent: none in flight
+    rounds.restore(round=int(state["round"]), inner_step=int(state["inner_step"]), in_flight=in_flight)
 
 
-def _fragments_in(state: dict[str, Any]) -> int:
-    guards = state.get("guard")
-    return len(guards) if isinstance(guards, list) else 1
-
-
-def restored(d: DiLoCo, saved: dict[str, Any], *, copy: bool = True) -> PendingRound:
-    """The settled ``PendingRound`` of an ``in_flight_entry``, its mean put in place (unless not ``copy``)."""
-    f = d.fragments[int(saved["fragment"])]
+def restored(fragments: Sequence[Fragment], saved: dict[str, Any], *, copy: bool = True) -> PendingRound:
+    """The settled ``PendingRound`` of an ``in_flight_entry``, its mean put in place in its fragment's reduce
+    buffer (unless not ``copy``)."""
+    f = fragments[int(saved["fragment"])]
     if saved["mean"].shape != f.reduce.flat.shape:
         raise ValueError(f"DiLoCo state's mean in flight for fragment {saved['fragment']} does not fit this model")
     if copy:

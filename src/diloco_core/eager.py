@@ -20,28 +20,29 @@ from __future__ import annotations
 
 import time
 from dataclasses import replace
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from .guard import reset_if_nonfinite
 from .report import PendingRound, RoundReport
+from .rounds import Rounds
 
-if TYPE_CHECKING:
-    from .diloco import DiLoCo
-
-__all__ = ["Eager", "eager_flush", "eager_round"]
+__all__ = ["Eager"]
 
 
 class Eager:
     """One worker's eager state: its outer parameters x (``flat``) with their own outer SGD, and the
-    pseudo-gradient it last sent (``sent``, its share of the reduce in flight)."""
+    pseudo-gradient it last sent (``sent``, its share of the reduce in flight); it runs the boundaries of
+    ``rounds`` (one fragment). Its SGD has the consensus outer SGD's settings."""
 
-    def __init__(self, global_flat: torch.Tensor, *, lr: float, momentum: float, nesterov: bool) -> None:
-        self.flat = global_flat.detach().clone()
+    def __init__(self, rounds: Rounds) -> None:
+        self.rounds = rounds
+        self.flat = rounds.global_copy.flat.detach().clone()
         self.param = torch.nn.Parameter(self.flat, requires_grad=False)
         self.param.grad = torch.zeros_like(self.flat)
-        self.optimizer = torch.optim.SGD([self.param], lr=lr, momentum=momentum, nesterov=nesterov, fused=True)
+        outer = {k: rounds.outer_optimizer.defaults[k] for k in ("lr", "momentum", "nesterov")}
+        self.optimizer = torch.optim.SGD([self.param], **outer, fused=True)
         self.sent = torch.zeros_like(self.flat)
         self.sent_valid = False
         """``sent`` went into the reduce in flight as a valid contribution (False: none in flight, or excluded)."""
@@ -63,10 +64,10 @@ class Eager:
             d.sub_(self.sent, alpha=w + (1.0 / valid - 1.0 / world) if fresh_valid else 1.0 / valid)
         return d.add_(fresh, alpha=w if stale else 1.0 / world) if fresh_valid else d
 
-    def reset(self, global_flat: torch.Tensor, outer: torch.optim.Optimizer) -> None:
+    def reset(self) -> None:
         """x becomes the consensus global copy, with its momentum (a flush, or a joiner's start)."""
-        self.flat.copy_(global_flat)
-        state = outer.state_dict()["state"]
+        self.flat.copy_(self.rounds.global_copy.flat)
+        state = self.rounds.outer_optimizer.state_dict()["state"]
         mine = self.optimizer.state_dict()
         mine["state"] = {k: {"momentum_buffer": s["momentum_buffer"].clone()} for k, s in state.items()}  # one param
         self.optimizer.load_state_dict(mine)
@@ -92,67 +93,54 @@ class Eager:
         self.optimizer.load_state_dict(state["optimizer"])
         self.sent_valid, self.sent_norm = bool(state["sent_valid"]), float(state["sent_norm"])
 
+    @torch.no_grad()
+    def boundary(self, retry: bool, fresh_weight: float | None) -> RoundReport:
+        """Eager updates' boundary: settle the previous round's reduce (a retry sends the same share again), step
+        the consensus copy with its mean and this worker's own params with Δ̃ (w: ``fresh_weight``, None: max(0.5,
+        1 / M)), send the fresh pseudo-gradient."""
+        r, f = self.rounds, self.rounds.fragments[0]
+        transport, world = r.transport, r.transport.world_size
+        start = time.perf_counter()
+        last = r.in_flight[0] if r.in_flight else None
+        if last is not None and retry and last.settled is None:
+            f.reduce.body.copy_(self.sent)
+            handle, _ = f.send(transport, excluded=not self.sent_valid, norm=self.sent_norm)
+            last = r.swap(last, handle=handle, buffers=r.model_state.begin(transport))
+        # applied (no longer in flight): a snapshot of the run state taken as the fresh reduce starts must not hold it
+        last, mean_clipped, mean_norm = r.apply(last) if last is not None else (None, False, 0.0)
+        settled = last.settled if last is not None else None
+        mean = self.param.grad.copy_(f.reduce.body) if settled is not None else None  # held: the body is reused
+        local_norm, excluded, clipped, sent_norm = f.pseudo_gradient(start=self.flat)
+        valid = settled.valid if settled else 0
+        w = max(0.5, 1 / world) if fresh_weight is None else fresh_weight  # 1 / M: the paper's rule
+        self.outer_gradient(mean, f.reduce.body, valid=valid, world=world, w=w, fresh_valid=not excluded)
+        self.optimizer.step()
+        self.sent.copy_(f.reduce.body)
+        handle, excluded = f.send(transport, excluded=excluded, norm=sent_norm)
+        self.sent_valid, self.sent_norm = not excluded, sent_norm
+        parts = self.flat.split([t.numel() for t in f.local])
+        torch._foreach_copy_(f.local, [x.view_as(t) for x, t in zip(parts, f.local)])
+        if excluded:
+            reset_if_nonfinite(r.inner_optimizer, r.round + 1)
+        fresh = PendingRound(
+            round=r.round + 2,
+            handle=handle,
+            pseudo_grad_norm=local_norm,
+            started=start,
+            buffers=r.model_state.begin(transport),
+            excluded=excluded,
+            clipped=clipped,
+            sent_norm=sent_norm,
+        )
+        r.add(fresh)
+        done = replace(last or fresh, pseudo_grad_norm=local_norm, clipped=clipped, excluded=excluded, started=start)
+        return r.advance(done, mean_norm=mean_norm, mean_clipped=mean_clipped)
 
-@torch.no_grad()
-def eager_round(d: DiLoCo, retry: bool) -> RoundReport:
-    """Eager updates' boundary: settle the previous round's reduce (a retry sends the same share again), step
-    the consensus copy with its mean and this worker's own params with Δ̃, send the fresh pseudo-gradient."""
-    eager, f, world = d.eager, d.fragments[0], d.transport.world_size
-    assert eager is not None
-    start = time.perf_counter()
-    last = d._pending[0] if d._pending else None
-    if last is not None and retry and last.settled is None:
-        f.reduce.body.copy_(eager.sent)
-        handle, _ = f.send(d.transport, excluded=not eager.sent_valid, norm=eager.sent_norm)
-        last = replace(last, handle=handle, buffers=d.model_state.begin(d.transport))
-        d._pending = [last]
-    last = d._settle(last) if last is not None else None
-    settled = last.settled if last is not None else None
-    mean_clipped, mean_norm = f.clip_mean(settled) if settled is not None else (False, 0.0)
-    if settled is not None and settled.valid:
-        d._outer_step(f)
-    d._pending = []  # applied: a snapshot of the run state taken as the fresh reduce starts must not hold it
-    w = d.config.eager_fresh_weight
-    w = max(0.5, 1 / world) if w is None else w  # 1 / M: the paper's rule
-    mean = eager.param.grad.copy_(f.reduce.body) if settled is not None else None  # held: the body is reused
-    local_norm, excluded, clipped, sent_norm = f.pseudo_gradient(start=eager.flat)
-    valid = settled.valid if settled else 0
-    eager.outer_gradient(mean, f.reduce.body, valid=valid, world=world, w=w, fresh_valid=not excluded)
-    eager.optimizer.step()
-    eager.sent.copy_(f.reduce.body)
-    handle, excluded = f.send(d.transport, excluded=excluded, norm=sent_norm)
-    eager.sent_valid, eager.sent_norm = not excluded, sent_norm
-    parts = eager.flat.split([t.numel() for t in f.local])
-    torch._foreach_copy_(f.local, [x.view_as(t) for x, t in zip(parts, f.local)])
-    if excluded:
-        reset_if_nonfinite(d.inner_optimizer, d.round + 1)
-    fresh = PendingRound(
-        round=d.round + 2,
-        handle=handle,
-        pseudo_grad_norm=local_norm,
-        started=start,
-        buffers=d.model_state.begin(d.transport),
-        excluded=excluded,
-        clipped=clipped,
-        sent_norm=sent_norm,
-    )
-    d._pending = [fresh]
-    done = replace(last or fresh, pseudo_grad_norm=local_norm, clipped=clipped, excluded=excluded, started=start)
-    return d._advanced(done, mean_norm=mean_norm, mean_clipped=mean_clipped)
-
-
-@torch.no_grad()
-def eager_flush(d: DiLoCo) -> None:
-    """The last round's reduce settled and stepped into the consensus copy; the model and this worker's own
-    params become it (the same on every worker)."""
-    eager, f = d.eager, d.fragments[0]
-    assert eager is not None
-    for pending in list(d._pending):
-        settled = d._settle(pending).settled
-        assert settled is not None
-        f.clip_mean(settled)
-        if settled.valid:
-            d._outer_step(f)
-    d._pending = []
-    f.load_global()
-    eager.reset(f.flat, d.outer_optimizer)
+    @torch.no_grad()
+    def flush(self) -> None:
+        """The last round's reduce settled and stepped into the consensus copy; the model and this worker's own
+        params become it (the same on every worker)."""
+        for pending in self.rounds.in_flight:
+            self.rounds.apply(pending)
+        self.rounds.fragments[0].load_global()
+        self.reset()

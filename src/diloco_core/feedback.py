@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from .codec import Codec
+from .codecs.base import Codec
 
 __all__ = ["ErrorFeedback"]
 
@@ -14,10 +14,10 @@ class ErrorFeedback:
     what its peers lose of its contribution (the codec is deterministic and transports cut payloads only
     at multiples of ``codec.block``). So the updates applied sum to the pseudo-gradients' sum minus the
     last residual, which stays bounded (int8/int4: half a step per value; sign: per block s/(1-s) times the
-    largest block norm fed, s = sqrt(1 - 1/block)). Only the first ``fed`` values
-    are fed (the rest are diagnostics). Costs one encode and decode per round besides the transport's,
-    and two fp32 buffers: the next residual waits until the reduce succeeded (``commit``), so a retried
-    round feeds the same e again. In ``DiLoCo.state_dict()``, not in ``RunState``: joiners start at zero.
+    largest block norm fed, s = sqrt(1 - 1/block)). Only the first ``fed`` values are fed; the rest of
+    their last block is padding (``Codec.pad``), then diagnostics. One encode and decode per round besides
+    the transport's, and two fp32 buffers: the next residual waits until the reduce succeeded (``commit``),
+    so a retried round feeds the same e again. In ``DiLoCo.state_dict()``, not ``RunState``: joiners start at 0.
     Off (does nothing, holds nothing) unless ``on`` and the codec is lossy (not fp32).
     """
 
@@ -37,6 +37,7 @@ class ErrorFeedback:
         """Add the residual to ``flat`` before a transport encodes it; compute the residual it leaves."""
         if self.on:
             flat[: self.fed].add_(self._kept[: self.fed])
+            self.codec.pad(flat, self.fed)  # for the values now in its last block
             self.codec.decode(self.codec.encode(flat, out=self._payload), self._next)
             torch.sub(flat, self._next, out=self._next)
 

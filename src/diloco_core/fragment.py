@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .codec import Codec
+from .codecs.base import Codec
 from .config import DiLoCoConfig
 from .feedback import ErrorFeedback
 from .flat import FlatBuffer, norm_of

@@ -29,7 +29,7 @@ import zlib
 
 import torch
 
-from .codec import Codec
+from .codecs.base import Codec
 from .flat import norm_of
 
 logger = logging.getLogger("diloco_core.diloco")
@@ -54,8 +54,8 @@ class ContributionGuard:
         pad = -numel % codec.block
         self.valid_at = numel + pad
         """Where the valid flag sits: a codec block of its own, filled with it (the pseudo-gradient's last block
-        padded with zeros), which every codec carries as it is (the sign codec too: all values of one
-        magnitude); the digest and its square follow, a block each, as is the RMS (a block of one)."""
+        padded as ``Codec.pad`` asks), which every codec carries as it is (the sign codec too: all values of
+        one magnitude); the digest and its square follow, a block each, as is the RMS (a block of one)."""
         self.tail_size = pad + 3 * codec.block + 1
         """Values after the pseudo-gradient: padding, the blocks of the valid flag, the digest and its
         square, the RMS (a block of one)."""
@@ -88,8 +88,8 @@ class ContributionGuard:
         block = self.codec.block
         if excluded:
             flat.zero_()
-        else:  # the pad zeroed again: the last mean left its decoded values there (the sign codec's are not 0)
-            flat[self.numel : self.valid_at].zero_()
+        else:  # the pad written again: the last mean left its decoded values there
+            self.codec.pad(flat, self.numel)
             flat[self.valid_at : self.valid_at + block] = 1.0  # whole blocks of one value: every codec's exact
             flat[-1] = norm / math.sqrt(self.numel) if self.numel else 0.0
         sample = global_flat[:: max(1, global_flat.numel() // 4096)][:4096].detach().cpu()
@@ -128,10 +128,9 @@ class ContributionGuard:
     def state_dict(self) -> dict[str, float]:
         return {"ref_norm": self.ref_norm, "ref_mean": self.ref_mean}
 
-    def load_state_dict(self, state: dict | None) -> None:
-        """From ``state_dict()`` (or a peer's snapshot); None or absent (older checkpoints): no reference."""
-        state = state or {}
-        refs = (state.get("ref_norm", 0.0), state.get("ref_mean", 0.0))
+    def load_state_dict(self, state: dict) -> None:
+        """From ``state_dict()`` (or a peer's snapshot)."""
+        refs = (state.get("ref_norm"), state.get("ref_mean")) if isinstance(state, dict) else (None, None)
         if not all(isinstance(r, (int, float)) and math.isfinite(r) and r >= 0 for r in refs):
             raise ValueError(f"the contribution guard's references must be finite numbers >= 0, got {state!r}")
         self.ref_norm, self.ref_mean = float(refs[0]), float(refs[1])

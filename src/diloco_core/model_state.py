@@ -16,19 +16,17 @@ from __future__ import annotations
 
 import contextlib
 import json
-import logging
 from typing import Any
 
 import torch
 
 from .agreement import differs_anywhere, rank0s
-from .codec import FP32
+from .codecs.base import FP32
 from .flat import FlatBuffer, local_of, placement_of
 from .transport import ReduceHandle, ReduceResult, Transport, TransportError
 
 __all__ = ["ModelState"]
 
-logger = logging.getLogger(__name__)
 BUFFERS_KEY = "diloco/buffers"
 
 
@@ -158,16 +156,14 @@ class ModelState:
     @torch.no_grad()
     def check_loadable(self, state: dict[str, Any]) -> None:
         """Raise ``ValueError`` unless ``state`` (``DiLoCo.state_dict()``) holds this model's entries."""
-        names = state.get("param_names")
-        if names is not None and list(names) != self.names:
+        names = state["param_names"]
+        if list(names) != self.names:
             first = next(
                 (i for i, (a, b) in enumerate(zip(names, self.names)) if a != b), min(len(names), len(self.names))
             )
             saved, here = (n[first] if first < len(n) else "nothing" for n in (names, self.names))
             raise ValueError(f"DiLoCo state's trainable parameter #{first} is {saved!r}; this model's is {here!r}")
-        saved = state.get("model_state")
-        if saved is None:
-            return
+        saved = state["model_state"]
         if set(saved) != set(self.extra):
             diff = sorted(set(saved) ^ set(self.extra))
             raise ValueError(f"DiLoCo state's model_state does not fit this model: {diff[0]!r} is in one only")
@@ -179,11 +175,8 @@ class ModelState:
 
     @torch.no_grad()
     def load(self, state: dict[str, Any]) -> None:
-        """Load what ``check_loadable`` accepted. A state written before buffers were saved leaves them."""
-        saved = state.get("model_state")
-        if saved is None and self.extra:
-            logger.warning("DiLoCo state holds no buffers or frozen parameters (written before they were saved)")
-        for name, t in self.extra.items() if saved is not None else ():
-            t.copy_(saved[name])
+        """Load what ``check_loadable`` accepted."""
+        for name, t in self.extra.items():
+            t.copy_(state["model_state"][name])
         if self._flat is not None:
             self._flat.copy_from(self.averaged)

@@ -16,27 +16,28 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
+from .config import DiLoCoConfig
 from .diloco_state import in_flight_entry, restored
+from .eager import Eager
 from .fragment import Settled
 from .guard import ContributionGuard
-
-if TYPE_CHECKING:
-    from .diloco import DiLoCo
+from .report import PendingRound
+from .rounds import Rounds
 
 __all__ = ["RunState"]
 
 
 class RunState:
-    """The outer momentum, round and guard references of one ``DiLoCo`` (with overlap: also the inner step and
-    the completed means in flight), for peers that join or fall behind."""
+    """The outer momentum, round and guard references of one ``DiLoCo``'s ``rounds`` (with overlap: also the
+    inner step and the completed means in flight), for peers that join or fall behind; ``config`` is that
+    DiLoCo's, ``eager`` its eager state (None without)."""
 
-    def __init__(self, diloco: DiLoCo) -> None:
-        self._diloco = diloco
-        self._listeners: list[Callable[[], None]] = []
+    def __init__(self, rounds: Rounds, config: DiLoCoConfig, *, eager: Eager | None = None) -> None:
+        self._rounds, self._config, self._eager = rounds, config, eager
         self.lock = threading.RLock()
         """Held by ``DiLoCo`` while it changes its outer state (a round's boundary, a load): a transport that
         snapshots from another thread holds it, so that no round is half applied meanwhile."""
@@ -45,13 +46,13 @@ class RunState:
     @property
     def keys(self) -> frozenset[str]:
         """The keys of the reduces whose results advance this state (DiLoCo's rounds, one per fragment)."""
-        return frozenset(f.key for f in self._diloco.fragments)
+        return frozenset(f.key for f in self._rounds.fragments)
 
     @property
     def means_in_flight(self) -> bool:
         """True (overlap) if the state holds the completed means in flight: a reduce's completion changes it too,
         so serve a snapshot taken after each (under ``lock``)."""
-        return self._diloco.config.overlap != "none"
+        return self._config.overlap != "none"
 
     @contextmanager
     def boundary(self, step: int) -> Iterator[None]:
@@ -67,37 +68,33 @@ class RunState:
 
     def subscribe(self, listener: Callable[[], None]) -> None:
         """Call ``listener()`` after every outer round, once the new state is in place."""
-        self._listeners.append(listener)
-
-    def advanced(self) -> None:
-        """Called by ``DiLoCo`` after each outer round."""
-        for listener in self._listeners:
-            listener()
+        self._rounds.subscribe(listener)
 
     def snapshot(self) -> tuple[dict[str, Any], list[torch.Tensor]] | None:
         """(round, number of momentum buffers and the guard's references; with overlap the inner step, the guards
         and the completed reduces in flight; the tensors cloned): safe to keep while training goes on. None
         (overlap) while a reduce in flight has not completed: a peer loading the state then would miss its
         mean; serve the last one instead (taken as that reduce started)."""
-        d = self._diloco
+        r = self._rounds
         with self.lock:
-            state = d.outer_optimizer.state_dict()["state"].values()
+            state = r.outer_optimizer.state_dict()["state"].values()
             buffers = [s["momentum_buffer"] for s in state if s.get("momentum_buffer") is not None]
-            meta: dict[str, Any] = {"round": d.round, "num_momentum": len(buffers), "guard": d.guard.state_dict()}
+            guard = r.fragments[0].guard.state_dict()
+            meta: dict[str, Any] = {"round": r.round, "num_momentum": len(buffers), "guard": guard}
             tensors = [b.detach().clone() for b in buffers]
-            if d.config.overlap != "none":
-                flights = [self._completed(p) for p in d._pending]
+            if self.means_in_flight:
+                flights = [self._completed(p) for p in r.in_flight]
                 if None in flights:
                     return None
-                meta["inner_step"] = d.inner_step if self._at is None else self._at - 1
-                meta["guards"] = [f.guard.state_dict() for f in d.fragments]
+                meta["inner_step"] = r.inner_step if self._at is None else self._at - 1
+                meta["guards"] = [f.guard.state_dict() for f in r.fragments]
                 meta["in_flight"] = [{k: v for k, v in e.items() if k != "mean"} for e in flights]
                 tensors += [e["mean"] for e in flights]
         return meta, tensors
 
-    def _completed(self, p: Any) -> dict[str, Any] | None:
+    def _completed(self, p: PendingRound) -> dict[str, Any] | None:
         """A reduce in flight as ``in_flight_entry`` (its mean cloned), if it has completed; else None."""
-        f = self._diloco.fragments[p.fragment]
+        f = self._rounds.fragments[p.fragment]
         if p.settled is not None:
             return in_flight_entry(p, mean=f.reduce.flat.detach().clone())
         if (result := p.handle.completed() if p.handle is not None else None) is None:
@@ -111,7 +108,7 @@ class RunState:
         """Check a peer's ``snapshot()`` against this DiLoCo (``ValueError`` if it does not fit, changing
         nothing) and return the function that loads it. Loading sets round and momentum, and the model
         to the global params, which must hold the peer's by then (its broadcast values)."""
-        d = self._diloco
+        r, frags = self._rounds, self._rounds.fragments
         n = meta.get("num_momentum") if isinstance(meta, dict) else None
         rnd = meta.get("round") if isinstance(meta, dict) else None
         flights = meta.get("in_flight", []) if isinstance(meta, dict) else None
@@ -123,47 +120,46 @@ class RunState:
             or (len(tensors) != n + len(flights))
         ):
             raise ValueError(f"a peer's DiLoCo state does not fit: {meta!r} with {len(tensors)} tensor(s)")
-        if ("inner_step" in meta) != (d.config.overlap != "none"):
+        if ("inner_step" in meta) != self.means_in_flight:
             raise ValueError("a peer's DiLoCo state was made with other overlap settings than this peer's")
-        keys = list(d.outer_optimizer.state_dict()["param_groups"][0]["params"])
+        keys = list(r.outer_optimizer.state_dict()["param_groups"][0]["params"])
         if n not in (0, len(keys)):
             raise ValueError(f"a peer's DiLoCo state holds {n} momentum buffers for {len(keys)} outer parameter(s)")
-        for t, f in zip(tensors[:n], d.fragments):
+        for t, f in zip(tensors[:n], frags):
             _check(t, f.param, "outer momentum")
         pending = []
         for entry, mean in zip(flights, tensors[n:]):
             frag = entry.get("fragment") if isinstance(entry, dict) else None
-            if not isinstance(frag, int) or not 0 <= frag < len(d.fragments):
+            if not isinstance(frag, int) or not 0 <= frag < len(frags):
                 raise ValueError(f"a peer's DiLoCo state holds a mean in flight of no fragment here: {entry!r}")
-            _check(mean, d.fragments[frag].reduce.flat, "mean in flight")
+            _check(mean, frags[frag].reduce.flat, "mean in flight")
             try:
-                pending.append(({**entry, "mean": mean}, restored(d, {**entry, "mean": mean}, copy=False)))
+                pending.append(({**entry, "mean": mean}, restored(frags, {**entry, "mean": mean}, copy=False)))
             except (KeyError, TypeError, ValueError) as e:
                 raise ValueError(f"a peer's DiLoCo mean in flight does not fit: {e!r}") from None
-        step = meta.get("inner_step", rnd * d.config.inner_steps)
+        step = meta.get("inner_step", rnd * self._config.inner_steps)  # without overlap: the round's last step
         if not isinstance(step, int) or step < 0:
             raise ValueError(f"a peer's DiLoCo state holds inner_step={step!r}: expected an integer >= 0")
-        refs = meta.get("guards") or [meta.get("guard")] * len(d.fragments)
-        guards = [ContributionGuard(d.codec, norm_clip=d.config.norm_clip, numel=f.guard.numel) for f in d.fragments]
+        refs = meta.get("guards", [meta.get("guard")] * len(frags))
+        guards = [ContributionGuard(f.codec, norm_clip=f.guard.norm_clip, numel=f.guard.numel) for f in frags]
         if not isinstance(refs, list) or len(refs) != len(guards):
             raise ValueError(f"a peer's DiLoCo state holds {refs!r} as guards for {len(guards)} fragment(s)")
-        for g, r in zip(guards, refs):
-            g.load_state_dict(r)  # checks it (absent from older peers: no reference yet)
+        for g, ref in zip(guards, refs):
+            g.load_state_dict(ref)  # checks it
 
         def load() -> None:  # never calls back into the transport, which may hold its own locks
             with self.lock, torch.no_grad():
-                d._global.copy_to([d.local[i] for i in d._order])  # after a round the model is the global copy
-                outer = d.outer_optimizer.state_dict()
+                r.to_model()  # after a round the model is the global copy
+                outer = r.outer_optimizer.state_dict()
                 outer["state"] = {k: {"momentum_buffer": t.clone()} for k, t in zip(keys, tensors[:n])}  # none before 1
-                d.outer_optimizer.load_state_dict(outer)
-                d.round, d.inner_step = rnd, step
-                for f, g in zip(d.fragments, guards):
+                r.outer_optimizer.load_state_dict(outer)
+                for f, g in zip(frags, guards):
                     f.guard.load_state_dict(g.state_dict())
                 for entry, _ in pending:
-                    d.fragments[entry["fragment"]].reduce.flat.copy_(entry["mean"])
-                d._pending = [p for _, p in pending]
-                if d.eager is not None:  # its own params start as the consensus copy, nothing of its own in flight
-                    d.eager.reset(d._global.flat, d.outer_optimizer)
+                    frags[entry["fragment"]].reduce.flat.copy_(entry["mean"])
+                r.restore(round=rnd, inner_step=step, in_flight=[p for _, p in pending])
+                if self._eager is not None:  # its own params start as the consensus copy, nothing of its own in flight
+                    self._eager.reset()
 
         return load
 

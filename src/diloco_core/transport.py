@@ -1,4 +1,5 @@
-"""The contract between the DiLoCo core and a network: asynchronous mean, broadcast, membership."""
+"""The contract between the DiLoCo core and a network: asynchronous mean and broadcast (``membership``: what
+transports whose peers come and go add)."""
 
 from __future__ import annotations
 
@@ -6,14 +7,10 @@ import concurrent.futures
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 
-from .codec import FP32, Codec
-
-if TYPE_CHECKING:
-    from .run_state import RunState
+from .codecs.base import FP32, Codec
 
 __all__ = [
     "Capabilities",
@@ -23,6 +20,7 @@ __all__ = [
     "StateReplaced",
     "Transport",
     "TransportError",
+    "reduce_inputs",
 ]
 
 
@@ -58,9 +56,6 @@ class Capabilities:
     keys_in_any_order: bool = False
     """Reduces with different keys may be started in a different order on each member (in-process).
     False (torch.distributed, hivemind): every member starts and waits for them in the same order."""
-    block_codecs: bool = True
-    """Moves codecs whose payload is not one value per element (int8, int4). False (hivemind): its
-    butterfly cuts payloads anywhere; ``all_reduce`` refuses them with a ``ValueError``."""
 
 
 @dataclass(frozen=True)
@@ -111,7 +106,7 @@ class Transport(ABC):
 
     ``all_reduce`` returns at once; until its handle's ``wait`` returns, the caller must not touch the
     tensors. On success they hold the fp32 mean over the contributors that actually took part (see
-    ``diloco_core.wire.reference_mean``): the core never divides by a world size it remembered.
+    ``diloco_core.reference_mean``): the core never divides by a world size it remembered.
 
     Every reduce carries a ``key``: the n-th reduce with a key on one member meets the n-th reduce with
     that key on the others, and a transport keeps its buffers (hivemind: its averagers) per key, so
@@ -119,8 +114,9 @@ class Transport(ABC):
     start and wait for keyed reduces in the same order (torch.distributed matches collectives by order).
     """
 
-    # The members below have defaults for fixed-rank transports; a transport that wraps another
-    # (fault injection, tracing) must forward them.
+    # The members below have defaults; a transport that wraps another (fault injection, tracing) must
+    # forward them (``ForwardingTransport`` does). What only transports with changing membership need is
+    # in ``membership.Membership``.
 
     own_timeout: float | None = None
     """Seconds after which the transport itself fails a collective that has not finished (torch: its
@@ -131,30 +127,6 @@ class Transport(ABC):
     capabilities: Capabilities = Capabilities()
     """Where this transport legitimately departs from the strictest contract (the contract suite and
     the core read it instead of asking which transport this is)."""
-
-    @property
-    def fixed_ranks(self) -> bool:
-        """``capabilities.fixed_ranks``."""
-        return self.capabilities.fixed_ranks
-
-    join_addresses: Sequence[str] = ()
-    """Where other peers reach this one to join the run (hivemind: its multiaddrs), for a launcher to show.
-    Empty where members are placed by their launcher (in-process, torchrun)."""
-
-    def attach(self, state: RunState, timeout: float) -> bool:
-        """Called once by ``DiLoCo``, when its global params are in place. A transport whose peers come and
-        go loads the run's outer state from its peers here (``state.loader``), serves this worker's to
-        later joiners (``state.snapshot``, refreshed through ``state.subscribe``), and returns True if it
-        loaded one. The default does nothing."""
-        return False
-
-    def state_dict(self) -> dict:
-        """What the transport keeps about the run's state (hivemind: its state tag), saved within
-        ``DiLoCo.state_dict()`` and handed back to ``load_state_dict`` on resume. Default: nothing."""
-        return {}
-
-    def load_state_dict(self, state: dict) -> None:
-        """Called by ``DiLoCo.load_state_dict`` after DiLoCo's own state is in place."""
 
     @property
     @abstractmethod
@@ -183,3 +155,15 @@ class Transport(ABC):
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def reduce_inputs(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """``all_reduce``'s input check, shared by every transport: at least one tensor, every one fp32 (a
+    ``ValueError`` naming the dtype otherwise). Returns the tensors as a list."""
+    tensors = list(tensors)
+    if not tensors:
+        raise ValueError("all_reduce needs at least one tensor")
+    for t in tensors:
+        if t.dtype != torch.float32:
+            raise ValueError(f"all_reduce takes fp32 tensors, got {t.dtype}")
+    return tensors

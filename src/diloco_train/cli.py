@@ -9,6 +9,7 @@ import os
 import shlex
 import signal
 import sys
+import warnings
 from collections.abc import Sequence
 from pathlib import Path
 from typing import NoReturn
@@ -44,7 +45,7 @@ def _config_keys() -> str:
     for name, cls in SECTIONS.items():
         keys = []
         for f in fields(cls):
-            if not f.init:
+            if not f.init or not f.repr:  # not a key to show: a deprecated alias
                 continue
             default = f.default if f.default is not MISSING else f.default_factory()  # type: ignore[misc]
             default = TRAINER_DEFAULTS.get(name, {}).get(f.name, default)
@@ -124,7 +125,11 @@ def _train(args: argparse.Namespace, argv: list[str]) -> int:
         saved = Path(build_config((), where).train.runs_dir) / args.name / "config.toml"
         if not args.config and saved.is_file():  # else nothing to resume yet: start the run as configured
             base = load_toml(saved)
-    config = build_config(args.config, args.overrides, base=base)
+    with warnings.catch_warnings(record=True) as caught:  # shown: Python hides a library's DeprecationWarning
+        warnings.simplefilter("always", DeprecationWarning)
+        config = build_config(args.config, args.overrides, base=base)
+    for w in caught:
+        print(f"diloco: {w.message}", file=sys.stderr)
     name = args.name or default_name(config.train.mode)  # torchrun's ranks take rank 0's (launch)
     run_dir = Path(config.train.runs_dir) / name
     t = config.train
@@ -165,7 +170,7 @@ def _train(args: argparse.Namespace, argv: list[str]) -> int:
         print(f"stopped at step {result.steps} of {t.steps} (train.stop_after); resume with: {again}")
     if result.rounds:
         # DDP all-reduces the gradient, as many values as a round's pseudo-gradient, at every step, in fp32.
-        codec = codec_for(config.diloco.wire_dtype, config.diloco.codec_block)
+        codec = codec_for(config.diloco.codec, config.diloco.codec_block)
         as_fp32 = FP32.payload_bytes(1 << 20) / codec.payload_bytes(1 << 20)  # 1 << 20: whole codec blocks
         ddp = result.round_bytes / result.rounds * as_fp32 * result.steps_run
         print(

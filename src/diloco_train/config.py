@@ -2,15 +2,21 @@
 
 from __future__ import annotations
 
-import json
-import math
+import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+import tomli_w
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # Python 3.10: the same parser as a package (a dependency there)
+    import tomli as tomllib
+
 from diloco_core import CODECS, DiLoCoConfig
-from diloco_core.config import check_field, from_mapping, is_finite_number
+from diloco_core.config import boolean, check_field, check_fields, choice, from_mapping, integer, number, rule, string
 from transports import transport_spec
 
 from .data import DataConfig
@@ -32,135 +38,91 @@ MODES = ("diloco", "ddp", "single")
 WARM_START_SYNCS = ("gradients", "updates")
 
 
-def _int(v: object, lo: int) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool) and v >= lo
+def _is_device(v: object) -> bool:
+    return isinstance(v, str) and (v in ("auto", "cpu", "cuda") or v.startswith("cuda:"))
 
 
 @dataclass(frozen=True, kw_only=True)
 class TrainConfig:
-    mode: str = "diloco"
+    mode: str = field(default="diloco", metadata=choice(MODES))
     """diloco (outer round every diloco.inner_steps), ddp (gradients averaged every step) or single (one worker)."""
-    workers: int = 4
+    workers: int = field(default=4, metadata=integer(low=1))
     """Workers as threads of this process (in-process transport). Other transports: one worker per process."""
-    steps: int = 600
+    steps: int = field(default=600, metadata=integer(low=1))
     """Inner steps per worker in total; the learning-rate schedule spans them."""
-    batch_size: int = 32
+    batch_size: int = field(default=32, metadata=integer(low=1))
     """Sequences per step per worker. DiLoCo needs enough of them per worker step: with 64-byte windows it
     ended 8.6% above DDP at 8, 6.4% at 16 (docs/results.md, which also has this default's figure)."""
-    lr: float = 1e-3
+    lr: float = field(default=1e-3, metadata=number(gt=0, noun="a finite number"))
     """Peak learning rate of the inner AdamW (the papers use 4e-4 for 150M+; the tiny model trains faster at 1e-3)."""
-    min_lr_ratio: float = 0.1
+    min_lr_ratio: float = field(default=0.1, metadata=number(ge=0, le=1))
     """The cosine decays the learning rate to lr * min_lr_ratio at the last step."""
-    warmup_steps: int = 50
+    warmup_steps: int = field(default=50, metadata=integer(low=0))
     """Steps of linear warmup from 0 to lr."""
-    weight_decay: float = 0.1
+    weight_decay: float = field(default=0.1, metadata=number(ge=0))
     """AdamW weight decay."""
-    beta1: float = 0.9
+    beta1: float = field(default=0.9, metadata=number(ge=0, lt=1))
     """AdamW beta1."""
-    beta2: float = 0.95
+    beta2: float = field(default=0.95, metadata=number(ge=0, lt=1))
     """AdamW beta2."""
-    grad_clip: float = 1.0
+    grad_clip: float = field(default=1.0, metadata=number(ge=0))
     """Clip the gradient norm to this (0: no clipping)."""
-    ddp_warm_start: int | None = None
+    ddp_warm_start: int | None = field(default=None, metadata=integer(low=0, unset=True, valid="an integer >= 0"))
     """diloco mode: steps of DDP (gradients averaged every step) before the first DiLoCo round starts. None: a
     twelfth of ``steps`` (50 of the default run's 600) where the transport's ranks are fixed (in-process, torch),
     0 where peers come and go (hivemind: a joiner could not take part in a DDP phase)."""
-    ddp_wire_dtype: str = "fp32"
-    """The wire of DDP's gradients (ddp mode, diloco's warm start): a codec name as ``diloco.wire_dtype``."""
-    warm_start_sync: str = "gradients"
+    ddp_wire_dtype: str = field(default="fp32", metadata=choice(sorted(CODECS)))
+    """The wire of DDP's gradients (ddp mode, diloco's warm start): a codec name as ``diloco.codec``."""
+    warm_start_sync: str = field(default="gradients", metadata=choice(WARM_START_SYNCS))
     """What diloco's warm start averages every step: ``gradients`` (DDP: one AdamW step on the mean gradient) or
     ``updates`` (each worker's own AdamW step, then the mean of the workers' weights: DiLoCo with H = 1 and
     an outer SGD of lr 1 without momentum, on ``ddp_wire_dtype`` with ``ddp_error_feedback``). A 1-bit wire
     (``sign``) loses 3.4% on gradients, where AdamW's second moment takes in its noise (docs/results.md)."""
-    ddp_error_feedback: bool = True
+    ddp_error_feedback: bool = field(default=True, metadata=boolean())
     """With a lossy ``ddp_wire_dtype``: each worker adds what the codec dropped of its last gradient to its next
     one (in ddp mode's checkpoints; a warm start's residual ends with it, when DiLoCo takes over)."""
-    seed: int = 0
+    seed: int = field(default=0, metadata=integer(low=0))
     """Seed of the weights (rank 0's, broadcast to all) and of every worker's data order."""
-    eval_every: int = 0
+    eval_every: int = field(default=0, metadata=integer(low=0))
     """Evaluate on validation every this many steps (0: every diloco.inner_steps, i.e. at round boundaries)."""
-    eval_batches: int = 8
+    eval_batches: int = field(default=8, metadata=integer(low=1))
     """Validation batches per evaluation (the same windows every time)."""
-    checkpoint_every: int = 10
+    checkpoint_every: int = field(default=10, metadata=integer(low=0))
     """Checkpoint every this many rounds (of diloco.inner_steps steps, in every mode) and at the end; 0: only at the end."""
-    keep_checkpoints: int = 2
+    keep_checkpoints: int = field(default=2, metadata=integer(low=1))
     """Checkpoints kept per worker; older ones are deleted."""
-    max_nonfinite_losses: int = 3
+    max_nonfinite_losses: int = field(default=3, metadata=integer(low=1))
     """Stop with an error once a worker's loss is NaN or infinite at this many steps in a row (its weights then
     are too: nothing trains on). A state that is not finite is never checkpointed."""
-    stop_after: int = 0
+    stop_after: int = field(default=0, metadata=integer(low=0))
     """Stop (after a checkpoint) once this many steps are done, schedule unchanged; resume later. 0: run all steps."""
-    shard: int = -1
+    shard: int = field(default=-1, metadata=integer(low=-1, valid="an integer >= 0 (or -1: the rank)"))
     """This process's data shard when the transport has no fixed ranks (hivemind: give each peer its own). -1: its rank."""
-    num_shards: int = 0
+    num_shards: int = field(default=0, metadata=integer(low=0))
     """Number of data shards for ``shard``. 0: the transport's world size."""
-    fsdp_shards: int = 1
+    fsdp_shards: int = field(default=1, metadata=integer(low=1))
     """diloco mode under torchrun: ranks per island, which shard one model with FSDP2 (``fully_shard``) and
     train it as one DiLoCo worker; DiLoCo averages across the world size / fsdp_shards islands, each rank
     its own shards (docs/lan.md). 1: every process holds the whole model."""
-    device: str = "auto"
+    device: str = field(default="auto", metadata=rule(_is_device, "auto, cpu, cuda or cuda:N"))
     """cpu, cuda, cuda:N or auto (cuda if available). In-process workers on cuda spread over the visible GPUs."""
-    bf16: bool = True
+    bf16: bool = field(default=True, metadata=boolean())
     """bf16 autocast for the forward pass on cuda (ignored on cpu)."""
-    threads: int = 0
+    threads: int = field(default=0, metadata=integer(low=0))
     """torch intra-op threads for this process (0: CPU cores // in-process workers, at least 1)."""
-    runs_dir: str = "runs"
+    runs_dir: str = field(default="runs", metadata=string(empty=False, valid="a non-empty path"))
     """Runs are written to <runs_dir>/<name>/."""
 
     def __post_init__(self) -> None:
-        check_field("mode", self.mode, self.mode in MODES, f"one of {list(MODES)}")
-        for name in ("workers", "steps", "batch_size", "eval_batches", "keep_checkpoints", "max_nonfinite_losses"):
-            check_field(name, getattr(self, name), _int(getattr(self, name), 1), "an integer >= 1")
-        for name in (
-            "warmup_steps",
-            "seed",
-            "eval_every",
-            "checkpoint_every",
-            "stop_after",
-            "threads",
-            "num_shards",
-        ):
-            check_field(name, getattr(self, name), _int(getattr(self, name), 0), "an integer >= 0")
-        check_field("fsdp_shards", self.fsdp_shards, _int(self.fsdp_shards, 1), "an integer >= 1")
+        check_fields(self)
         ok = self.fsdp_shards == 1 or (self.mode == "diloco" and not self.ddp_warm_start)
         check_field("fsdp_shards", self.fsdp_shards, ok, "1, or in diloco mode without ddp_warm_start any N >= 1")
+        # None: the default, a twelfth of the steps where ranks are fixed (modes.warm_start_steps)
         w = self.ddp_warm_start
-        if w is not None:  # None: the default, a twelfth of the steps where ranks are fixed (modes.warm_start_steps)
-            check_field("ddp_warm_start", w, _int(w, 0), "an integer >= 0")
-            ok = not w or (self.mode == "diloco" and w < self.steps)
-            check_field("ddp_warm_start", w, ok, f"0, or in diloco mode a step count below steps={self.steps}")
-        ok = self.warm_start_sync in WARM_START_SYNCS
-        check_field("warm_start_sync", self.warm_start_sync, ok, f"one of {list(WARM_START_SYNCS)}")
-        ok = isinstance(self.ddp_error_feedback, bool)
-        check_field("ddp_error_feedback", self.ddp_error_feedback, ok, "true or false")
-        ok = self.ddp_wire_dtype in CODECS
-        check_field("ddp_wire_dtype", self.ddp_wire_dtype, ok, f"one of {sorted(CODECS)}")
-        check_field("shard", self.shard, _int(self.shard, -1), "an integer >= 0 (or -1: the rank)")
+        ok = not w or (self.mode == "diloco" and w < self.steps)
+        check_field("ddp_warm_start", w, ok, f"0, or in diloco mode a step count below steps={self.steps}")
         ok = self.shard < max(self.num_shards, 1) if self.num_shards else self.shard <= 0
         check_field("shard", self.shard, ok, f"below num_shards={self.num_shards} (set num_shards with shard)")
-        check_field("lr", self.lr, is_finite_number(self.lr) and self.lr > 0, "a finite number > 0")
-        r = self.min_lr_ratio
-        check_field("min_lr_ratio", r, is_finite_number(r) and 0 <= r <= 1, "a number in [0, 1]")
-        check_field(
-            "weight_decay",
-            self.weight_decay,
-            is_finite_number(self.weight_decay) and self.weight_decay >= 0,
-            "a number >= 0",
-        )
-        for name in ("beta1", "beta2"):
-            v = getattr(self, name)
-            check_field(name, v, is_finite_number(v) and 0 <= v < 1, "a number in [0, 1)")
-        check_field(
-            "grad_clip", self.grad_clip, is_finite_number(self.grad_clip) and self.grad_clip >= 0, "a number >= 0"
-        )
-        ok = isinstance(self.device, str) and (
-            self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:")
-        )
-        check_field("device", self.device, ok, "auto, cpu, cuda or cuda:N")
-        check_field("bf16", self.bf16, isinstance(self.bf16, bool), "true or false")
-        check_field(
-            "runs_dir", self.runs_dir, isinstance(self.runs_dir, str) and self.runs_dir != "", "a non-empty path"
-        )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -195,18 +157,11 @@ SECTIONS: dict[str, type] = {"model": ModelConfig, "data": DataConfig, "train": 
 # within the seeds' noise of fp32 on the convergence table at 7.8x fewer bytes per round, which pays for
 # the default DDP warm start (train.ddp_warm_start) and keeps the default run >= 10x below DDP's traffic
 # (docs/results.md).
-TRAINER_DEFAULTS: dict[str, dict[str, Any]] = {"diloco": {"inner_steps": 10, "wire_dtype": "int4"}}
+TRAINER_DEFAULTS: dict[str, dict[str, Any]] = {"diloco": {"inner_steps": 10, "codec": "int4"}}
 
 
 def load_toml(path: str | Path) -> dict[str, Any]:
     """Parse a TOML file (tomllib on Python 3.11+, tomli before)."""
-    try:
-        import tomllib
-    except ImportError:  # Python 3.10
-        try:
-            import tomli as tomllib  # type: ignore[no-redef]
-        except ImportError:
-            raise ValueError("reading TOML on Python 3.10 needs tomli: pip install tomli") from None
     p = Path(path)
     try:
         with p.open("rb") as f:
@@ -229,10 +184,8 @@ def parse_override(text: str) -> tuple[str, str, Any]:
     if section not in valid:
         raise ValueError(f"--set {text!r}: unknown section [{section}]; valid sections: {valid}")
     try:
-        import tomllib
-
         value = tomllib.loads(f"v = {raw.strip()}")["v"]
-    except Exception:  # noqa: BLE001 - not a TOML literal (or no TOML reader): a bare word is a string
+    except tomllib.TOMLDecodeError:  # not a TOML literal: a bare word is a string
         value = raw.strip()
     return section, key, value
 
@@ -265,25 +218,10 @@ def build_config(
     return RunConfig(transport=transport, **sections)
 
 
-def _toml_value(v: Any) -> str:
-    if isinstance(v, bool):
-        return "true" if v else "false"
-    if isinstance(v, (int, float)):
-        if not isinstance(v, float) or math.isfinite(v):
-            return repr(v)
-        return "nan" if math.isnan(v) else ("inf" if v > 0 else "-inf")
-    if isinstance(v, str):
-        return json.dumps(v)  # JSON's string escapes are valid TOML basic-string escapes
-    if isinstance(v, (list, tuple)):
-        return "[" + ", ".join(_toml_value(x) for x in v) + "]"
-    raise ValueError(f"cannot write {type(v).__name__} value {v!r} to TOML")
-
-
 def dump_toml(tables: Mapping[str, Mapping[str, Any]]) -> str:
-    """Tables of scalars (and lists of them) as TOML text that ``load_toml`` reads back unchanged."""
-    lines = []
-    for section, table in tables.items():
-        lines.append(f"[{section}]")
-        lines.extend(f"{k} = {_toml_value(v)}" for k, v in table.items())
-        lines.append("")
-    return "\n".join(lines)
+    """Tables of scalars (and lists of them) as TOML text that ``load_toml`` reads back unchanged. TOML has no
+    null: a None is a ValueError (``RunConfig.to_dict`` leaves unset values out)."""
+    try:
+        return tomli_w.dumps(tables)
+    except TypeError as e:
+        raise ValueError(f"cannot write to TOML: {e}") from None

@@ -14,12 +14,12 @@ import logging
 import os
 import sysconfig
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
-from diloco_core.config import check_field, is_finite_number
+from diloco_core.config import check_field, check_fields, integer, number, string
 
 __all__ = ["BatchSampler", "Corpus", "DataConfig", "load_corpus", "stdlib_root"]
 
@@ -33,35 +33,25 @@ _BLOCK_BYTES = 1024
 
 @dataclass(frozen=True, kw_only=True)
 class DataConfig:
-    path: str = ""
+    path: str = field(default="", metadata=string())
     """A text/JSONL file or a folder of them (.txt .md .py .rst .jsonl). Empty: the interpreter's stdlib source."""
-    text_field: str = "text"
+    text_field: str = field(default="text", metadata=string())
     """Field holding the text in JSONL records."""
-    val_fraction: float = 0.05
+    val_fraction: float = field(default=0.05, metadata=number(gt=0, lt=1))
     """Share of documents held out for validation, chosen by a hash of each document's name."""
-    seq_len: int = 64
+    seq_len: int = field(default=64, metadata=integer(low=1))
     """Tokens per training window (each window reads seq_len + 1 tokens)."""
-    hf_dataset: str = ""
+    hf_dataset: str = field(default="", metadata=string())
     """Hugging Face dataset name or local path (needs ``pip install diloco[hf]``); replaces ``path``."""
-    hf_split: str = "train"
+    hf_split: str = field(default="train", metadata=string())
     """Split of ``hf_dataset`` to read."""
-    hf_tokenizer: str = ""
+    hf_tokenizer: str = field(default="", metadata=string())
     """Hugging Face tokenizer for ``hf_dataset``; empty: bytes (vocab 256)."""
-    max_documents: int = 0
+    max_documents: int = field(default=0, metadata=integer(low=0))
     """Read at most this many documents of ``hf_dataset`` (0: all)."""
 
     def __post_init__(self) -> None:
-        for name in ("path", "text_field", "hf_dataset", "hf_split", "hf_tokenizer"):
-            check_field(name, getattr(self, name), isinstance(getattr(self, name), str), "a string")
-        vf = self.val_fraction
-        ok = is_finite_number(vf) and 0 < vf < 1
-        check_field("val_fraction", vf, ok, "a number in (0, 1)")
-        sl = self.seq_len
-        check_field("seq_len", sl, isinstance(sl, int) and not isinstance(sl, bool) and sl >= 1, "an integer >= 1")
-        md = self.max_documents
-        check_field(
-            "max_documents", md, isinstance(md, int) and not isinstance(md, bool) and md >= 0, "an integer >= 0"
-        )
+        check_fields(self)
         check_field("path", self.path, not (self.path and self.hf_dataset), "empty when hf_dataset is set")
 
 

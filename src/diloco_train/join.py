@@ -17,7 +17,7 @@ import sys
 from collections.abc import Mapping
 from typing import Any
 
-from diloco_core import Transport
+from diloco_core import Membership, Transport
 from transports import TransportSpec
 
 from .config import TrainConfig
@@ -106,7 +106,7 @@ def print_join(
     transport: Transport, *, spec: TransportSpec, train: TrainConfig, command: list[str] | None, run_name: str
 ) -> None:
     """Where peers join by address, show the command that joins another one to this run."""
-    if not transport.join_addresses or spec.join_key is None:
+    if not isinstance(transport, Membership) or not transport.join_addresses or spec.join_key is None:
         return
     argv = join_command(
         list(command or ["diloco", "train"]),

@@ -80,17 +80,6 @@ def truncate_metrics(run_dir: Path, step: int) -> None:
     os.replace(tmp, path)
 
 
-def _logged_wall(records: list[dict[str, Any]]) -> float:
-    """The training-loop seconds that records with a ``time_s`` account for. It counts from the run's start; in
-    logs written before resumes carried it on, it restarted at each resume: a drop ends a segment."""
-    total = last = 0.0
-    for r in records:
-        if r["time_s"] < last:
-            total += last
-        last = r["time_s"]
-    return total + last
-
-
 def perplexity(loss: float) -> float:
     """exp(loss), capped at exp(80) (NaN stays NaN)."""
     return math.exp(min(loss, 80.0))
@@ -104,7 +93,7 @@ class Reporter:
         # A resumed run's totals start from what its earlier invocations logged (up to the resume step).
         history = read_metrics(run_dir, missing_ok=True) if start_step else []
         steps = [r for r in history if r.get("type") == "step"]
-        timed = [r for r in history if r.get("type") in ("step", "eval") and "time_s" in r]
+        timed = [r["time_s"] for r in history if r.get("type") in ("step", "eval")]
         rounds = [r for r in history if r.get("type") == "round"]
         self.compute = sum(r["compute_s"] for r in steps)
         self.comm = sum(r["comm_s"] for r in steps)
@@ -112,8 +101,9 @@ class Reporter:
         self.steps = len(steps)
         self.rounds = len(rounds)
         self.round_bytes = sum(r["bytes_sent"] for r in rounds)
-        self.offset = _logged_wall(timed)
-        """Seconds of training loop before this invocation: its records' ``time_s`` continue from there."""
+        self.offset = max(timed, default=0.0)
+        """Seconds of training loop before this invocation (``time_s`` counts from the run's start, resumes
+        included): its records' ``time_s`` continue from there."""
         self.started: float | None = None
         self.file: TextIO = (run_dir / METRICS).open("a", encoding="utf-8")
         self.contributors = world_size

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import logging
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from diloco_core.config import check_field, is_finite_number
+from diloco_core.config import check_field, check_fields, choice, integer, number
 
 __all__ = ["PRESETS", "Llama", "ModelConfig", "count_parameters"]
 
@@ -47,42 +47,35 @@ PRESETS: dict[str, dict[str, int]] = {
 }
 
 
-def _is_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
+_POSITIVE = number(gt=0, noun="a finite number")
+_SIZE = integer(low=1, unset=True, valid="an integer >= 1 (or unset for the preset's)")
 
 
 @dataclass(frozen=True, kw_only=True)
 class ModelConfig:
-    preset: str = "tiny"
+    preset: str = field(default="tiny", metadata=choice(sorted(PRESETS)))
     """Named shape: tiny (~1M parameters, CPU), 150m or 1b (GPU). The fields below override it."""
-    vocab_size: int | None = None
+    vocab_size: int | None = field(default=None, metadata=_SIZE)
     """Vocabulary size. Unset: the tokenizer's (256 for the byte tokenizer)."""
-    hidden_size: int | None = None
+    hidden_size: int | None = field(default=None, metadata=_SIZE)
     """Width of the residual stream. Unset: the preset's."""
-    num_layers: int | None = None
+    num_layers: int | None = field(default=None, metadata=_SIZE)
     """Decoder blocks. Unset: the preset's."""
-    num_heads: int | None = None
+    num_heads: int | None = field(default=None, metadata=_SIZE)
     """Query heads; must divide hidden_size. Unset: the preset's."""
-    num_kv_heads: int | None = None
+    num_kv_heads: int | None = field(default=None, metadata=_SIZE)
     """Key/value heads (grouped-query attention); must divide num_heads. Unset: the preset's."""
-    intermediate_size: int | None = None
+    intermediate_size: int | None = field(default=None, metadata=_SIZE)
     """Width of the SwiGLU feed-forward. Unset: the preset's."""
-    rope_theta: float = 10000.0
+    rope_theta: float = field(default=10000.0, metadata=_POSITIVE)
     """Base of the rotary embedding frequencies."""
-    norm_eps: float = 1e-5
+    norm_eps: float = field(default=1e-5, metadata=_POSITIVE)
     """Epsilon of RMSNorm."""
-    init_std: float = 0.02
+    init_std: float = field(default=0.02, metadata=_POSITIVE)
     """Standard deviation of the normal weight initialisation."""
 
     def __post_init__(self) -> None:
-        check_field("preset", self.preset, self.preset in PRESETS, f"one of {sorted(PRESETS)}")
-        for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "intermediate_size"):
-            v = getattr(self, name)
-            check_field(name, v, v is None or (_is_int(v) and v >= 1), "an integer >= 1 (or unset for the preset's)")
-        for name in ("rope_theta", "norm_eps", "init_std"):
-            v = getattr(self, name)
-            ok = is_finite_number(v) and v > 0
-            check_field(name, v, ok, "a finite number > 0")
+        check_fields(self)
         r = self._shape(None)
         hidden, heads, kv_heads = r["hidden_size"], r["num_heads"], r["num_kv_heads"]
         check_field("num_heads", heads, hidden % heads == 0, f"a divisor of hidden_size={hidden}")

@@ -26,7 +26,7 @@ def warm_start_steps(config: RunConfig, transport: Transport | None) -> int:
     t = config.train
     if t.ddp_warm_start is not None:
         return t.ddp_warm_start
-    fixed = transport is not None and transport.fixed_ranks
+    fixed = transport is not None and transport.capabilities.fixed_ranks
     return t.steps // 12 if fixed and t.fsdp_shards == 1 else 0
 
 
@@ -67,7 +67,9 @@ class Sync:
         if mode == "diloco" and not self.warm:
             self._start_diloco()
         elif mode == "diloco" and config.train.warm_start_sync == "updates":
-            if transport is None or not transport.fixed_ranks:  # one DiLoCo per transport, and no joiner in it
+            if (
+                transport is None or not transport.capabilities.fixed_ranks
+            ):  # one DiLoCo per transport, and no joiner in it
                 raise ValueError(
                     "train.warm_start_sync='updates' is invalid on a transport whose peers come and go: "
                     "expected fixed ranks (in-process, torch), or train.ddp_warm_start=0"
@@ -164,8 +166,8 @@ class Sync:
         if warm:
             plain = {"inner_steps": 1, "outer_lr": 1.0, "outer_momentum": 0.0, "overlap": "none", "fragments": 1}
             plain |= {"overlap_steps": 0, "merge_alpha": 0.0, "eager_fresh_weight": None}
-            c = replace(c, **plain, wire_dtype=t.ddp_wire_dtype, error_feedback=t.ddp_error_feedback)
-        elif c.outer_lr is None and not self.transport.fixed_ranks:
+            c = replace(c, **plain, codec=t.ddp_wire_dtype, error_feedback=t.ddp_error_feedback)
+        elif c.outer_lr is None and not self.transport.capabilities.fixed_ranks:
             c = replace(c, outer_lr=outer_lr_for(max(t.num_shards, 1), c.outer_momentum))
         self.diloco = DiLoCo(model=self.model, inner_optimizer=self.optimizer, transport=self.transport, config=c)
         self._warm_diloco = warm

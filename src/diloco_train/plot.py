@@ -29,7 +29,7 @@ def plot_runs(run_dirs: Sequence[str | Path], out: str | Path) -> Path:
     import matplotlib.pyplot as plt
 
     runs = [(Path(d), read_metrics(d)) for d in run_dirs]
-    with_rounds = any(r.get("type") == "round" and "agreement" in r for _, records in runs for r in records)
+    with_rounds = any(r.get("type") == "round" for _, records in runs for r in records)
     if with_rounds:  # DiLoCo runs: a second panel with each round's agreement of the workers' pseudo-gradients
         fig, (ax, ax_agree) = plt.subplots(2, 1, figsize=(9, 7), sharex=True, height_ratios=(3, 1))
     else:
@@ -54,7 +54,7 @@ def plot_runs(run_dirs: Sequence[str | Path], out: str | Path) -> Path:
         if len(runs) == 1 and len(rounds) <= 30:  # more would hide the curves
             for j, r in enumerate(rounds):
                 ax.axvline(r["step"], color="gray", lw=0.6, ls="--", label="outer round" if j == 0 else None)
-        if with_rounds and rounds and "agreement" in rounds[0]:
+        if rounds:
             agreement = [r["agreement"] for r in rounds]
             ax_agree.plot([r["step"] for r in rounds], agreement, ".-", color=color, ms=3, label=run_dir.name)
     ax.set_ylabel("loss (nats/token)")

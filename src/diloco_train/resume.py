@@ -92,7 +92,7 @@ def _recorded_world(folder: Path, rank: int) -> int | None:
 def confirm_loaded(transport: Transport | None, timeout: float) -> None:
     """Return once every rank of a fixed-ranks run has loaded its checkpoint (collective); where ranks come
     and go, each peer is on its own."""
-    if transport is not None and transport.fixed_ranks and transport.world_size > 1:
+    if transport is not None and transport.capabilities.fixed_ranks and transport.world_size > 1:
         from_every_rank(transport, 1, timeout)
 
 

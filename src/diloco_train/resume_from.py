@@ -114,7 +114,7 @@ def resume_step(run_dir: Path, *, rank: int, transport: Transport | None, timeou
     newest step all of them can read; peers that come and go have none to agree with: each takes its own."""
     folder = run_dir / "checkpoints"
     readable = _Readable(folder, rank)
-    agree = transport is not None and transport.fixed_ranks and transport.world_size > 1
+    agree = transport is not None and transport.capabilities.fixed_ranks and transport.world_size > 1
     bound: int | None = None
     while True:
         mine = readable.newest(bound)

@@ -85,7 +85,7 @@ class Worker:
         groups = [{"params": decay, "weight_decay": t.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
         optimizer = torch.optim.AdamW(groups, lr=t.lr, betas=(t.beta1, t.beta2))
         shard, num_shards = shard_of(t, rank=self.rank, world_size=self.world_size)
-        fixed = self.transport is None or self.transport.fixed_ranks
+        fixed = self.transport is None or self.transport.capabilities.fixed_ranks
         set_worker(f"worker {self.rank}" if fixed else f"peer shard {shard}")
         remove_stray_temp(job.run_dir / "checkpoints", self.rank)  # of a write this rank's last process left
         sampler = BatchSampler(
@@ -174,7 +174,9 @@ class Worker:
         step = found.step
         sync.resumed_at(step)
         if found.state is not None:
-            fixed = self.transport is None or self.transport.fixed_ranks  # else group sizes change every round
+            fixed = (
+                self.transport is None or self.transport.capabilities.fixed_ranks
+            )  # else group sizes change every round
             state = load_worker(
                 job.run_dir,
                 state=found.state,

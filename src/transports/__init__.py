@@ -27,8 +27,8 @@ __all__ = [
 ]
 
 _LAZY = {
-    "TorchDistConfig": "torch_dist",
-    "TorchDistTransport": "torch_dist",
+    "TorchDistConfig": "torch",
+    "TorchDistTransport": "torch",
     "HivemindConfig": "hivemind",
     "HivemindTransport": "hivemind",
 }

@@ -23,14 +23,53 @@ DEFAULT_KIND = "inprocess"
 """The kind of a section that names none."""
 
 
+@dataclass(frozen=True, kw_only=True)
+class _Kind:
+    """Everything the factory knows about one transport kind, in one place."""
+
+    create: Callable[[Mapping[str, Any]], Transport]
+    """Builds the transport from its section (no ``kind``, no link keys)."""
+    spec: Callable[..., TransportSpec]
+    """How its workers launch: ``spec(kind=, section=, own=, link=)`` (``own``: the section's keys but the
+    link's) to a ``TransportSpec``."""
+    derived_timeout: str | None = None
+    """The config field that defaults to the core's reduce timeout when the section leaves it unset."""
+
+
 def _inprocess(section: Mapping[str, Any]) -> Transport:
     return InProcessTransport.from_config(from_mapping(InProcessConfig, section, "transport"))
 
 
+def _inprocess_spec(
+    *, kind: str, section: dict[str, Any], own: Mapping[str, Any], link: LinkConfig | None
+) -> TransportSpec:
+    extra = sorted(set(own) - {"kind"})
+    if extra:
+        raise ValueError(
+            f"unknown key(s) {extra} in [transport] for kind 'inprocess'; valid keys: "
+            f"{['kind', *sorted(LINK_KEYS)]} (the trainer sets world size and ranks from train.workers)"
+        )
+    return TransportSpec(kind=kind, section=section, threads=True, fixed_ranks=True, link=link)
+
+
 def _torch(section: Mapping[str, Any]) -> Transport:
-    from .torch_dist import TorchDistConfig, TorchDistTransport
+    from .torch import TorchDistConfig, TorchDistTransport
 
     return TorchDistTransport.from_config(from_mapping(TorchDistConfig, section, "transport"))
+
+
+def _torch_spec(
+    *, kind: str, section: dict[str, Any], own: Mapping[str, Any], link: LinkConfig | None
+) -> TransportSpec:
+    return TransportSpec(
+        kind=kind,
+        section=section,
+        threads=False,
+        fixed_ranks=True,
+        processes_on_machine=_local_world_size(),
+        fsdp_islands=True,
+        link=link,
+    )
 
 
 def _hivemind(section: Mapping[str, Any]) -> Transport:
@@ -39,15 +78,27 @@ def _hivemind(section: Mapping[str, Any]) -> Transport:
     return HivemindTransport(from_mapping(HivemindConfig, section, "transport"))
 
 
-TRANSPORT_KINDS: dict[str, Callable[[Mapping[str, Any]], Transport]] = {
-    "inprocess": _inprocess,
-    "torch": _torch,
-    "hivemind": _hivemind,
+def _hivemind_spec(
+    *, kind: str, section: dict[str, Any], own: Mapping[str, Any], link: LinkConfig | None
+) -> TransportSpec:
+    return TransportSpec(
+        kind=kind,
+        section=section,
+        threads=False,
+        fixed_ranks=False,
+        processes_on_machine=_local_world_size(),
+        secret_keys=frozenset({"secret"}),
+        join_key="initial_peers",
+        link=link,
+    )
+
+
+TRANSPORT_KINDS: dict[str, _Kind] = {
+    "inprocess": _Kind(create=_inprocess, spec=_inprocess_spec),
+    "torch": _Kind(create=_torch, spec=_torch_spec, derived_timeout="timeout"),
+    "hivemind": _Kind(create=_hivemind, spec=_hivemind_spec),
 }
-
-
-_DERIVED_TIMEOUT = {"torch": "timeout"}
-"""Per kind, the config field that defaults to the core's reduce timeout when the section leaves it unset."""
+"""One entry per transport kind: how to build it, how its workers launch, which timeout it derives."""
 
 
 def _kind_of(section: Mapping[str, Any]) -> str:
@@ -70,9 +121,10 @@ def create_transport(section: Mapping[str, Any], *, reduce_timeout: float | None
     kind = _kind_of(section)
     link, section = link_from_section(section)
     section.pop("kind", None)
-    if reduce_timeout is not None and kind in _DERIVED_TIMEOUT:
-        section.setdefault(_DERIVED_TIMEOUT[kind], reduce_timeout)
-    return _behind(link, TRANSPORT_KINDS[kind](section))
+    entry = TRANSPORT_KINDS[kind]
+    if reduce_timeout is not None and entry.derived_timeout is not None:
+        section.setdefault(entry.derived_timeout, reduce_timeout)
+    return _behind(link, entry.create(section))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -124,7 +176,7 @@ class TransportSpec:
         if not self.fsdp_islands:
             raise ValueError(f"[transport] kind={self.kind!r} cannot connect FSDP islands; use kind='torch'")
         from .islands import island_transport
-        from .torch_group import TorchDistConfig
+        from .torch.group import TorchDistConfig
 
         section = {k: v for k, v in self.section.items() if k != "kind" and k not in LINK_KEYS}
         if reduce_timeout is not None:
@@ -143,33 +195,4 @@ def transport_spec(section: Mapping[str, Any]) -> TransportSpec:
     kind = _kind_of(section)
     link, own = link_from_section(section)
     section = {**section, "kind": kind}
-    if kind == "inprocess":
-        extra = sorted(set(own) - {"kind"})
-        if extra:
-            raise ValueError(
-                f"unknown key(s) {extra} in [transport] for kind 'inprocess'; valid keys: "
-                f"{['kind', *sorted(LINK_KEYS)]} (the trainer sets world size and ranks from train.workers)"
-            )
-        return TransportSpec(kind=kind, section=section, threads=True, fixed_ranks=True, link=link)
-    if kind == "torch":
-        return TransportSpec(
-            kind=kind,
-            section=section,
-            threads=False,
-            fixed_ranks=True,
-            processes_on_machine=_local_world_size(),
-            fsdp_islands=True,
-            link=link,
-        )
-    if kind == "hivemind":
-        return TransportSpec(
-            kind=kind,
-            section=section,
-            threads=False,
-            fixed_ranks=False,
-            processes_on_machine=_local_world_size(),
-            secret_keys=frozenset({"secret"}),
-            join_key="initial_peers",
-            link=link,
-        )
-    raise AssertionError(f"transport kind {kind!r} has no launch spec")  # every kind in TRANSPORT_KINDS needs one
+    return TRANSPORT_KINDS[kind].spec(kind=kind, section=section, own=own, link=link)

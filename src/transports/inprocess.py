@@ -1,7 +1,7 @@
 """In-process transport: ranks are threads of one process sharing an ``InProcessGroup``.
 
 It is the oracle the network transports are tested against: the mean of the contributions' codec
-payloads in rank order (``diloco_core.wire.mean_of_payloads``), computed once and handed to every
+payloads in rank order (``diloco_core.mean_of_payloads``), computed once and handed to every
 rank. Collectives meet by key: the n-th call with a key on every rank meets in the same slot. A rank that ``close()``s leaves
 the group; collectives then complete among the members that remain.
 """
@@ -15,31 +15,25 @@ from dataclasses import dataclass, field
 
 import torch
 
-from diloco_core.codec import FP32, Codec
-from diloco_core.codec_names import check_codec
-from diloco_core.config import check_field
-from diloco_core.transport import Capabilities, ReduceHandle, ReduceResult, Transport, TransportError
-from diloco_core.wire import mean_of_payloads
+from diloco_core import FP32, Codec, mean_of_payloads
+from diloco_core.codecs.names import check_codec
+from diloco_core.config import check_fields, integer, string
+from diloco_core.transport import Capabilities, ReduceHandle, ReduceResult, Transport, TransportError, reduce_inputs
 
 __all__ = ["InProcessConfig", "InProcessGroup", "InProcessTransport"]
 
 
 @dataclass(frozen=True, kw_only=True)
 class InProcessConfig:
-    world_size: int = 1
+    world_size: int = field(default=1, metadata=integer(low=1))
     """Ranks (threads) in the group."""
-    rank: int = 0
+    rank: int = field(default=0, metadata=integer(low=0, high=lambda c: c.world_size - 1))
     """This thread's rank, in [0, world_size)."""
-    group: str = "default"
+    group: str = field(default="default", metadata=string(empty=False))
     """Name of the group: threads that name the same group meet in it."""
 
     def __post_init__(self) -> None:
-        ws = self.world_size
-        check_field("world_size", ws, isinstance(ws, int) and not isinstance(ws, bool) and ws >= 1, "an integer >= 1")
-        check_field(
-            "rank", self.rank, isinstance(self.rank, int) and 0 <= self.rank < ws, f"an integer in [0, {ws - 1}]"
-        )
-        check_field("group", self.group, isinstance(self.group, str) and self.group != "", "a non-empty string")
+        check_fields(self)
 
 
 _named_groups: dict[str, InProcessGroup] = {}
@@ -82,9 +76,75 @@ class InProcessGroup:
             self._issued.add(rank)
         return InProcessTransport(self, rank)
 
-    def _closed_all(self) -> bool:
+    def closed_all(self) -> bool:
+        """Every member has left."""
         with self._cond:
             return not self._members
+
+    def num_members(self) -> int:
+        """Members that have not left."""
+        with self._cond:
+            return len(self._members)
+
+    def join(
+        self, rank: int, *, kind: str, key: str, codec: Codec, tensors: list[torch.Tensor] | None, numels: list[int]
+    ) -> tuple[tuple[str, int], _Slot]:
+        """``rank``'s next collective of ``key`` (its contribution, if any): the slot it meets the others in."""
+        with self._cond:
+            return self._join(rank, kind=kind, key=key, codec=codec, tensors=tensors, numels=numels)
+
+    def await_mean(self, op: tuple[str, int], slot: _Slot, *, rank: int, timeout: float) -> list[torch.Tensor]:
+        """The mean of ``op`` once every member contributed; ``TransportError`` if it failed or did not complete
+        within ``timeout`` (then it fails for every rank). Consumed by ``rank`` if it failed."""
+        with self._cond:
+            ready = self._cond.wait_for(lambda: slot.result is not None or slot.error is not None, timeout)
+            if not ready and slot.error is None:
+                # Abandoned for every rank: a straggler that joins it late fails too, and its retry meets the
+                # others' retry in the next slot, instead of pairing its round with the others' next one.
+                missing = sorted(self._members - set(slot.contributions))
+                key, n = op
+                slot.error = (
+                    f"in-process all_reduce #{n} of key {key!r}: ranks {missing} did not join within {timeout:g}s"
+                )
+                self._cond.notify_all()
+            if slot.error is not None:
+                self._consume(op, slot, rank)
+                raise TransportError(slot.error)
+            assert slot.result is not None
+            return slot.result
+
+    def await_broadcast(
+        self, op: tuple[str, int], slot: _Slot, *, rank: int, src: int, timeout: float
+    ) -> list[torch.Tensor]:
+        """``src``'s values of broadcast ``op``; ``TransportError`` if ``src`` left first or did not send in time."""
+        with self._cond:
+            ready = self._cond.wait_for(
+                lambda: src in slot.contributions or slot.error is not None or src not in self._members, timeout
+            )
+            if slot.error is not None:
+                raise TransportError(slot.error)
+            if src not in slot.contributions and src not in self._members:
+                raise TransportError(f"in-process broadcast #{op[1]}: rank {src} left the group before sending")
+            if not ready:
+                raise TransportError(f"in-process broadcast #{op[1]}: rank {src} did not send within {timeout:g}s")
+            return slot.contributions[src]
+
+    def consume(self, op: tuple[str, int], slot: _Slot, rank: int) -> None:
+        """``rank`` is done with ``op``: the slot goes once every member is."""
+        with self._cond:
+            self._consume(op, slot, rank)
+
+    def leave(self, rank: int) -> None:
+        """``rank`` leaves: collectives complete among the members that remain."""
+        with self._cond:
+            self._members.discard(rank)
+            for op, slot in list(self._slots.items()):
+                self._complete(slot)
+                if slot.kind == "broadcast" and slot.contributions and rank in slot.contributions:
+                    continue  # a broadcast that rank already sent stays readable
+                if self._members <= slot.consumed:
+                    self._slots.pop(op, None)
+            self._cond.notify_all()
 
     # Everything below runs with self._cond held.
 
@@ -125,21 +185,10 @@ class InProcessGroup:
         slot.num_contributors = len(ranks)
         slot.contributions.clear()
 
-    def _consume(self, op: int, slot: _Slot, rank: int) -> None:
+    def _consume(self, op: tuple[str, int], slot: _Slot, rank: int) -> None:
         slot.consumed.add(rank)
         if self._members <= slot.consumed:
             self._slots.pop(op, None)
-
-    def _leave(self, rank: int) -> None:
-        with self._cond:
-            self._members.discard(rank)
-            for op, slot in list(self._slots.items()):
-                self._complete(slot)
-                if slot.kind == "broadcast" and slot.contributions and rank in slot.contributions:
-                    continue  # a broadcast that rank already sent stays readable
-                if self._members <= slot.consumed:
-                    self._slots.pop(op, None)
-            self._cond.notify_all()
 
 
 class _Handle(ReduceHandle):
@@ -164,26 +213,11 @@ class _Handle(ReduceHandle):
 
     def wait(self, timeout: float) -> ReduceResult:
         g, slot = self._group, self._slot
-        with g._cond:
-            ready = g._cond.wait_for(lambda: slot.result is not None or slot.error is not None, timeout)
-            if not ready and slot.error is None:
-                # Abandoned for every rank: a straggler that joins it late fails too, and its retry meets the
-                # others' retry in the next slot, instead of pairing its round with the others' next one.
-                missing = sorted(g._members - set(slot.contributions))
-                key, n = self._op
-                slot.error = (
-                    f"in-process all_reduce #{n} of key {key!r}: ranks {missing} did not join within {timeout:g}s"
-                )
-                g._cond.notify_all()
-            if slot.error is not None:
-                g._consume(self._op, slot, self._rank)
-                raise TransportError(slot.error)
-            result, n = slot.result, slot.num_contributors
+        result = g.await_mean(self._op, slot, rank=self._rank, timeout=timeout)
         torch._foreach_copy_(self._tensors, [r.view_as(t) for r, t in zip(result, self._tensors)])
-        with g._cond:
-            g._consume(self._op, slot, self._rank)
+        g.consume(self._op, slot, self._rank)
         sent = slot.codec.payload_bytes(sum(slot.numels))
-        return ReduceResult(n, sent, sum(slot.numels) * 4, time.perf_counter() - self._start)
+        return ReduceResult(slot.num_contributors, sent, sum(slot.numels) * 4, time.perf_counter() - self._start)
 
 
 class InProcessTransport(Transport):
@@ -194,7 +228,7 @@ class InProcessTransport(Transport):
         """The transport of ``config.rank`` in the group named ``config.group`` (made by its first caller)."""
         with _named_lock:
             group = _named_groups.get(config.group)
-            if group is None or group._closed_all():
+            if group is None or group.closed_all():
                 group = _named_groups[config.group] = InProcessGroup(config.world_size)
             elif group.world_size != config.world_size:
                 raise ValueError(
@@ -213,27 +247,18 @@ class InProcessTransport(Transport):
 
     @property
     def world_size(self) -> int:
-        with self._group._cond:
-            return len(self._group._members)
+        return self._group.num_members()
 
     def all_reduce(self, tensors: Sequence[torch.Tensor], *, codec: Codec = FP32, key: str = "default") -> ReduceHandle:
         start = time.perf_counter()
-        tensors = list(tensors)
+        tensors = reduce_inputs(tensors)
         check_codec(codec)
-        for t in tensors:
-            if t.dtype != torch.float32:
-                raise ValueError(f"all_reduce takes fp32 tensors, got {t.dtype}")
-        if not tensors:
-            raise ValueError("all_reduce needs at least one tensor")
         # The tensors travel as one payload of their concatenation (a block codec's blocks run across them);
         # an fp32 payload of one tensor is its values, read in place (the caller waits first).
         flat = tensors[0].reshape(-1) if len(tensors) == 1 else torch.cat([t.reshape(-1) for t in tensors])
         payload = [codec.encode(flat)]
         numels = [t.numel() for t in tensors]
-        with self._group._cond:
-            op, slot = self._group._join(
-                self._rank, kind="all_reduce", key=key, codec=codec, tensors=payload, numels=numels
-            )
+        op, slot = self._group.join(self._rank, kind="all_reduce", key=key, codec=codec, tensors=payload, numels=numels)
         return _Handle(self._group, self._rank, op=op, slot=slot, tensors=tensors, start=start)
 
     def broadcast(self, tensors: Sequence[torch.Tensor], *, src: int = 0, timeout: float) -> None:
@@ -242,30 +267,19 @@ class InProcessTransport(Transport):
             raise ValueError(f"src={src!r} is invalid: expected a rank in [0, {g.world_size - 1}]")
         tensors = list(tensors)
         payload = [t.detach().clone() for t in tensors] if src == self._rank else None
-        with g._cond:
-            op, slot = g._join(self._rank, kind="broadcast", key=_BROADCAST, codec=FP32, tensors=payload, numels=[])
-            if src == self._rank:
-                g._consume(op, slot, self._rank)
-                return
-            ready = g._cond.wait_for(
-                lambda: src in slot.contributions or slot.error is not None or src not in g._members, timeout
-            )
-            if slot.error is not None:
-                raise TransportError(slot.error)
-            if src not in slot.contributions and src not in g._members:
-                raise TransportError(f"in-process broadcast #{op[1]}: rank {src} left the group before sending")
-            if not ready:
-                raise TransportError(f"in-process broadcast #{op[1]}: rank {src} did not send within {timeout:g}s")
-            values = slot.contributions[src]
+        op, slot = g.join(self._rank, kind="broadcast", key=_BROADCAST, codec=FP32, tensors=payload, numels=[])
+        if src == self._rank:
+            g.consume(op, slot, self._rank)
+            return
+        values = g.await_broadcast(op, slot, rank=self._rank, src=src, timeout=timeout)
         if [t.shape for t in values] != [t.shape for t in tensors]:
             raise TransportError(
                 f"in-process broadcast #{op[1]}: rank {src} sent shapes that differ from rank {self._rank}'s"
             )
         torch._foreach_copy_(tensors, values)
-        with g._cond:
-            g._consume(op, slot, self._rank)
+        g.consume(op, slot, self._rank)
 
     def close(self) -> None:
         if not self._closed:
             self._closed = True
-            self._group._leave(self._rank)
+            self._group.leave(self._rank)

@@ -22,7 +22,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor
 
-from .torch_dist import TorchDistTransport
+from .torch import TorchDistTransport
 
 __all__ = ["check_islands", "island_mesh", "island_transport"]
 

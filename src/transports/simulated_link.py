@@ -16,13 +16,13 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from diloco_core.codec import FP32, Codec
-from diloco_core.config import check_field, from_mapping, is_finite_number
+from diloco_core import FP32, Codec
+from diloco_core.config import check_field, check_fields, from_mapping, is_finite_number, number
 from diloco_core.forwarding import ForwardingTransport
 from diloco_core.transport import ReduceHandle, ReduceResult, Transport, TransportError
 
@@ -33,17 +33,19 @@ __all__ = ["LINK_KEYS", "LinkConfig", "SimulatedLink", "link_from_section"]
 class LinkConfig:
     """The ``[transport]`` keys of a simulated link (unset: no simulated link)."""
 
-    link_mbit: float | None = None
+    link_mbit: float | None = field(
+        default=None, metadata=number(gt=0, noun="a finite number", unset=True, valid="a finite number > 0")
+    )
     """Bandwidth of each member's link in Mbit/s (10^6 bits per second), a finite number > 0."""
-    link_latency_ms: float = 0.0
+    link_latency_ms: float = field(default=0.0, metadata=number(ge=0, noun="a finite number"))
     """One-way latency added to every reduce, in milliseconds: a finite number >= 0 (needs ``link_mbit``)."""
 
     def __post_init__(self) -> None:
-        rate, lat = self.link_mbit, self.link_latency_ms
-        check_field("link_mbit", rate, rate is None or (is_finite_number(rate) and rate > 0), "a finite number > 0")
-        check_field("link_latency_ms", lat, is_finite_number(lat) and lat >= 0, "a finite number >= 0")
-        if rate is None and lat:
-            raise ValueError(f"link_latency_ms={lat!r} needs link_mbit (the link's bandwidth in Mbit/s)")
+        check_fields(self)
+        if self.link_mbit is None and self.link_latency_ms:
+            raise ValueError(
+                f"link_latency_ms={self.link_latency_ms!r} needs link_mbit (the link's bandwidth in Mbit/s)"
+            )
 
 
 LINK_KEYS = frozenset(f.name for f in LinkConfig.__dataclass_fields__.values())
@@ -61,7 +63,8 @@ def link_from_section(section: Mapping[str, Any]) -> tuple[LinkConfig | None, di
 class SimulatedLink(ForwardingTransport):
     """``inner`` behind a serial link of ``bandwidth`` bits/s and ``latency`` seconds per reduce.
 
-    ``clock`` and ``sleep`` (seconds, monotonic) are the seams tests replace."""
+    ``clock`` and ``sleep`` (seconds, monotonic) are the seams tests replace; a reduce's handle waits on the link
+    through ``settle``, ``clock`` and ``sleep``."""
 
     def __init__(
         self,
@@ -78,7 +81,8 @@ class SimulatedLink(ForwardingTransport):
         check_field("latency", latency, is_finite_number(latency) and latency >= 0, "a finite number of seconds >= 0")
         super().__init__(inner)
         self.bandwidth, self.latency = float(bandwidth), float(latency)
-        self._clock, self._sleep = clock, sleep
+        self.clock, self.sleep = clock, sleep
+        """The link's time (seconds, monotonic) and how it waits: the seams tests replace."""
         self._lock = threading.Lock()
         self._queue: list[_LinkHandle] = []
         """Reduces started on the link whose bytes are not yet known, in call order."""
@@ -95,13 +99,13 @@ class SimulatedLink(ForwardingTransport):
         return self.latency + nbytes * 8 / self.bandwidth
 
     def all_reduce(self, tensors: Sequence[torch.Tensor], *, codec: Codec = FP32, key: str = "default") -> ReduceHandle:
-        start = self._clock()
+        start = self.clock()
         handle = _LinkHandle(self, self.inner.all_reduce(tensors, codec=codec, key=key), start)
         with self._lock:
             self._queue.append(handle)
         return handle
 
-    def _settle(self, upto: _LinkHandle, deadline: float) -> None:
+    def settle(self, upto: _LinkHandle, deadline: float) -> None:
         """Finish the inner reduces queued up to ``upto`` (in call order), placing each on the link."""
         while True:
             with self._lock:
@@ -134,14 +138,14 @@ class _LinkHandle(ReduceHandle):
             if self.result is not None or self.error is not None:
                 return
             try:
-                self.result = self.inner.wait(max(deadline - self.link._clock(), 0.0))
+                self.result = self.inner.wait(max(deadline - self.link.clock(), 0.0))
             except TransportError as e:
                 self.error = e
 
     def wait(self, timeout: float) -> ReduceResult:
         link = self.link
-        deadline = link._clock() + timeout
-        link._settle(self, deadline)
+        deadline = link.clock() + timeout
+        link.settle(self, deadline)
         if self.error is not None:
             raise self.error
         assert self.result is not None and self.done_at is not None
@@ -150,9 +154,9 @@ class _LinkHandle(ReduceHandle):
                 f"the simulated link delivers this reduce {self.done_at - self.start:.3g}s after it started, "
                 f"past the {timeout:g}s timeout"
             )
-        left = self.done_at - link._clock()
+        left = self.done_at - link.clock()
         if left > 0:
-            link._sleep(left)
+            link.sleep(left)
         r = self.result
         return ReduceResult(
             r.num_contributors, r.bytes_sent, r.bytes_received, max(self.done_at - self.start, r.seconds)

@@ -30,7 +30,7 @@ One all-reduce (``HivemindTransport.all_reduce``) runs in phases:
 
 Exact guarantee, casts: the result is ``to_wire(sum_in_group_order(to_wire(x_i)) / n)`` widened to
 fp32 (for fp32 the rounding is the identity), bit-identical on every contributor. Against
-``diloco_core.wire.reference_mean`` it differs by the final rounding to the wire dtype (at most half
+``diloco_core.reference_mean`` it differs by the final rounding to the wire dtype (at most half
 an ulp of the wire dtype) and, for 3 or more peers, by fp32 summation order. Block codecs: the result
 is ``sum_in_group_order(decode(encode(x_i))) / n`` in fp32, never rounded again, bit-identical on every
 contributor: ``reference_mean`` of the contributions in group order, exactly (so for 2 peers in any
@@ -60,7 +60,7 @@ One concept per module: ``config`` (HivemindConfig), ``transport`` (HivemindTran
 ``averager`` (phases 2 and 4), ``reducer`` (phase 3), ``block_runner`` (phase 3 for block codecs),
 ``state_tag`` (the state tag and the stale verdict), ``tracked_state`` (a peer's tag, re-sync),
 ``state_server`` (state for joiners), ``checks`` (received tensors), ``handle`` (what all_reduce
-returns), ``resources`` (processes, close), ``faults`` (HivemindFaults, for tests), ``requirement``
+returns), ``deadlines`` (every deadline of a reduce, from two settings), ``resources`` (processes, close), ``faults`` (HivemindFaults, for tests), ``requirement``
 (the install hint when hivemind is missing), ``auth`` (keys from the secret, the records' MACs).
 """
 

@@ -11,10 +11,11 @@ from hivemind.averaging.allreduce import AllreduceException
 from hivemind.averaging.matchmaking import MatchmakingException
 from hivemind.p2p import P2PDaemonError, P2PHandlerError
 
-from diloco_core.codec import Codec
+from diloco_core import Codec
 from diloco_core.transport import ReduceResult, TransportError
 
 from .averager import Averager
+from .deadlines import deadlines
 from .handle import Outcome
 from .resources import Resources
 from .tracked_state import TrackedState
@@ -37,10 +38,10 @@ def attempt(
     (the state tag, for rounds): the group's result, not yet in ``tensors``. Matchmaking starts first and
     the contribution is copied in while it runs (a group that forms sooner waits for the trigger). Bounded
     even if the averager's process dies mid-step."""
-    cfg = resources.config
+    limits = deadlines(resources.config)
     control = averager.step(
         gather=gather,
-        timeout=2 * cfg.matchmaking_time,
+        timeout=limits.matchmaking,
         allow_retries=False,
         wait=False,
         require_trigger=True,
@@ -49,7 +50,7 @@ def attempt(
     try:
         fill(averager, tensors)
         control.allow_allreduce()
-        return resources.wait(control, 2 * cfg.matchmaking_time + cfg.averaging_timeout + 10)
+        return resources.wait(control, limits.attempt)
     except BaseException:
         if not control.done():
             control.cancel()

@@ -137,7 +137,8 @@ class RecordAuth(RecordValidatorBase):
     """MACs the values stored under the run's keys and rejects those without a valid MAC (see the module)."""
 
     def __init__(self, keys: RunKeys, raw_keys: Iterable[str]) -> None:
-        self._keys = keys
+        self.keys = keys
+        """The run's keys: validators merge only with one of the same run."""
         self._ids = {DHTID.generate(source=k).to_bytes() for k in raw_keys}
 
     @property
@@ -146,7 +147,7 @@ class RecordAuth(RecordValidatorBase):
         return frozenset(self._ids)
 
     def _mac(self, record: DHTRecord, value: bytes) -> bytes:
-        return self._keys.mac(b"record", record.key, record.subkey, value, struct.pack(">d", record.expiration_time))
+        return self.keys.mac(b"record", record.key, record.subkey, value, struct.pack(">d", record.expiration_time))
 
     def sign_value(self, record: DHTRecord) -> bytes:
         if record.key not in self._ids:
@@ -168,7 +169,7 @@ class RecordAuth(RecordValidatorBase):
 
     def merge_with(self, other: RecordValidatorBase) -> bool:
         """Keys added later (an averager per reduce key) join this validator's."""
-        if not isinstance(other, RecordAuth) or other._keys != self._keys:
+        if not isinstance(other, RecordAuth) or other.keys != self.keys:
             return False
-        self._ids |= other._ids
+        self._ids |= other.key_ids
         return True

@@ -31,7 +31,7 @@ from hivemind.p2p import P2PContext
 from hivemind.proto import averaging_pb2, runtime_pb2
 from hivemind.utils import get_dht_time
 
-from diloco_core.codec import Codec
+from diloco_core import Codec
 
 from .auth import MAC_BYTES, RunKeys, unwrap_gather, wrap_gather
 from .block_runner import BlockRunner

@@ -30,8 +30,7 @@ from hivemind.compression import deserialize_torch_tensor, serialize_torch_tenso
 from hivemind.proto import averaging_pb2, runtime_pb2
 from hivemind.utils.asyncio import aiter_with_timeout, amap_in_executor, as_aiter
 
-from diloco_core.codec import Codec
-from diloco_core.wire import mean_of_payloads
+from diloco_core import Codec, mean_of_payloads
 
 from .checks import check_tensor
 from .reducer import Runner, part_sum

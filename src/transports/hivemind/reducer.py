@@ -21,8 +21,7 @@ from hivemind.compression import deserialize_torch_tensor, serialize_torch_tenso
 from hivemind.proto import averaging_pb2, runtime_pb2
 from hivemind.utils.asyncio import aiter_with_timeout, amap_in_executor
 
-from diloco_core.codec import FP32, Codec
-from diloco_core.wire import mean_of_payloads
+from diloco_core import FP32, Codec, mean_of_payloads
 
 from .checks import check_tensor, checked
 from .faults import HivemindFaults

@@ -19,7 +19,7 @@ from hivemind.dht.protocol import DHTProtocol
 from hivemind.dht.routing import DHTID
 from hivemind.dht.storage import DictionaryDHTValue
 
-from diloco_core.codec import Codec
+from diloco_core import Codec
 from diloco_core.transport import TransportError
 
 from .auth import RunKeys, averager_keys

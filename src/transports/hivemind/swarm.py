@@ -23,6 +23,7 @@ from typing import Any
 import torch
 from hivemind.utils import get_dht_time
 
+from .deadlines import deadlines
 from .resources import Resources
 from .state_server import StateServer, broadcast_values
 from .state_tag import valid_tag
@@ -110,7 +111,7 @@ class Swarm:
         tag = meta.get("tag")
         if not valid_tag(tag):  # the peers run no rounds (no DiLoCo): nothing to be in phase with
             return
-        timeout = config.averaging_timeout + 4 * config.matchmaking_time
+        timeout = deadlines(config).retries  # a round's time, as long as its reduce may retry
         if not self.wait_for_round(tag[0], timeout=timeout, stop=stop):
             return
         fresh = server.download_successor((tag[0], tag[1]), timeout, stop)

@@ -14,6 +14,7 @@ import torch
 
 from diloco_core.transport import StateReplaced, TransportError
 
+from .deadlines import deadlines
 from .handle import Outcome
 from .resources import Resources
 from .state_server import State, StateServer, broadcast_values
@@ -82,8 +83,7 @@ class TrackedState:
         with any other history (a peer that is stale or diverged itself) is never taken."""
         if self.on_resync is None:
             raise TransportError("hivemind: this peer's state is older than its group's and nothing can reload it")
-        cfg = self._res.config
-        timeout = cfg.averaging_timeout + 4 * cfg.matchmaking_time
+        timeout = deadlines(self._res.config).retries
         best = self._server.download_successor(group_tag, timeout, stop=lambda: self._res.closed or outcome.abandoned)
         if best is None:
             raise TransportError(

@@ -10,15 +10,17 @@ from typing import Any
 
 import torch
 
-from diloco_core.codec import FP32, Codec
-from diloco_core.codec_names import check_codec
+from diloco_core import FP32, Codec
+from diloco_core.codecs.names import check_codec
+from diloco_core.membership import Membership
 from diloco_core.run_state import RunState
-from diloco_core.transport import Capabilities, ReduceHandle, ReduceResult, Transport, TransportError
+from diloco_core.transport import Capabilities, ReduceHandle, ReduceResult, Transport, TransportError, reduce_inputs
 
 from .attempt import RETRYABLE, attempt, commit, fill
 from .auth import RunKeys, run_keys
 from .averager import Averager
 from .config import HivemindConfig
+from .deadlines import deadlines
 from .faults import HivemindFaults
 from .handle import Handle, Outcome
 from .requirement import import_hivemind
@@ -33,7 +35,7 @@ __all__ = ["HivemindTransport"]
 logger = logging.getLogger(__name__)
 
 
-class HivemindTransport(Transport):
+class HivemindTransport(Transport, Membership):
     """A peer of a hivemind swarm (see the package docstring for the phases of a round)."""
 
     def __init__(
@@ -97,15 +99,12 @@ class HivemindTransport(Transport):
         exact_mean=False,  # casts: the mean comes back rounded to the wire dtype (block codecs: never)
         broadcast_from_any_rank=False,  # src=0 only: whoever holds the run's state
         keys_in_any_order=False,  # an averager per key, but reduces run one at a time, in call order
-        block_codecs=True,  # parts cut at blocks, payloads gathered: every peer sums them (block_runner)
     )
 
     @property
     def own_timeout(self) -> float:  # type: ignore[override]
-        """The longest one all_reduce runs by itself: attempts until ``averaging_timeout + 4 *
-        matchmaking_time``, the last of which may take ``2 * matchmaking_time + averaging_timeout + 10``."""
-        cfg = self.config
-        return 2 * cfg.averaging_timeout + 6 * cfg.matchmaking_time + 10
+        """The longest one all_reduce runs by itself (``deadlines``: its retries, then one more attempt)."""
+        return deadlines(self.config).own_timeout
 
     def attach(self, state: RunState, timeout: float) -> bool:
         """Take the run's outer momentum and round from the peers (a joiner; False on the swarm's first
@@ -177,9 +176,8 @@ class HivemindTransport(Transport):
 
     def _averager(self, key: str, size: int, codec: Codec) -> Averager:
         """The averager of ``key`` (hivemind fixes an averager's tensors when it starts: one per size and codec)."""
-        wire = codec.name if codec.elementwise_dtype is not None else f"{codec.name}b{codec.block}"
-        wire += f"v{codec.layout}" if codec.layout != 1 else ""
-        ident = (key, size, wire)  # peers meet only with the same wire (block size, payload layout)
+        wire = str(codec.identity)
+        ident = (key, size, wire)  # peers meet only with the same codec identity (block size, payload layout)
         if ident not in self._averagers:
             prefix = f"{self._ns}_{key_hash(key)}_{wire}_{size}"  # any key, in names the DHT and p2p accept
             self._averagers[ident] = self._res.start_averager(size, codec, prefix=prefix)
@@ -187,12 +185,7 @@ class HivemindTransport(Transport):
 
     def all_reduce(self, tensors: Sequence[torch.Tensor], *, codec: Codec = FP32, key: str = "default") -> ReduceHandle:
         check_codec(codec)
-        tensors = list(tensors)
-        if not tensors:
-            raise ValueError("all_reduce needs at least one tensor")
-        for t in tensors:
-            if t.dtype != torch.float32:
-                raise ValueError(f"all_reduce takes fp32 tensors, got {t.dtype}")
+        tensors = reduce_inputs(tensors)
         if self._closed:
             raise TransportError("hivemind transport is closed")
         # A point between rounds: what joiners download. A joiner that takes it while this round is in
@@ -217,13 +210,12 @@ class HivemindTransport(Transport):
     def _reduce_with(
         self, averager: Averager, tensors: list[torch.Tensor], *, codec: Codec, key: str, outcome: Outcome, start: float
     ) -> ReduceResult:
-        cfg = self.config
+        cfg, limits = self.config, deadlines(self.config)
         tracked = key in self._state.keys  # DiLoCo's rounds: groupmates compare state tags
         # The peers this reduce waits for (swarm.py); nobody: alone at once, without matchmaking.
-        expected = self._swarm.expected(key, tracked=tracked, timeout=min(2.0, cfg.matchmaking_time))
+        expected = self._swarm.expected(key, tracked=tracked, timeout=limits.presence)
         target = cfg.target_group_size or (max(2, expected) if expected else None)
-        # Room for one failed attempt (up to averaging_timeout after matchmaking) and a regroup.
-        deadline = time.monotonic() + cfg.averaging_timeout + 4 * cfg.matchmaking_time
+        deadline = time.monotonic() + limits.retries  # room for one failed attempt and a regroup (deadlines)
         tries = 0
         failed: Exception | None = None  # set once a group attempt failed
         while True:
@@ -262,7 +254,7 @@ class HivemindTransport(Transport):
                     failed = e
                 else:
                     logger.warning(
-                        "hivemind all_reduce: no group formed within %.1fs; averaging alone", 2 * cfg.matchmaking_time
+                        "hivemind all_reduce: no group formed within %.1fs; averaging alone", limits.matchmaking
                     )
             if out is None and failed is not None:
                 # After a failed group attempt a survivor never commits alone: another survivor may be

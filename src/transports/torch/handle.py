@@ -1,5 +1,5 @@
-"""A reduce on the torch transport: a job of its communication thread (``torch_worker``) that checks the
-reduce's identity header (``torch_identity``), then drives its buckets and puts the result in place; the
+"""A reduce on the torch transport: a job of its communication thread (``worker``) that checks the
+reduce's identity header (``identity``), then drives its buckets and puts the result in place; the
 handle's ``wait`` only waits for that job."""
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ import torch
 
 from diloco_core.transport import ReduceHandle, ReduceResult, TransportError
 
-from .torch_identity import Identity
-from .torch_worker import Job, on_stream
+from .identity import Identity
+from .worker import Job, on_stream
 
 __all__ = ["TorchReduce", "finish", "transport_error"]
 

@@ -1,10 +1,10 @@
-"""The codecs config can name (``[diloco] wire_dtype``), and how a name or a ``Codec`` becomes one."""
+"""The codecs config can name (``[diloco] codec``), and how a name or a ``Codec`` becomes one."""
 
 from __future__ import annotations
 
-from .block_codec import INT4, INT8, BlockCodec
-from .codec import BF16, FP16, FP32, Codec
-from .sign_codec import SignCodec
+from .base import BF16, FP16, FP32, Codec
+from .block import INT4, INT8
+from .sign import SignCodec
 
 __all__ = ["CODECS", "SIGN", "check_codec", "codec_for"]
 
@@ -21,10 +21,8 @@ def codec_for(name: str | Codec, block: int = 256) -> Codec:
     try:
         codec = CODECS[name]
     except (KeyError, TypeError):
-        raise ValueError(f"wire_dtype={name!r} is invalid: expected one of {sorted(CODECS)}") from None
-    if not isinstance(codec, BlockCodec) or (type(block) is int and block == codec.block):
-        return codec
-    return codec.with_block(block)
+        raise ValueError(f"codec={name!r} is invalid: expected one of {sorted(CODECS)}") from None
+    return codec if type(block) is int and block == codec.block else codec.with_block(block)
 
 
 def check_codec(codec: object) -> Codec:

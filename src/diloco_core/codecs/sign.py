@@ -5,17 +5,14 @@ it drops is large: per block ||x||^2 - ||x||_1^2 / n of the squared norm (the me
 minimizes it; about 36% for Gaussian values), so it is meant for error feedback, which carries what was
 dropped into the next round (error-feedback signSGD: Karimireddy et al. 2019). Its bits travel as eight
 bit planes per block, each a contiguous eighth of it, so packing and unpacking are whole-vector shifts
-(and the mean of payloads a fused CPU kernel, ``codec_kernels``).
+(and the mean of payloads a fused CPU kernel, ``kernels``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 
-from .block_codec import BlockCodec, _blocks_of
-from .codec_kernels import packer
+from .block import BlockCodec, blocks_of
 
 __all__ = ["SignCodec"]
 
@@ -29,26 +26,30 @@ class SignCodec(BlockCodec):
     block in bit planes: bit p of byte m is set for a negative value p * block / 8 + m (``layout`` 2; 1,
     before: bit k of byte m for value 8m + k)."""
 
-    def __init__(self, name: str = "sign", bits: int = 1, block: int = 256) -> None:
+    _encoding = "pack"
+
+    def __init__(self, name: str = "sign", bits: int = 1, block: int = 256, *, fused: bool = True) -> None:
         if bits != 1:
             raise ValueError(f"bits={bits!r} is invalid: the sign codec sends 1 bit per value")
         if isinstance(block, int) and block < 32:  # 4 bytes of scale + 2 of codes: payloads side by side misalign
             raise ValueError(f"block={block!r} is invalid for the sign codec: expected a power of two in [32, 65536]")
-        super().__init__(name, bits=1, block=block)
+        super().__init__(name, bits=1, block=block, fused=fused)
         self.layout = 2
 
-    def _encoder(self, device: torch.device, numel: int, *, build: bool = False) -> Callable | None:
-        """The fused packing of the codes (``codec_kernels.packer``); None: eager."""
-        return packer(device=device, numel=numel, block=self.block, build=build) if self.fused else None
+    def pad(self, flat: torch.Tensor, numel: int) -> None:
+        """The padding holds the block's mean |x| over its own values (zeros would count in its mean)."""
+        own = flat[numel - numel % self.block : numel]
+        if own.numel():
+            flat[numel : numel - own.numel() + self.block].fill_(torch.mean(own.abs(), dtype=torch.float64))
 
     def encode(self, values: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         flat, n = values.reshape(-1), values.numel()
         if out is None:
             out = torch.empty(self.payload_spec(n)[0], dtype=torch.uint8, device=flat.device)
         scales, codes = self._parts(out, n)
-        fused = self._encoder(flat.device, n)
+        fused = self._fused("pack", flat.device, n)
         for i, j, part, x, small, spare in self._chunks(n, flat.device, acc=True):
-            src = _blocks_of(flat, part, x)
+            src = blocks_of(flat, part, x)
             magnitudes = torch.abs(src, out=spare)
             counts = torch.full((j - i, 1), float(self.block), device=flat.device)
             counts[-1] = part.stop - part.start - (j - i - 1) * self.block  # a partial last block: its own values

@@ -11,11 +11,9 @@ bit-identical to the eager ones (the tests check it): peers with and without ker
 The sign codec's bit planes unpack and pack in kernels too (its scale, a sum in a fixed order, stays eager).
 
 A kernel is compiled once per (bits, block, number of payloads; or encoding), for any number of rows of
-whole blocks, by ``Codec.prepare`` (``DiLoCo`` calls it when built, before a transport forks a process
-that inherits it), under a lock: never in a round, where seconds of compiling would stall every peer. A
-codec without a compiled kernel runs eagerly, as does one where compiling failed (no C++ compiler: one
-warning).
-"""
+whole blocks, by ``Codec.prepare`` (``DiLoCo`` calls it when built, before a transport forks a process that
+inherits it), under a lock: never in a round, where seconds of compiling would stall every peer. Without a
+compiled kernel a codec runs eagerly, as where compiling failed (no C++ compiler: one warning)."""
 
 from __future__ import annotations
 
@@ -29,7 +27,7 @@ from collections.abc import Callable
 
 import torch
 
-__all__ = ["BUILD_MIN_VALUES", "MIN_VALUES", "encoder", "kernel", "kernels_available", "packer"]
+__all__ = ["BUILD_MIN_VALUES", "MIN_VALUES", "compiled", "kernels_available"]
 
 MIN_VALUES = 2**18
 """Fewer values than this are encoded and averaged eagerly: a kernel call costs more than it saves there."""
@@ -55,34 +53,21 @@ def _have_compiler() -> bool:
     return any(shutil.which(c) for c in (os.environ.get("CXX", ""), "g++", "clang++", "c++") if c)
 
 
-def kernel(
-    *, device: torch.device, numel: int, block: int, bits: int, payloads: int, build: bool = False
+def compiled(
+    what: str, *, block: int, bits: int, payloads: int = 0, numel: int, device: torch.device, build: bool = False
 ) -> Callable | None:
-    """``kernel(codes, scales, out)``: ``out`` = the mean of ``payloads`` payloads' decoded rows of whole
-    blocks (int8 code rows: int8 codes, int4 nibbles or the sign codec's bit planes; fp32 scales), for
-    ``numel`` values of the codec of ``bits`` (8, 4 or 1) at ``block``, if it was compiled (or, with
-    ``build``, compiled now unless ``numel < BUILD_MIN_VALUES``); None where the codec stays eager."""
-    return _get(("mean", block, bits, payloads), numel=numel, device=device, build=build)
-
-
-def encoder(*, device: torch.device, numel: int, block: int, bits: int, build: bool = False) -> Callable | None:
-    """``encoder(src, scales, codes) -> bool``: rows of whole blocks ``src`` encoded into ``scales`` and
-    ``codes`` (as ``kernel``'s), as the eager ``BlockCodec.encode`` does; False where a block's max is NaN
-    or infinite (nothing valid written). Compiled and returned as ``kernel``."""
-    return _get(("encode", block, bits), numel=numel, device=device, build=build)
-
-
-def packer(*, device: torch.device, numel: int, block: int, build: bool = False) -> Callable | None:
-    """``packer(src, codes)``: the sign codec's bit planes of rows of whole blocks ``src`` into ``codes``
-    (its scales stay eager: a sum, in its fixed order). Compiled and returned as ``kernel``."""
-    return _get(("pack", block, 1), numel=numel, device=device, build=build)
-
-
-def _get(key: tuple, *, numel: int, device: torch.device, build: bool) -> Callable | None:
+    """The fused kernel ``what`` for ``numel`` values of the codec of ``bits`` (8, 4 or 1) at ``block``, if it
+    was compiled (or, with ``build``, compiled now unless ``numel < BUILD_MIN_VALUES``); None: stay eager.
+    Rows of whole blocks; code rows are int8 (int8 codes, int4 nibbles or the sign codec's bit planes):
+    ``"mean"``: ``(codes, scales, out)``, ``out`` = the mean of ``payloads`` payloads' decoded rows;
+    ``"encode"``: ``(src, scales, codes) -> bool``, as the eager ``BlockCodec.encode``, False where a
+    block's max is NaN or infinite (nothing valid written); ``"pack"``: ``(src, codes)``, the sign codec's
+    bit planes (its scales stay eager: a sum, in its fixed order)."""
     if numel < (BUILD_MIN_VALUES if build else MIN_VALUES) or not kernels_available(device):
         return None
     if torch.is_inference_mode_enabled():  # its tensors' dispatch keys differ: a kernel would recompile
         return None
+    key = (what, block, bits, payloads) if what == "mean" else (what, block, bits)
     fn = _compiled.get(key)
     if fn is None and build:
         with _lock:

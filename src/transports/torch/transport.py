@@ -5,7 +5,7 @@ size while the next is still on the wire. Any other codec must cut bytes *and* k
 a 16-bit all-reduce does not (gloo sums fp16 in fp16, and on CPU it is no faster). So that path moves
 the codec's payloads with point-to-point sends and has the codec decode them into fp32 sums, in rank
 order, which makes the result bit-identical on every rank and equal to
-``diloco_core.wire.reference_mean``:
+``diloco_core.reference_mean``:
 
 - up to 3 ranks: every rank sends its payload to every peer and sums all W in fp32
   ((W-1)·P payload bytes out per rank; fp16 at W=2: half the bytes of an fp32 ring);
@@ -19,10 +19,10 @@ contributor's own ``decode(encode(x))`` is what its peers decoded (error feedbac
 
 Buffers are kept per reduce key; reduces with different keys may be in flight at once, started and
 waited for in the same order on every rank. A reduce runs in the transport's communication thread
-(``torch_worker``), in the background from ``all_reduce`` on: it first exchanges an identity header, its
+(``worker``), in the background from ``all_reduce`` on: it first exchanges an identity header, its
 payload starts once every rank's header matched, and its result is in the caller's tensors when the job
 ends; ``wait()`` only waits for that. Broadcasts go through the same thread, so collectives keep the order
-of the calls. A failed reduce leaves the group unusable (``torch_identity``). While a reduce is in flight,
+of the calls. A failed reduce leaves the group unusable (``identity``). While a reduce is in flight,
 nothing else may issue collectives on the same process group from another thread (give DDP or other
 users their own group).
 """
@@ -38,15 +38,14 @@ from collections.abc import Iterator, Sequence
 import torch
 import torch.distributed as dist
 
-from diloco_core.codec import FP32, Codec
-from diloco_core.codec_names import check_codec
-from diloco_core.transport import ReduceHandle, Transport, TransportError
-from diloco_core.wire import mean_of_payloads
+from diloco_core import FP32, Codec, mean_of_payloads
+from diloco_core.codecs.names import check_codec
+from diloco_core.transport import ReduceHandle, Transport, TransportError, reduce_inputs
 
-from .torch_group import BACKEND_DEVICE, TorchDistConfig, init_process_group
-from .torch_handle import TorchReduce, finish, transport_error
-from .torch_identity import Identity
-from .torch_worker import CommThread, Job, on_stream
+from .group import BACKEND_DEVICE, TorchDistConfig, init_process_group
+from .handle import TorchReduce, finish, transport_error
+from .identity import Identity
+from .worker import CommThread, Job, on_stream
 
 __all__ = ["TorchDistConfig", "TorchDistTransport"]
 
@@ -140,11 +139,8 @@ class TorchDistTransport(Transport):
 
     def all_reduce(self, tensors: Sequence[torch.Tensor], *, codec: Codec = FP32, key: str = "default") -> ReduceHandle:
         start = time.perf_counter()
-        tensors = self._check(tensors)
+        tensors = self._check(reduce_inputs(tensors))
         check_codec(codec)
-        for t in tensors:
-            if t.dtype != torch.float32:
-                raise ValueError(f"all_reduce takes fp32 tensors, got {t.dtype}")
         flat = _flatten(tensors)
         cached = self._buffers.get(key)
         if cached is None or cached.device != flat.device:

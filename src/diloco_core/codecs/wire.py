@@ -2,8 +2,7 @@
 
 Contract: each contribution travels as its codec's payload; the receiver decodes every payload into
 fp32, sums them in rank order, and divides by the number of contributors. Every participant ends
-with the same fp32 result, so replicas never drift apart through rounding.
-"""
+with the same fp32 result, so replicas never drift apart through rounding."""
 
 from __future__ import annotations
 
@@ -11,9 +10,8 @@ from collections.abc import Sequence
 
 import torch
 
-from .block_codec import BlockCodec
-from .codec import Codec
-from .codec_names import codec_for
+from .base import Codec
+from .names import codec_for
 
 __all__ = ["mean_of_payloads", "reference_mean"]
 
@@ -24,25 +22,9 @@ def mean_of_payloads(
     out: torch.Tensor,
     scratch: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """``out`` = the fp32 mean of the decoded ``payloads``, summed in the given order.
-
-    ``scratch`` (fp32, ``out``'s shape) is reused if given: allocating a large fresh buffer costs more
-    than the arithmetic (page faults).
-    """
+    """``out`` = the fp32 mean of the decoded ``payloads``, summed in the given order (``Codec.mean_of``)."""
     assert payloads, "a mean needs at least one contribution"
-    if isinstance(codec, BlockCodec):  # the same arithmetic, fused chunk by chunk
-        return codec.mean_of(payloads, out)
-    if len(payloads) > 1 and codec.elementwise_dtype == torch.float32:
-        torch.add(payloads[0], payloads[1], out=out)  # one pass for the first two addends
-        rest = payloads[2:]
-    else:
-        codec.decode(payloads[0], out)
-        rest = payloads[1:]
-    if rest and scratch is None and codec.elementwise_dtype != torch.float32:
-        scratch = torch.empty_like(out)
-    for p in rest:
-        codec.add_decoded(p, out, scratch)
-    return out.div_(len(payloads))
+    return codec.mean_of(payloads, out, scratch)
 
 
 def reference_mean(

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import datetime
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 
-from diloco_core.config import check_field, is_finite_number
+from diloco_core.config import check_fields, choice, number, string
 
 __all__ = ["BACKEND_DEVICE", "TorchDistConfig", "init_process_group"]
 
@@ -18,27 +18,20 @@ BACKEND_DEVICE = {"gloo": "cpu", "nccl": "cuda"}
 
 @dataclass(frozen=True, kw_only=True)
 class TorchDistConfig:
-    backend: str = "gloo"
+    backend: str = field(default="gloo", metadata=choice(sorted(BACKEND_DEVICE)))
     """gloo for CPU tensors, nccl for CUDA tensors (then set the core's global_device to "cuda")."""
-    init_method: str = "env://"
+    init_method: str = field(default="env://", metadata=string(valid="a URL such as env://"))
     """Where ranks meet when no process group exists yet; env:// reads torchrun's RANK, WORLD_SIZE,
     MASTER_ADDR and MASTER_PORT."""
-    timeout: float = 600.0
+    timeout: float = field(default=600.0, metadata=number(gt=0, noun="a number of seconds"))
     """Seconds any collective may take before the process group fails it (a dead peer's bound). At most
     the core's ``reduce_timeout`` (DiLoCo checks); the trainer derives it from ``[diloco] reduce_timeout``
     when it is not set."""
-    bucket_mb: float = 8.0
+    bucket_mb: float = field(default=8.0, metadata=number(gt=0, noun="a number of MB"))
     """Size of the buckets a reduce is split into, in MB of fp32: few large collectives, pipelined."""
 
     def __post_init__(self) -> None:
-        check_field("backend", self.backend, self.backend in BACKEND_DEVICE, f"one of {sorted(BACKEND_DEVICE)}")
-        check_field("init_method", self.init_method, isinstance(self.init_method, str), "a URL such as env://")
-        check_field(
-            "timeout", self.timeout, is_finite_number(self.timeout) and self.timeout > 0, "a number of seconds > 0"
-        )
-        check_field(
-            "bucket_mb", self.bucket_mb, is_finite_number(self.bucket_mb) and self.bucket_mb > 0, "a number of MB > 0"
-        )
+        check_fields(self)
 
 
 def init_process_group(config: TorchDistConfig) -> None:

@@ -4,7 +4,7 @@ torch.distributed pairs collectives by their order on each rank, nothing else. A
 reduce more or less than the others (a retry after a timeout, a straggler whose late call arrives after
 the others gave up) would pair every later reduce with the wrong one, and the means would be silently
 wrong from then on. So every reduce first all-gathers a small header, [key, its sequence number on this
-rank, values, codec], and starts its payload only once every rank's header matched; a mismatch is a clear
+rank, values, the codec's identity], and starts its payload only once every rank's header matched; a mismatch is a clear
 ``TransportError`` naming both sides, raised within the header's exchange, not after a timeout.
 
 A reduce that fails or times out leaves the group unusable: its collectives may still be posted on some
@@ -19,8 +19,8 @@ from collections import Counter
 
 import torch
 
-from diloco_core.codec import Codec
-from diloco_core.codec_names import CODECS
+from diloco_core import CODECS, Codec
+from diloco_core.codecs.base import CodecId
 from diloco_core.transport import TransportError
 
 __all__ = ["Identity"]
@@ -32,12 +32,14 @@ def _crc(text: str) -> int:
     return zlib.crc32(text.encode())
 
 
-def _wire(codec: Codec) -> str:
-    return f"{codec.name}/{codec.block}"
-
-
-# every wire a rank may name, so that a mismatch names the other rank's too
-_WIRES = {_crc(w): w for w in (f"{name}/{b}" for name in CODECS for b in [1, *(2**k for k in range(4, 17))])}
+# every codec identity a rank may send (older layouts too), so that a mismatch names the other rank's too
+_BLOCKS = [2**k for k in range(4, 17)]
+_WIRES = {
+    _crc(str(w)): str(w)
+    for c in CODECS.values()
+    for b in ([1] if c.block == 1 else _BLOCKS)
+    for w in (CodecId(c.name, b, v) for v in range(1, c.layout + 1))
+}
 
 
 class Identity:
@@ -57,9 +59,9 @@ class Identity:
             )
 
     def header(self, key: str, codec: Codec, numel: int, device: torch.device) -> torch.Tensor:
-        """The next reduce of ``key``: [key, its number on this rank (1 for the first), values, codec]."""
+        """The next reduce of ``key``: [key, its number on this rank (1 for the first), values, codec identity]."""
         self._seq[key] += 1
-        wire = _wire(codec)
+        wire = str(codec.identity)
         self._names[_crc(key)], self._names[_crc(wire)] = key, wire
         fields = [_crc(key), self._seq[key], numel, _crc(wire)]
         return torch.tensor(fields, dtype=torch.int64, device=device)

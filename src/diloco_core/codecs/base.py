@@ -1,27 +1,41 @@
-"""Codecs: how fp32 values travel on the wire, and how received payloads are summed back in fp32.
+"""The ``Codec`` interface: how fp32 values travel on the wire, and how received payloads are averaged back.
 
-A transport moves payloads and never encodes or decodes values itself: it asks the codec for the
-payload's shape (``payload_spec``), has every contribution encoded (``encode``), and sums what it
-received with ``diloco_core.wire.mean_of_payloads``, which decodes each payload into fp32
-(``add_decoded``). Cast codecs (fp32, fp16, bf16, here) cast element by element; block codecs (int8, int4:
-``block_codec``; sign: ``sign_codec``) quantize blocks of values with one scale each.
-"""
+A transport moves payloads and never encodes or decodes values itself: it asks the codec for the payload's
+shape (``payload_spec``), has every contribution encoded (``encode``) and averages what it received with
+``mean_of``. Peers average together only when their codecs' ``identity`` is equal. Here too: the casts
+(fp32, fp16, bf16), each value cast to a float dtype, averaged in fp32."""
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
-__all__ = ["BF16", "FP16", "FP32", "CastCodec", "Codec"]
+__all__ = ["BF16", "FP16", "FP32", "CastCodec", "Codec", "CodecId"]
+
+
+@dataclass(frozen=True)
+class CodecId:
+    """What peers must share to average together: the codec, its values per scale, its payload layout.
+    The settings check, the torch reduce header and hivemind's averager names compare it; ``str`` is its one
+    spelling where a string is needed: ``fp16``, ``int8b256``, ``int4b256v2`` (a block and layout not 1)."""
+
+    name: str
+    block: int
+    layout: int
+
+    def __str__(self) -> str:
+        block = f"b{self.block}" if self.block != 1 else ""
+        return self.name + block + (f"v{self.layout}" if self.layout != 1 else "")
 
 
 class Codec(ABC):
     """Encodes a flat fp32 tensor of ``numel`` values into a payload tensor of ``payload_spec(numel)``."""
 
     name: str
-    """The codec's name in config (``[diloco] wire_dtype``) and in error messages."""
+    """The codec's name in config (``[diloco] codec``) and in error messages."""
 
     elementwise_dtype: torch.dtype | None = None
     """The dtype each value is cast to when the payload is the values themselves, element by element
@@ -30,8 +44,7 @@ class Codec(ABC):
 
     layout: int = 1
     """Version of the payload's layout (int4: 2 since its codes travel as two's complement nibbles; sign: 2
-    since its bits travel as bit planes): peers whose layouts differ never average together (``DiLoCo``'s
-    settings check, hivemind's group names)."""
+    since its bits travel as bit planes), part of the ``identity``."""
 
     block: int = 1
     """Values encoded together. The payload of a slice that starts at a multiple of ``block`` decodes to
@@ -48,14 +61,30 @@ class Codec(ABC):
         itself when the payload is the values (fp32): the caller must not change them meanwhile."""
 
     @abstractmethod
-    def add_decoded(self, payload: torch.Tensor, into: torch.Tensor, scratch: torch.Tensor | None = None) -> None:
-        """``into += decode(payload)`` in fp32; ``scratch`` (fp32, ``into``'s shape) is reused if given."""
+    def mean_of(
+        self, payloads: Sequence[torch.Tensor], out: torch.Tensor, scratch: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """``out`` = the fp32 mean of the decoded ``payloads``, summed in their order, then divided: the wire
+        contract (``reference_mean`` writes it plainly). ``scratch`` (fp32, ``out``'s shape) is reused if
+        given: allocating a large fresh buffer costs more than the arithmetic (page faults)."""
+
+    @property
+    def identity(self) -> CodecId:
+        """What a peer must share with this codec to average with it."""
+        return CodecId(self.name, self.block, self.layout)
+
+    def pad(self, flat: torch.Tensor, numel: int) -> None:
+        """Fill the padding after ``numel`` values up to the end of their last block so that the block encodes
+        as its own values alone would: zeros here (an absmax ignores them)."""
+        flat[numel : -(-numel // self.block) * self.block].zero_()
+
+    def with_block(self, block: int) -> Codec:
+        """This codec with ``block`` values per scale (itself where values are not encoded in blocks)."""
+        return self
 
     def decode(self, payload: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-        """``out = decode(payload)`` in fp32."""
-        out.zero_()
-        self.add_decoded(payload, out)
-        return out
+        """``out = decode(payload)`` in fp32: the mean of one payload (its values divided by 1: exact)."""
+        return self.mean_of([payload], out)
 
     def prepare(self, like: torch.Tensor, *, payloads: Sequence[int] = (2,)) -> None:
         """Get ready to encode, decode, and average ``payloads`` payloads of up to ``like.numel()`` values on
@@ -109,12 +138,30 @@ class CastCodec(Codec):
         return out
 
     def add_decoded(self, payload: torch.Tensor, into: torch.Tensor, scratch: torch.Tensor | None = None) -> None:
+        """``into += decode(payload)`` in fp32; ``scratch`` (fp32, ``into``'s shape) is reused if given."""
         if payload.dtype != torch.float32:  # a widening copy, then an fp32 add: far faster than a mixed-dtype add
             payload = (torch.empty_like(into) if scratch is None else scratch).copy_(payload)
         into.add_(payload)
 
     def decode(self, payload: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         return out.copy_(payload)
+
+    def mean_of(
+        self, payloads: Sequence[torch.Tensor], out: torch.Tensor, scratch: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        assert payloads, "a mean needs at least one contribution"
+        fp32 = self.elementwise_dtype == torch.float32
+        if len(payloads) > 1 and fp32:
+            torch.add(payloads[0], payloads[1], out=out)  # one pass for the first two addends
+            rest = payloads[2:]
+        else:
+            self.decode(payloads[0], out)
+            rest = payloads[1:]
+        if rest and scratch is None and not fp32:
+            scratch = torch.empty_like(out)
+        for p in rest:
+            self.add_decoded(p, out, scratch)
+        return out.div_(len(payloads))
 
 
 FP32 = CastCodec("fp32", torch.float32)

@@ -7,8 +7,8 @@ from collections.abc import Callable, Iterator, Sequence
 
 import torch
 
-from .codec import Codec
-from .codec_kernels import encoder, kernel
+from .base import Codec
+from .kernels import compiled
 
 __all__ = ["INT4", "INT8", "BlockCodec", "check_block"]
 
@@ -22,9 +22,11 @@ class BlockCodec(Codec):
     or ``block / 2`` (int4: the code's 4-bit two's complement per nibble, the block's first half low, its
     second half high) per block; a partial last block is encoded zero-padded (the sign codec: over its own
     values). Chunk by chunk, in small reused buffers; on CPU, encodes and means of whole blocks run as
-    fused kernels once ``prepare`` compiled them (``codec_kernels``: the same arithmetic, bit for bit)
+    fused kernels once ``prepare`` compiled them (``kernels``: the same arithmetic, bit for bit)
     unless ``fused`` is False.
     """
+
+    _encoding = "encode"  # the kernel that encodes (the sign codec's packs its bits)
 
     def __init__(self, name: str, bits: int, block: int = 256, *, fused: bool = True) -> None:
         check_block(block)
@@ -37,27 +39,21 @@ class BlockCodec(Codec):
 
     def with_block(self, block: int) -> BlockCodec:
         """This codec with ``block`` values per scale."""
-        codec = type(self)(self.name, self.bits, block)
-        codec.fused = self.fused
-        return codec
+        return type(self)(self.name, self.bits, block, fused=self.fused)
 
-    def _kernel(self, device: torch.device, numel: int, payloads: int, *, build: bool = False) -> Callable | None:
-        """The fused kernel (``codec_kernels.kernel``) averaging ``payloads`` payloads of ``numel`` values;
-        None: eager."""
+    def _fused(
+        self, what: str, device: torch.device, numel: int, *, payloads: int = 0, build: bool = False
+    ) -> Callable | None:
+        """The compiled kernel ``what`` (``kernels.compiled``) for ``numel`` values; None: eager."""
         if not self.fused:
             return None
-        return kernel(device=device, numel=numel, block=self.block, bits=self.bits, payloads=payloads, build=build)
-
-    def _encoder(self, device: torch.device, numel: int, *, build: bool = False) -> Callable | None:
-        """The fused encoder (``codec_kernels.encoder``) of ``numel`` values; None: eager."""
-        if not self.fused or self.bits not in (4, 8):
-            return None
-        return encoder(device=device, numel=numel, block=self.block, bits=self.bits, build=build)
+        args = {"block": self.block, "bits": self.bits, "payloads": payloads, "build": build}
+        return compiled(what, numel=numel, device=device, **args)
 
     def prepare(self, like: torch.Tensor, *, payloads: Sequence[int] = (2,)) -> None:
-        self._encoder(like.device, like.numel(), build=True)
+        self._fused(self._encoding, like.device, like.numel(), build=True)
         for n in {1, *payloads}:
-            self._kernel(like.device, like.numel(), n, build=True)
+            self._fused("mean", like.device, like.numel(), payloads=n, build=True)
 
     def payload_spec(self, numel: int) -> tuple[int, torch.dtype]:
         return -(-numel // self.block) * (4 + self.block * self.bits // 8), torch.uint8
@@ -98,9 +94,9 @@ class BlockCodec(Codec):
         if out is None:
             out = torch.empty(self.payload_spec(flat.numel())[0], dtype=torch.uint8, device=flat.device)
         scales, codes = self._parts(out, flat.numel())
-        q, half, fused = self.qmax, self.block // 2, self._encoder(flat.device, flat.numel())
+        q, half, fused = self.qmax, self.block // 2, self._fused("encode", flat.device, flat.numel())
         for i, j, part, x, small, _ in self._chunks(flat.numel(), flat.device):
-            src = _blocks_of(flat, part, x)
+            src = blocks_of(flat, part, x)
             if fused is not None and j - i > 1 and fused(src, scales[i:j], codes[i:j].view(torch.int8)):
                 continue  # else eager, which names a NaN's place
             absmax = torch.maximum(src.amax(1), src.amin(1).neg_())
@@ -120,13 +116,6 @@ class BlockCodec(Codec):
             packed.bitwise_or_(c[:, :half].bitwise_and_(15))
         return out
 
-    def _decoded(self, payload: torch.Tensor, numel: int, device: torch.device) -> Iterator[tuple[slice, torch.Tensor]]:
-        """(slice, its decoded values) chunk by chunk, in a small reused buffer: no scratch needed."""
-        self.check(payload, numel)  # a peer's NaN or negative scale would be a silently wrong mean
-        scales, codes = self._parts(payload, numel)
-        for i, j, part, x, small, _ in self._chunks(numel, device):
-            yield part, self._rows(scales, codes, i=i, j=j, out=x, small=small).view(-1)[: part.stop - part.start]
-
     def _rows(
         self, scales: torch.Tensor, codes: torch.Tensor, *, i: int, j: int, out: torch.Tensor, small: torch.Tensor
     ) -> torch.Tensor:
@@ -140,15 +129,16 @@ class BlockCodec(Codec):
             out.copy_(small)
         return out.mul_(scales[i:j, None])
 
-    def mean_of(self, payloads: Sequence[torch.Tensor], out: torch.Tensor) -> torch.Tensor:
-        """``out`` = the fp32 mean of the decoded ``payloads``, summed in their order and then divided, as
-        ``wire.mean_of_payloads``: the same operations value by value, but chunk by chunk in two small
-        buffers, so ``out`` is written once instead of decoded into, added to and divided in place."""
+    def mean_of(
+        self, payloads: Sequence[torch.Tensor], out: torch.Tensor, scratch: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """As ``Codec.mean_of``, value by value, but chunk by chunk in two small buffers (no ``scratch``), so
+        ``out`` is written once instead of decoded into, added to and divided in place."""
         n = out.numel()
         for p in payloads:
-            self.check(p, n)
+            self.check(p, n)  # a peer's NaN or negative scale would be a silently wrong mean
         parts = [self._parts(p, n) for p in payloads]
-        fused, b = self._kernel(out.device, n, len(payloads)), self.block
+        fused, b = self._fused("mean", out.device, n, payloads=len(payloads)), self.block
         for i, j, part, x, small, acc_rows in self._chunks(n, out.device, acc=True):
             whole = j if part.stop - part.start == x.numel() else j - 1  # blocks i:whole are whole
             if fused is not None and whole - i > 1:  # those in the kernel, a partial last block eagerly
@@ -166,17 +156,6 @@ class BlockCodec(Codec):
             torch.div(acc.view(-1)[: part.stop - part.start], len(payloads), out=out[part])
         return out
 
-    def add_decoded(self, payload: torch.Tensor, into: torch.Tensor, scratch: torch.Tensor | None = None) -> None:
-        for part, values in self._decoded(payload, into.numel(), into.device):
-            into[part].add_(values)
-
-    def decode(self, payload: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-        if self._kernel(out.device, out.numel(), 1) is not None:
-            return self.mean_of([payload], out)  # the mean of one payload: its values, divided by 1 (exact)
-        for part, values in self._decoded(payload, out.numel(), out.device):  # a copy: no zeroing, no add
-            out[part].copy_(values)
-        return out
-
     def check(self, payload: torch.Tensor, numel: int) -> None:
         super().check(payload, numel)
         scales = self._parts(payload, numel)[0]
@@ -184,7 +163,7 @@ class BlockCodec(Codec):
             raise ValueError(f"{self.name} payload holds a NaN, infinite or negative scale, or one that decodes to inf")
 
 
-def _blocks_of(flat: torch.Tensor, part: slice, x: torch.Tensor) -> torch.Tensor:
+def blocks_of(flat: torch.Tensor, part: slice, x: torch.Tensor) -> torch.Tensor:
     """``flat[part]`` as ``x``'s rows of blocks: in place when it fills them, else copied into ``x``, zero-padded."""
     if part.stop - part.start == x.numel() and flat.is_contiguous():  # whole blocks: read in place, no copy
         return flat[part].view(x.shape)

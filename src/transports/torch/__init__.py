@@ -1,0 +1,13 @@
+"""LAN transport over torch.distributed (gloo for CPU tensors, NCCL for CUDA tensors).
+
+One concept per module: ``transport`` (TorchDistTransport: the buckets, the codec paths), ``group``
+(TorchDistConfig, joining the process group), ``handle`` (a reduce: header, buckets, result in place),
+``identity`` (the identity header; a broken group), ``worker`` (the communication thread, jobs in order).
+
+Every module here imports the real ``torch`` (absolute imports; this package is ``transports.torch``).
+"""
+
+from .group import TorchDistConfig
+from .transport import TorchDistTransport
+
+__all__ = ["TorchDistConfig", "TorchDistTransport"]
