@@ -11,6 +11,7 @@ from world import KINDS, GlooWorld, make_world
 UNIT_MODULES = frozenset(
     {
         "test_codec",
+        "test_config_rules",
         "test_diloco",
         "test_feedback",
         "test_optimizer",

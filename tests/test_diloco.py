@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import io
-import threading
 
 import pytest
 import torch
-from threads import run_threads
+from threads import in_threads, run_threads
 
 from diloco_core import (
     FP32,
@@ -277,9 +276,7 @@ def test_models_with_different_shapes_are_refused_on_every_rank():
         except ValueError as e:
             errors[rank] = str(e)
 
-    threads = [threading.Thread(target=body, args=(r,)) for r in range(3)]
-    [t.start() for t in threads]
-    [t.join(30) for t in threads]
+    in_threads(body, 3, timeout=30, what="ranks")
     assert sorted(errors) == [0, 1, 2]
     assert (
         "rank 2's model differs from rank 0's" in errors[2]
