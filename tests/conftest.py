@@ -1,5 +1,50 @@
 import pytest
-from world import KINDS, make_world
+from world import KINDS, GlooWorld, make_world
+
+# The test tiers (README "Tests"): every test is in exactly one, by its module.
+# - unit: in this process only (no subprocess, no sockets, no process group, no Inductor kernels, whose C++
+#   compiler runs in worker processes: test_codec_kernels, ~100 s); `python -m pytest -m unit`, < 2 min.
+#   tests/test_tiers.py checks that these modules (and the tests/ helpers they import) import nothing that starts
+#   a process or opens a socket.
+# - integration: everything else of the default run (processes, sockets, torchrun, gloo, hivemind, compilers).
+# - slow: marked `slow` by hand (long convergence or soak runs), whatever the module; `-m slow`.
+UNIT_MODULES = frozenset(
+    {
+        "test_codec",
+        "test_config_rules",
+        "test_diloco",
+        "test_feedback",
+        "test_optimizer",
+        "test_overlap",
+        "test_sign_codec",
+        "test_simulated_link",
+        "test_train_checkpoint",
+        "test_train_config",
+        "test_train_data",
+        "test_train_model",
+        "test_convergence_bench",
+        "test_utilization_bench",
+    }
+)
+TIERS = ("unit", "integration", "slow")
+
+
+def tier_of(item: pytest.Item) -> str:
+    if item.get_closest_marker("slow") is not None:
+        return "slow"
+    return "unit" if item.path.stem in UNIT_MODULES else "integration"
+
+
+@pytest.hookimpl(tryfirst=True)  # before `-m` deselects by these markers
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        tier = tier_of(item)
+        if tier != "slow":
+            item.add_marker(tier)
+        marked = [t for t in TIERS if item.get_closest_marker(t) is not None]
+        if marked != [tier]:
+            raise pytest.UsageError(f"{item.nodeid} is marked {marked}: a test is in exactly one tier, {tier!r} here")
+
 
 # hivemind at 2 peers: each of its rounds costs a matchmaking, and 3 peers are covered by tests/test_hivemind.py
 WORLDS = [(k, w) for k in KINDS for w in (2, 3) if (k, w) != ("hivemind", 3)]
@@ -9,5 +54,13 @@ WORLDS = [(k, w) for k in KINDS for w in (2, 3) if (k, w) != ("hivemind", 3)]
 def world(request, tmp_path_factory):
     kind, world_size = request.param
     w = make_world(kind, world_size, str(tmp_path_factory.mktemp("world")))
+    yield w
+    w.close()
+
+
+@pytest.fixture(scope="module")
+def gloo(tmp_path_factory):
+    """Two gloo processes over 127.0.0.1, kept for a module's tests (a failed run restarts them)."""
+    w = GlooWorld(2, str(tmp_path_factory.mktemp("gloo")))
     yield w
     w.close()

@@ -27,6 +27,7 @@ from diloco_core import DiLoCo, DiLoCoConfig, TransportError
 from transports.hivemind import HivemindConfig, HivemindFaults, HivemindTransport
 
 INNER_STEPS = 2
+REDUCE_TIMEOUT = 60.0
 
 
 def say(**msg: object) -> None:
@@ -66,7 +67,7 @@ def main() -> None:
         model = torch.nn.Sequential(*(torch.nn.Linear(32, 32) for _ in range(blocks)))
         inner = torch.optim.SGD(model.parameters(), lr=0.1)
         lr = {"outer_lr": 0.7} if overlap else {}  # set: where peers come and go the rule knows no M
-        config = DiLoCoConfig(inner_steps=INNER_STEPS, codec="fp16", reduce_timeout=60, **overlap, **lr)
+        config = DiLoCoConfig(inner_steps=INNER_STEPS, codec="fp16", reduce_timeout=REDUCE_TIMEOUT, **overlap, **lr)
         diloco = DiLoCo(model, inner, transport, config)  # a joiner loads the run's state here (attach)
         say(ready=True, loaded=diloco.joined, round=diloco.round, digest=digest(diloco))
         data = torch.Generator().manual_seed(100 + name)

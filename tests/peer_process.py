@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 import queue
-import signal
 import subprocess
 import sys
 import threading
@@ -13,15 +12,6 @@ import threading
 import procs
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-
-
-def kill_session(session: int) -> None:
-    """SIGKILL every process of a peer started in a session of its own (p2pd runs in a group of its own)."""
-    for pid in procs.live_in_session(session):
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
 
 
 class PeerProcess:
@@ -61,8 +51,7 @@ class PeerProcess:
         self.proc.stdin.flush()
 
     def kill(self) -> None:
-        kill_session(self.proc.pid)  # the peer, its DHT, its averagers and its p2pd
-        self.proc.wait(10)
+        procs.kill_session(self.proc)  # the peer, its DHT, its averagers and its p2pd (in a group of its own)
 
 
 def exit_all(peers: list[PeerProcess]) -> bool:

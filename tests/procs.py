@@ -1,9 +1,13 @@
-"""Processes as /proc shows them (Linux; psutil is not required), for tests that check what a peer or
-a launcher leaves behind."""
+"""Processes the tests start and check: as /proc shows them (Linux; psutil is not required), for tests that
+check what a peer or a launcher leaves behind; the torchrun command; killing a session."""
 
 from __future__ import annotations
 
 import os
+import signal
+import subprocess
+import sys
+import time
 from dataclasses import dataclass
 
 
@@ -90,3 +94,38 @@ def stale_sockets(paths: set[str]) -> set[str]:
     with open("/proc/net/unix") as f:
         bound = {line.split()[-1] for line in f.readlines()[1:] if len(line.split()) >= 8}
     return {p for p in paths if os.path.exists(p) and p not in bound}
+
+
+def left_in_session(session: int, *, within: float) -> list[int]:
+    """The live processes of ``session`` once none is left or ``within`` seconds have passed (they exit on
+    their own: a test that checks nothing is left behind gives them that long)."""
+    deadline = time.monotonic() + within
+    while (live := live_in_session(session)) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return live
+
+
+def kill_session(proc: subprocess.Popen) -> None:
+    """SIGKILL every live process of the session ``proc`` leads (started with ``start_new_session=True``: a
+    hivemind peer with its DHT, averagers and p2pd, or a launcher with its workers), and reap ``proc``."""
+    for pid in live_in_session(proc.pid):
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    if proc.poll() is None:
+        proc.wait(10)
+
+
+def loopback_env(**extra: str) -> dict[str, str]:
+    """This process's environment with gloo on the loopback interface: tests never leave 127.0.0.1."""
+    return {**os.environ, "GLOO_SOCKET_IFNAME": "lo", **extra}
+
+
+def torchrun(*args: str, nproc: int = 2, max_restarts: int | None = None) -> list[str]:
+    """The command that runs ``args`` (a script and its arguments, or ``-m module ...``) as ``nproc`` ranks on
+    this machine under torchrun (its standalone rendezvous)."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
+    if max_restarts is not None:
+        cmd.append(f"--max-restarts={max_restarts}")
+    return [*cmd, *args]

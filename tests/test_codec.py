@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import pickle
-import threading
 
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from threads import in_threads
 
 from diloco_core import BF16, CODECS, FP16, FP32, INT4, INT8, DiLoCoConfig, codec_for, mean_of_payloads, reference_mean
 from diloco_core.codecs.names import check_codec
@@ -280,11 +280,7 @@ def test_block_codecs_reuse_buffers_per_thread_and_survive_pickling(codec):
             payload = codec.encode(xs[i])
             got[i] = payload, codec.mean_of([payload, want[(i + 1) % 4]], torch.empty_like(xs[i]))
 
-    threads = [threading.Thread(target=work, args=(i,)) for i in range(4)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
+    in_threads(work, 4, timeout=60, what="encoding threads")
     for i in range(4):
         assert torch.equal(got[i][0], want[i]) and torch.equal(got[i][1], means[i])
     assert torch.equal(pickle.loads(pickle.dumps(codec)).encode(xs[0]), want[0])

@@ -124,9 +124,9 @@ def test_bad_input_is_a_clear_value_error(world):
         assert torch.equal(x, torch.full((3,), (world.world_size - 1) / 2))
 
 
-def _one_rank_absent(transport, timeout: float):
+def _one_rank_absent(transport, timeout: float, absent_for: float):
     if transport.rank == transport.world_size - 1:
-        time.sleep(timeout + 1.5)  # never joins the reduce
+        time.sleep(absent_for)  # never joins the reduce
         return None
     start = time.monotonic()
     x = [torch.full((4,), float(transport.rank))]
@@ -142,12 +142,15 @@ def test_an_absent_rank_fails_the_others_within_the_timeout_or_is_left_out_as_de
     # Fixed ranks: the reduce waits for every rank, so it fails within its timeout. Peers that come and go:
     # the round's group is whoever shows up (hivemind: after its matchmaking time).
     timeout = 2.0 if caps.fixed_ranks else 20.0
-    runs = world.run(_one_rank_absent, timeout, **({"fresh": True} if hasattr(world, "_procs") else {}))
+    # Fixed ranks: absent long after the timeout, so that a wait that ignored it would still be waiting then.
+    absent_for = 3 * timeout if caps.fixed_ranks else timeout + 1.5
+    runs = world.run(_one_rank_absent, timeout, absent_for, **({"fresh": True} if hasattr(world, "_procs") else {}))
     for outcome in runs[:-1]:
         assert isinstance(outcome, tuple), outcome
         if caps.fixed_ranks:
             kind, elapsed, message = outcome
-            assert kind == "error" and timeout <= elapsed < timeout + 2.0 and "within" in message, outcome
+            # within its timeout: before the absent rank left (a loaded machine may add seconds, never that many)
+            assert kind == "error" and timeout <= elapsed < absent_for and "within" in message, outcome
         else:
             assert outcome == ("done", n - 1, (n - 2) / 2)
 
@@ -213,10 +216,10 @@ def test_a_straggler_within_the_timeout_is_waited_for(world):
 def test_a_crashed_member_is_left_out_or_fails_the_others_within_their_timeout(world):
     n = world.world_size
     fault = Fault(rank=n - 1, round=2, phase=Phase.START, action=Action.CRASH)
-    start = time.monotonic()
     wait = 3.0 if world.capabilities.fixed_ranks else 20.0  # hivemind: a matchmaking without the crashed peer
     results = world.run(_rounds_with, [fault], 2, wait, timeout=60)
-    assert time.monotonic() - start < 45  # bounded: never a hang
+    # bounded: every member ended within the run's 60 s (one still running then is a RankError), never a hang
+    assert not any(isinstance(r, RankError) for r in results), results
     *survivors, (crashed, _) = results
     assert crashed[1][0] == "error" and "injected crash" in crashed[1][1]
     for out, caps in survivors:

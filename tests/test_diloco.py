@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import io
-import threading
-from collections.abc import Callable
 
 import pytest
 import torch
+from threads import in_threads, run_threads
 
 from diloco_core import (
     FP32,
@@ -26,29 +25,6 @@ from diloco_core.config import outer_lr_for
 from transports import InProcessGroup
 
 pytestmark = pytest.mark.timeout(60)
-
-
-def run_threads(world_size: int, fn: Callable[[Transport], object]) -> list:
-    """``fn(transport)`` on ``world_size`` threads of one in-process group; re-raises a rank's error."""
-    group = InProcessGroup(world_size)
-    results: list = [None] * world_size
-    errors: list = []
-
-    def body(rank: int) -> None:
-        try:
-            results[rank] = fn(group.transport(rank))
-        except BaseException as e:  # noqa: BLE001
-            errors.append(e)
-
-    threads = [threading.Thread(target=body, args=(r,)) for r in range(world_size)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(50)
-    assert not any(t.is_alive() for t in threads), "ranks still running"
-    if errors:
-        raise errors[0]
-    return results
 
 
 class Scalar(torch.nn.Module):
@@ -300,9 +276,7 @@ def test_models_with_different_shapes_are_refused_on_every_rank():
         except ValueError as e:
             errors[rank] = str(e)
 
-    threads = [threading.Thread(target=body, args=(r,)) for r in range(3)]
-    [t.start() for t in threads]
-    [t.join(30) for t in threads]
+    in_threads(body, 3, timeout=30, what="ranks")
     assert sorted(errors) == [0, 1, 2]
     assert (
         "rank 2's model differs from rank 0's" in errors[2]

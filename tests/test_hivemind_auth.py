@@ -8,7 +8,8 @@ import logging
 
 import pytest
 import torch
-from world import together
+from threads import together
+from world import FAST, LOCAL
 
 hivemind = pytest.importorskip("hivemind")
 
@@ -19,8 +20,6 @@ from diloco_core import TransportError
 from transports.hivemind import HivemindConfig, HivemindTransport
 from transports.hivemind.auth import KDF, MAC_BYTES, RunKeys, derive_keys, run_keys
 
-LOCAL = ["/ip4/127.0.0.1/tcp/0"]
-FAST = {"host_maddrs": LOCAL, "matchmaking_time": 2.0, "averaging_timeout": 8.0}
 SECRET = "a-long-enough-test-secret"
 
 

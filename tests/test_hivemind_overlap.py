@@ -11,11 +11,10 @@ import os
 
 import pytest
 from peer_process import PeerProcess, exit_all
+from world import FAST
 
 pytest.importorskip("hivemind")
 
-LOCAL = ["/ip4/127.0.0.1/tcp/0"]
-FAST = {"host_maddrs": LOCAL, "matchmaking_time": 2.0, "averaging_timeout": 8.0}
 MODES = {
     "eager": {"overlap": "eager"},
     "streaming": {"overlap": "streaming", "fragments": 2, "overlap_steps": 1},

@@ -55,16 +55,6 @@ def _wait_for(what: str, ok, timeout: float, proc: subprocess.Popen) -> None:
         time.sleep(0.1)
 
 
-def _kill_session(proc: subprocess.Popen) -> None:
-    for pid in procs.live_in_session(proc.pid):
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-    if proc.poll() is None:
-        proc.wait(10)
-
-
 def _steps(metrics: Path) -> int:
     return metrics.read_text().count('"type": "step"') if metrics.is_file() else 0
 
@@ -89,12 +79,9 @@ def test_ctrl_c_on_a_hivemind_peer_is_one_line(tmp_path: Path, when: str) -> Non
         before = err.stat().st_size  # what the run printed so far (the join command, warnings)
         os.killpg(proc.pid, signal.SIGINT)
         proc.wait(60)
-        deadline = time.monotonic() + 15
-        while procs.live_in_session(proc.pid) and time.monotonic() < deadline:
-            time.sleep(0.2)
-        left = procs.live_in_session(proc.pid)
+        left = procs.left_in_session(proc.pid, within=15)
     finally:
-        _kill_session(proc)
+        procs.kill_session(proc)
     text = err.read_text()
     assert proc.returncode == 130, text[-3000:]
     assert left == [], f"processes of the interrupted peer still run: {left}"
@@ -138,7 +125,7 @@ def test_a_peer_started_a_minute_later_averages_with_the_swarm_from_its_first_ro
     finally:
         for proc in (first, late):
             if proc is not None:
-                _kill_session(proc)
+                procs.kill_session(proc)
     rounds = _rounds(tmp_path / "late" / "metrics.jsonl")
     assert [r["num_contributors"] for r in rounds] == [2, 2, 2, 2], rounds
     print(f"joined {gap:g}s later: round times {[round(r['comm_s'], 2) for r in rounds]} s")

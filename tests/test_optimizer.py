@@ -6,7 +6,8 @@ import io
 
 import pytest
 import torch
-from test_diloco import _loss, _model, run_threads
+from test_diloco import _loss, _model
+from threads import run_threads
 
 from diloco_core import DiLoCo, DiLoCoConfig, DiLoCoOptimizer, Transport
 

@@ -8,7 +8,7 @@ import threading
 
 import pytest
 import torch
-from test_diloco import run_threads
+from threads import run_threads
 from torch import nn
 
 from diloco_core import FP32, DiLoCo, DiLoCoConfig, ForwardingTransport, Transport, TransportError
@@ -471,7 +471,7 @@ TRAINER_MODES = {
 def test_the_trainer_resumes_an_overlapped_run_from_a_checkpoint_with_a_reduce_in_flight_exactly(tmp_path, mode):
     """Checkpoints fall on round boundaries (step 4, 8), where eager's reduce and streaming's second fragment
     are in flight; the resumed run's losses are the uninterrupted run's, and both end on the same eval."""
-    from test_train_cli import FAST, _losses
+    from runs import FAST, losses
 
     from diloco_train.cli import main
 
@@ -482,5 +482,5 @@ def test_the_trainer_resumes_an_overlapped_run_from_a_checkpoint_with_a_reduce_i
     assert main(["train", "--name", "whole", *common]) == 0
     assert main(["train", "--name", "split", *common, "--set", "train.stop_after=8"]) == 0
     assert main(["train", "--name", "split", "--resume", "--set", f"train.runs_dir={tmp_path!s}", "-q"]) == 0
-    whole, split = _losses(tmp_path / "whole"), _losses(tmp_path / "split")
+    whole, split = losses(tmp_path / "whole"), losses(tmp_path / "split")
     assert len(whole) == 12 and split == whole

@@ -18,13 +18,6 @@ from transports import TorchDistTransport
 pytestmark = pytest.mark.timeout(120)
 
 
-@pytest.fixture(scope="module")
-def gloo(tmp_path_factory):
-    world = GlooWorld(2, str(tmp_path_factory.mktemp("overlap")))
-    yield world
-    world.close()
-
-
 def _comm_threads() -> set[threading.Thread]:
     return {t for t in threading.enumerate() if t.name.startswith("diloco-torch-comm")}
 
@@ -50,16 +43,17 @@ def _busy_caller(transport, wire: str, marker: str):
     t = TorchDistTransport(bucket_mb=0.001)  # 250-value buckets: several collectives and fp32 steps between
     x = _contribution(t.rank)
     handle = t.all_reduce(x, codec=codec_for(wire, 256), key=f"busy/{wire}")
-    seen = None
+    seen, wait = None, 30.0
     if t.rank == 1:
-        result = handle.wait(30)
+        result = handle.wait(wait)
         open(marker, "w").close()
     else:
-        deadline, a = time.monotonic() + 10, torch.randn(64, 64)
+        # as long as rank 1 may wait: a reduce that needed rank 0's wait to progress never leaves the marker
+        deadline, a = time.monotonic() + wait, torch.randn(64, 64)
         while not os.path.exists(marker) and time.monotonic() < deadline:
             a = (a @ a).tanh_()  # the caller trains on, never waiting
         seen = os.path.exists(marker)
-        result = handle.wait(30)
+        result = handle.wait(wait)
     t.close()
     return seen, result.num_contributors, torch.cat([v.reshape(-1) for v in x]), _left(before)
 
@@ -105,11 +99,17 @@ def test_two_keys_and_a_broadcast_in_flight_keep_their_order(gloo):
         assert torch.equal(state[0], torch.full((4,), 1.0)) and torch.equal(state[1], torch.arange(3) * 2)
 
 
+ABSENT_S = 5.0
+"""How long rank 1 stays away from rank 0's reduce: what rank 0 would wait for if it ignored its 1 s timeout."""
+CLOSE_JOIN_S = 5.0
+"""How long ``TorchDistTransport.close`` waits for its communication thread to end."""
+
+
 def _given_up(transport):
     before = _comm_threads()
     t = TorchDistTransport()
     if t.rank == 1:  # never joins: rank 0's header finds no peer's
-        time.sleep(3)
+        time.sleep(ABSENT_S)
         t.close()
         return None
     start = time.monotonic()
@@ -139,6 +139,8 @@ def test_a_reduce_given_up_leaves_the_group_unusable_and_close_stops_its_thread(
         world.close()
     assert not isinstance(results[0], RankError), results
     first, waited, later, refused_in, closed_in, left = results[0]
-    assert "did not start within 1s" in first and 1.0 <= waited < 2.0, (first, waited)
-    assert "unusable since a reduce failed" in later and refused_in < 0.1, (later, refused_in)
-    assert left == [] and closed_in < 1.0, (left, closed_in)  # the cancelled job ended at once
+    # Bounds a loaded machine cannot cross by seconds: the timeout fired, and the refusal came, while rank 1
+    # was still away (a wait for it would have ended only then); close did not wait out its thread's join.
+    assert "did not start within 1s" in first and 1.0 <= waited < ABSENT_S, (first, waited)
+    assert "unusable since a reduce failed" in later and waited + refused_in < ABSENT_S, (later, refused_in)
+    assert left == [] and closed_in < CLOSE_JOIN_S / 2, (left, closed_in)  # the cancelled job ended at once

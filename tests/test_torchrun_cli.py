@@ -37,16 +37,6 @@ def _train_args(tmp_path: Path, name: str, *more: str) -> list[str]:
     return ["train", "-q", "--name", name, *[a for s in sets for a in ("--set", s)]]
 
 
-def _kill_session(proc: subprocess.Popen) -> None:
-    for pid in procs.live_in_session(proc.pid):
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-    if proc.poll() is None:
-        proc.wait(10)
-
-
 def test_the_launcher_options_and_the_train_command_are_split_at_train() -> None:
     assert split_launcher_args(["--standalone", "--nproc-per-node=2", "train", "--name", "a"]) == (
         ["--standalone", "--nproc-per-node=2"],
@@ -90,12 +80,9 @@ def test_ctrl_c_under_diloco_torchrun_is_one_line(tmp_path: Path, when: str) -> 
         before = err.stat().st_size
         os.killpg(proc.pid, signal.SIGINT)
         proc.wait(90)
-        deadline = time.monotonic() + 15
-        while procs.live_in_session(proc.pid) and time.monotonic() < deadline:
-            time.sleep(0.2)
-        left = procs.live_in_session(proc.pid)
+        left = procs.left_in_session(proc.pid, within=15)
     finally:
-        _kill_session(proc)
+        procs.kill_session(proc)
     text = err.read_text()
     assert proc.returncode == 130, text[-3000:]
     assert left == [], f"processes of the interrupted run still live: {left}"

@@ -9,37 +9,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from runs import FAST, losses
 
 from diloco_train.cli import main
-
-# A fast run: 2 workers, 1-layer tiny model, short windows, 12 steps with a round every 3.
-FAST = [
-    "--set",
-    "train.workers=2",
-    "--set",
-    "train.steps=12",
-    "--set",
-    "diloco.inner_steps=3",
-    "--set",
-    "model.num_layers=1",
-    "--set",
-    "data.seq_len=32",
-    "--set",
-    "train.batch_size=4",
-    "--set",
-    "train.eval_batches=1",
-    "--set",
-    "train.warmup_steps=2",
-    "--set",
-    "train.checkpoint_every=1",
-    "--set",
-    "train.ddp_warm_start=0",  # rounds from step 0 (the default warm start, steps // 12: test_train_config.py)
-    "-q",
-]
-
-
-def _losses(run: Path) -> list[float]:
-    return [r["loss"] for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()) if r["type"] == "step"]
 
 
 @pytest.mark.timeout(60)
@@ -76,12 +48,12 @@ def test_resume_reproduces_the_uninterrupted_losses_exactly(tmp_path: Path, mode
     assert main(["train", "--name", "whole", *common]) == 0
     # Stop after round 2 (step 6), then resume from the run's saved config and finish.
     assert main(["train", "--name", "split", *common, "--set", "train.stop_after=6"]) == 0
-    assert len(_losses(tmp_path / "split")) == 6
+    assert len(losses(tmp_path / "split")) == 6
     if wire:  # what the wire dropped of the last gradient is in the checkpoint, and fed to the next one
         saved = torch.load(tmp_path / "split" / "checkpoints" / "step00000006-rank0.pt", weights_only=True)
         assert saved["core"]["ddp_residual"].abs().max() > 0
     assert main(["train", "--name", "split", "--resume", "--set", f"train.runs_dir={tmp_path!s}", "-q"]) == 0
-    whole, split = _losses(tmp_path / "whole"), _losses(tmp_path / "split")
+    whole, split = losses(tmp_path / "whole"), losses(tmp_path / "split")
     assert len(whole) == 12 and split == whole
 
 
@@ -170,7 +142,7 @@ def test_a_hivemind_peer_resumes_exactly(tmp_path: Path) -> None:
         )
         == 0
     )
-    whole, split = _losses(tmp_path / "whole"), _losses(tmp_path / "split")
+    whole, split = losses(tmp_path / "whole"), losses(tmp_path / "split")
     assert len(whole) == 12 and split == whole
 
 
@@ -189,7 +161,7 @@ def test_a_ddp_warm_start_hands_over_to_diloco_and_resumes_exactly(tmp_path: Pat
     assert [r["step"] for r in records if r["type"] == "round"] == rounds
     assert main(["train", "--name", "split", *common, "--set", f"train.stop_after={stop_after}"]) == 0
     assert main(["train", "--name", "split", "--resume", "--set", f"train.runs_dir={tmp_path!s}", "-q"]) == 0
-    assert _losses(tmp_path / "split") == _losses(tmp_path / "whole")
+    assert losses(tmp_path / "split") == losses(tmp_path / "whole")
 
 
 @pytest.mark.timeout(120)
@@ -207,7 +179,7 @@ def test_a_warm_start_that_averages_updates_sends_every_step_and_resumes_exactly
     assert steps[0]["bytes_sent"] < 0.3 * steps[6]["bytes_sent"]  # sign: 0.035x of fp32, DiLoCo's int4: 0.129x
     assert main(["train", "--name", "split", *common, "--set", f"train.stop_after={stop_after}"]) == 0
     assert main(["train", "--name", "split", "--resume", "--set", f"train.runs_dir={tmp_path!s}", "-q"]) == 0
-    assert _losses(tmp_path / "split") == _losses(tmp_path / "whole")
+    assert losses(tmp_path / "split") == losses(tmp_path / "whole")
 
 
 @pytest.mark.timeout(60)

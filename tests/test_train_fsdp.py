@@ -6,7 +6,6 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -22,7 +21,7 @@ from diloco_train.launch import train
 @pytest.mark.slow  # about 56 s: with -m slow; tests/test_fsdp_islands.py covers the bit-exact resume by default
 @pytest.mark.timeout(400)
 def test_torchrun_islands_of_two_fsdp_ranks_restart_a_killed_rank_and_resume_to_the_end(tmp_path):
-    env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo"}
+    env = procs.loopback_env()
     sets = {
         "transport.kind": "'torch'",
         "transport.timeout": "30.0",
@@ -35,8 +34,7 @@ def test_torchrun_islands_of_two_fsdp_ranks_restart_a_killed_rank_and_resume_to_
         "train.checkpoint_every": "1",
         "train.runs_dir": repr(str(tmp_path)),
     }
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=4", "--max-restarts=1"]
-    cmd += ["-m", "diloco_train.cli", "train", "--name", "isl", "--resume", "-q"]
+    cmd = procs.torchrun("-m", "diloco_train.cli", "train", "--name", "isl", "--resume", "-q", nproc=4, max_restarts=1)
     cmd += [arg for key, value in sets.items() for arg in ("--set", f"{key}={value}")]
     agent = subprocess.Popen(cmd, env=env, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:

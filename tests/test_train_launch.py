@@ -20,13 +20,8 @@ from test_overlap import TRAINER_MODES
 
 @pytest.mark.timeout(240)
 def test_torchrun_two_workers_end_with_identical_global_params(tmp_path):
-    env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo"}
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc-per-node=2",
+    env = procs.loopback_env()
+    cmd = procs.torchrun(
         "-m",
         "diloco_train.cli",
         "train",
@@ -45,7 +40,7 @@ def test_torchrun_two_workers_end_with_identical_global_params(tmp_path):
         "train.eval_batches=2",
         "--set",
         f"train.runs_dir={str(tmp_path)!r}",
-    ]
+    )
     out = subprocess.run(cmd, check=False, env=env, capture_output=True, text=True, timeout=220, cwd=tmp_path)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "one worker per process on torch" in out.stderr
@@ -61,9 +56,8 @@ def test_torchrun_two_workers_end_with_identical_global_params(tmp_path):
 def test_torchrun_ranks_without_a_name_share_rank_0s(tmp_path):
     """Each rank makes up a name from the time; ranks started in different seconds (made so here by
     clock_skew.py) used to split the run across two folders. Rank 0's name is the run's."""
-    env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
-    cmd += [str(Path(__file__).with_name("clock_skew.py")), "train", "-q", "--set", "transport.kind=torch"]
+    env = procs.loopback_env()
+    cmd = procs.torchrun(str(Path(__file__).with_name("clock_skew.py")), "train", "-q", "--set", "transport.kind=torch")
     for key in ("train.steps=4", "diloco.inner_steps=2", "train.eval_batches=1", "model.num_layers=1"):
         cmd += ["--set", key]
     cmd += ["--set", f"train.runs_dir={str(tmp_path)!r}"]
@@ -166,14 +160,8 @@ def test_two_hivemind_peers_on_loopback_end_with_identical_global_params(tmp_pat
 def test_torchrun_restarts_a_killed_worker_and_the_run_resumes_to_the_end(tmp_path, overlap):
     """The kill lands after the step-20 checkpoint: with overlap, while a reduce is in flight (eager's round,
     streaming's fragments); the survivor's wait fails, torchrun restarts both and they resume alike."""
-    env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo"}
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc-per-node=2",
-        "--max-restarts=1",
+    env = procs.loopback_env()
+    cmd = procs.torchrun(
         "-m",
         "diloco_train.cli",
         "train",
@@ -198,7 +186,8 @@ def test_torchrun_restarts_a_killed_worker_and_the_run_resumes_to_the_end(tmp_pa
         "--set",
         f"train.runs_dir={str(tmp_path)!r}",
         *TRAINER_MODES[overlap],
-    ]
+        max_restarts=1,
+    )
     agent = subprocess.Popen(cmd, env=env, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         ckpt = tmp_path / "lan" / "checkpoints"

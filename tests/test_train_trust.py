@@ -18,7 +18,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_train_cli import FAST
+from runs import FAST
+from threads import in_threads
 
 from diloco_train import checkpoint as ckpt
 from diloco_train import worker as worker_module
@@ -200,13 +201,11 @@ def test_ranks_agree_on_the_newest_step_that_is_intact_for_every_one(tmp_path: P
     def pick(rank: int) -> None:
         found[rank] = resume_step(tmp_path, rank=rank, transport=transports[rank], timeout=30).step
 
-    threads = [threading.Thread(target=pick, args=(r,), daemon=True) for r in (0, 1)]
-    for th in threads:
-        th.start()
-    for th in threads:
-        th.join(50)
-    for t in transports:
-        t.close()
+    try:
+        in_threads(pick, 2, timeout=50, what="ranks")
+    finally:
+        for t in transports:
+            t.close()
     assert found == {0: 3, 1: 3}
 
 

@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
-from test_train_cli import FAST
+from runs import FAST
 
 from diloco_train.cli import main
 from diloco_train.ownership import RunOwner

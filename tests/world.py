@@ -12,17 +12,27 @@ import datetime
 import multiprocessing as mp
 import os
 import queue
-import threading
 import time
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from threads import in_threads
+
 from diloco_core import ForwardingTransport
 from transports import InProcessGroup, InProcessTransport
 
 KINDS = ["inprocess", "torch", "hivemind"]
+GROUP_TIMEOUT_S = 60.0
+"""A gloo world's process group timeout: what a collective nobody completes waits out."""
+LOCAL = ["/ip4/127.0.0.1/tcp/0"]
+"""hivemind peers listen on 127.0.0.1 only, on a free port."""
+# matchmaking_time is the slack a late peer has to find its group (a follower gives up 2 x matchmaking_time
+# after it starts looking, its leader starts the group after 1 x): 1 s was too tight for a loaded 2-core CI
+# machine. Where every peer of a round is known, target_group_size starts the group as soon as all are in.
+FAST = {"host_maddrs": LOCAL, "matchmaking_time": 2.0, "averaging_timeout": 8.0}
+"""The hivemind settings of the tests' peers."""
 
 
 @dataclass
@@ -32,16 +42,6 @@ class RankError:
 
     def __repr__(self) -> str:
         return f"RankError({self.type}: {self.message})"
-
-
-def _in_threads(body: Callable[[int], None], n: int, *, timeout: float, what: str) -> None:
-    """``body(i)`` for i in range(n), each in its own thread; all must finish within ``timeout``."""
-    threads = [threading.Thread(target=body, args=(i,), daemon=True) for i in range(n)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout)
-    assert not any(t.is_alive() for t in threads), f"{what} still running after {timeout}s"
 
 
 class ThreadWorld:
@@ -62,7 +62,7 @@ class ThreadWorld:
             finally:
                 transport.close()
 
-        _in_threads(body, self.world_size, timeout=timeout, what="in-process ranks")
+        in_threads(body, self.world_size, timeout=timeout, what="in-process ranks")
         return results
 
     def close(self) -> None:
@@ -82,7 +82,7 @@ def _child(rank: int, world_size: int, store: str, tasks: mp.Queue, results: mp.
         init_method=f"file://{store}",
         rank=rank,
         world_size=world_size,
-        timeout=datetime.timedelta(seconds=60),
+        timeout=datetime.timedelta(seconds=GROUP_TIMEOUT_S),
     )
     transport = TorchDistTransport()
     while True:
@@ -192,11 +192,8 @@ class HivemindWorld:
         cfg = {
             "run_id": f"contract-{os.getpid()}-{self._generation}",
             "secret": "s",
-            "host_maddrs": ["/ip4/127.0.0.1/tcp/0"],
-            # matchmaking 2 s: 1 s was too tight on a loaded 2-core machine; the full group starts at once
-            "matchmaking_time": 2.0,
-            "averaging_timeout": 8.0,
-            "target_group_size": self.world_size,
+            **FAST,
+            "target_group_size": self.world_size,  # the full group starts at once
         }
         self._peers = [HivemindTransport(HivemindConfig(**cfg))]
         for _ in range(self.world_size - 1):
@@ -214,7 +211,7 @@ class HivemindWorld:
             except Exception as e:  # noqa: BLE001 - every peer's failure is its result, checked by the test
                 results[i] = RankError(type(e).__name__, str(e))
 
-        _in_threads(body, self.world_size, timeout=timeout, what="hivemind peers")
+        in_threads(body, self.world_size, timeout=timeout, what="hivemind peers")
         return results
 
     def close(self) -> None:
@@ -227,21 +224,3 @@ def make_world(kind: str, world_size: int, tmpdir: str) -> ThreadWorld | GlooWor
     if kind == "hivemind":
         return HivemindWorld(world_size)
     return ThreadWorld(world_size) if kind == "inprocess" else GlooWorld(world_size, tmpdir)
-
-
-def together(calls: list[Callable[[], Any]], timeout: float = 90) -> list:
-    """Run the zero-argument ``calls`` at once (threads); return their results or exceptions."""
-    out: list = [None] * len(calls)
-
-    def body(i: int) -> None:
-        try:
-            out[i] = calls[i]()
-        except Exception as e:  # noqa: BLE001 - the test inspects it
-            out[i] = e
-
-    threads = [threading.Thread(target=body, args=(i,), daemon=True) for i in range(len(calls))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout)
-    return out
