@@ -17,6 +17,9 @@ WAIT_S = 30.0
 
 
 def _codec(name: str):
+    if "/" in name:  # name/block
+        codec, block = name.split("/")
+        return codec_for(codec, block=int(block))
     if name == "int4v1":  # int4 before its nibbles became two's complement: the same name and block
         old = BlockCodec("int4", bits=4)
         old.layout = 1
@@ -109,3 +112,23 @@ def test_in_process_a_straggler_past_the_timeout_meets_the_others_retry_never_th
     assert end0 == end1 == "finished", (end0, end1)
     assert [r[:2] for r in rounds0] == [r[:2] for r in rounds1] == [(i, 2) for i in range(1, 7)]
     assert all(torch.equal(a[2], b[2]) for a, b in zip(rounds0, rounds1))  # identical after every round
+
+
+def _reduce_in_process(transport, wires: list[str]):
+    start = time.monotonic()
+    try:
+        transport.all_reduce([torch.ones(1000)], codec=_codec(wires[transport.rank])).wait(WAIT_S)
+    except TransportError as e:
+        return str(e), time.monotonic() - start
+    return "reduced", time.monotonic() - start
+
+
+@pytest.mark.parametrize("wires", [["int8", "int8/128"], ["int4", "int4v1"]])
+def test_in_process_codecs_that_differ_in_block_or_layout_are_never_paired(wires):
+    """The in-process group matches a collective's codec by its whole identity (name, block, layout): before, it
+    compared names alone, so int8 with 128-value blocks met int8 with 256 and the ranks waited out their timeout."""
+    results = ThreadWorld(2).run(_reduce_in_process, wires, timeout=60)
+    assert not any(isinstance(r, RankError) for r in results), results
+    for message, took in results:
+        assert "mismatched" in message, message
+        assert took < WAIT_S / 2, took  # refused as the second rank joins, well before the 30 s wait

@@ -157,10 +157,10 @@ class InProcessGroup:
         self._next_op[rank, key] = n + 1
         op = (key, n)
         slot = self._slots.setdefault(op, _Slot(kind, codec, numels))
-        if (slot.kind, slot.codec.name) != (kind, codec.name):
+        if (slot.kind, slot.codec.identity) != (kind, codec.identity):  # name, block and layout
             slot.error = (
-                f"collective #{n} of key {key!r} mismatched: {slot.kind}/{slot.codec.name} vs {kind}/{codec.name} "
-                f"on rank {rank}"
+                f"collective #{n} of key {key!r} mismatched: {slot.kind}/{slot.codec.identity} vs "
+                f"{kind}/{codec.identity} on rank {rank}"
             )
         elif tensors is not None:
             first = next(iter(slot.contributions.values()), None)
