@@ -1,6 +1,6 @@
 """A run's outer state as a transport whose peers come and go serves it to joiners and loads it.
 
-The transport never reads DiLoCo: it gets a ``RunState`` at ``Transport.attach`` and treats what
+The transport never reads DiLoCo: it gets a ``RunState`` at ``Membership.attach`` and treats what
 ``snapshot`` returns as opaque (a msgpack-able dict and tensors) to be handed to another peer's
 ``loader``. The global params are not in it: they travel by the broadcast ``DiLoCo`` makes when it
 is built (a joiner downloads them there), and loading a state makes the model those global params.
