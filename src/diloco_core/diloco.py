@@ -147,8 +147,7 @@ class DiLoCo:
             transport.broadcast([global_copy.flat, *self.model_state.shared], src=0, timeout=config.reduce_timeout)
             self.rounds.to_model()
             self.model_state.after_broadcast()
-        eager = config.overlap == "eager"
-        self.eager = Eager(self.rounds) if eager else None
+        self.eager = Eager(self.rounds) if config.overlap == "eager" else None
         """Eager updates' own outer parameters and share in flight (``diloco_core.eager``); None otherwise."""
         self.run_state = RunState(self.rounds, config, eager=self.eager)
         """The outer state a transport whose peers come and go serves to joiners (``Membership.attach``)."""
