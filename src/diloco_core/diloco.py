@@ -143,10 +143,8 @@ class DiLoCo:
             check_settings(transport, settings, timeout=config.reduce_timeout, device=global_copy.flat.device)
             self.model_state.check_same(transport, config.reduce_timeout)
             self.rounds.from_model()
-            self.model_state.before_broadcast()
-            transport.broadcast([global_copy.flat, *self.model_state.shared], src=0, timeout=config.reduce_timeout)
+            self.model_state.broadcast(transport, global_copy.flat, timeout=config.reduce_timeout)
             self.rounds.to_model()
-            self.model_state.after_broadcast()
         self.eager = Eager(self.rounds) if config.overlap == "eager" else None
         """Eager updates' own outer parameters and share in flight (``diloco_core.eager``); None otherwise."""
         self.run_state = RunState(self.rounds, config, eager=self.eager)
