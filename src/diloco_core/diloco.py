@@ -135,7 +135,6 @@ class DiLoCo:
             transport=transport,
             config=config,
         )
-        """The round's mutable state: counters, global copy, outer optimizer, rounds in flight."""
         self.outer_seconds = 0.0
         """Seconds the last ``step()`` spent on outer rounds (what training waited for; 0: none due)."""
         with torch.no_grad():
