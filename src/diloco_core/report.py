@@ -122,8 +122,8 @@ def log_round(report: RoundReport) -> RoundReport:
             report.round,
         )
     elif left_out:
-        logger.warning("round %d: %d of %d contributions left out (not finite)", report.round, left_out,
-                       report.num_contributors)  # fmt: skip
+        n = report.num_contributors
+        logger.warning("round %d: %d of %d contributions left out (not finite)", report.round, left_out, n)
     if report.valid_contributors == 0 and report.num_contributors:  # 0 contributors: eager's first boundary
         logger.warning("round %d: no valid contribution: no outer step, the global params are unchanged", report.round)
     if report.clipped or report.mean_clipped:
