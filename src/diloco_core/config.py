@@ -29,9 +29,7 @@ __all__ = [
 ]
 
 OVERLAP_MODES = ("none", "streaming", "eager")
-"""How a round's reduce meets training (docs/overlap.md): ``none`` blocks; ``streaming`` syncs the model's
-fragments one after another, each reduce behind ``overlap_steps`` inner steps; ``eager`` runs the whole
-round's reduce behind the next ``inner_steps`` and applies this worker's fresh pseudo-gradient at once."""
+"""How a round's reduce meets training (``DiLoCoConfig.overlap``, docs/overlap.md)."""
 
 
 def check_field(name: str, value: object, ok: bool, valid: str) -> None:
@@ -191,7 +189,9 @@ class DiLoCoConfig:
     """The norm guard (``diloco_core.guard``): clip each worker's pseudo-gradient, and the round's mean, to
     this many times their norms in the last round it did not clip. Unset: off. A number > 1 (e.g. 4)."""
     overlap: str = field(default="none", metadata=choice(OVERLAP_MODES))
-    """One of ``OVERLAP_MODES``: ``none`` (every worker waits for the round's mean), ``streaming`` or ``eager``."""
+    """``none`` (every worker waits for the round's mean), ``streaming`` (the model's fragments one after another,
+    each reduce behind ``overlap_steps`` inner steps) or ``eager`` (the round's reduce behind the next
+    ``inner_steps``, this worker's fresh pseudo-gradient applied at once): ``OVERLAP_MODES``."""
     fragments: int = field(
         default=1, metadata=integer(low=1, high=lambda c: c.inner_steps, valid="an integer in [1, inner_steps={high}]")
     )

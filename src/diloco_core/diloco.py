@@ -17,7 +17,7 @@ from .diloco_state import load_state, state_of
 from .eager import Eager
 from .flat import FlatBuffer, local_of
 from .fragment import cut
-from .membership import attached, load_membership_state, membership_state
+from .membership import Membership
 from .model_state import ModelState
 from .report import PendingRound, RoundReport
 from .rounds import Rounds
@@ -135,7 +135,6 @@ class DiLoCo:
             transport=transport,
             config=config,
         )
-        """The round's mutable state: counters, global copy, outer optimizer, rounds in flight."""
         self.outer_seconds = 0.0
         """Seconds the last ``step()`` spent on outer rounds (what training waited for; 0: none due)."""
         with torch.no_grad():
@@ -143,18 +142,15 @@ class DiLoCo:
             check_settings(transport, settings, timeout=config.reduce_timeout, device=global_copy.flat.device)
             self.model_state.check_same(transport, config.reduce_timeout)
             self.rounds.from_model()
-            self.model_state.before_broadcast()
-            transport.broadcast([global_copy.flat, *self.model_state.shared], src=0, timeout=config.reduce_timeout)
+            self.model_state.broadcast(transport, global_copy.flat, timeout=config.reduce_timeout)
             self.rounds.to_model()
-            self.model_state.after_broadcast()
-        eager = config.overlap == "eager"
-        self.eager = Eager(self.rounds) if eager else None
+        self.eager = Eager(self.rounds) if config.overlap == "eager" else None
         """Eager updates' own outer parameters and share in flight (``diloco_core.eager``); None otherwise."""
         self.run_state = RunState(self.rounds, config, eager=self.eager)
         """The outer state a transport whose peers come and go serves to joiners (``Membership.attach``)."""
-        self.joined = attached(transport, self.run_state, timeout=config.reduce_timeout)
+        self.joined = isinstance(transport, Membership) and transport.attach(self.run_state, config.reduce_timeout)
         """True if this worker joined a run already going: global params, outer momentum and round came
-        from its peers (only transports whose peers come and go do that)."""
+        from its peers (only a ``Membership`` does that; a fixed group's transport is not attached)."""
 
     @property
     def reduce_numel(self) -> int:
@@ -277,9 +273,11 @@ class DiLoCo:
     def state_dict(self) -> dict[str, Any]:
         """All needed to continue bit-identically (``diloco_state``); reduces in flight settle, kept for their step."""
         with self.run_state.lock:
-            return {**state_of(self.rounds, self.eager), "transport": membership_state(self.transport)}
+            kept = self.transport.state_dict() if isinstance(self.transport, Membership) else {}  # a fixed group: none
+            return {**state_of(self.rounds, self.eager), "transport": kept}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         with self.run_state.lock:
             load_state(self.rounds, state, self.eager)
-            load_membership_state(self.transport, state["transport"])
+            if isinstance(self.transport, Membership):
+                self.transport.load_state_dict(state["transport"])

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
+from dataclasses import asdict
 from typing import Any
 
 import torch
@@ -58,16 +59,8 @@ def in_flight_entry(p: PendingRound, *, mean: torch.Tensor, settled: Settled | N
     ``RunState`` keep it: numbers, and the mean."""
     s = settled or p.settled
     assert s is not None
-    r = s.result
-    sums = {"num_contributors": r.num_contributors, "bytes_sent": r.bytes_sent, "bytes_received": r.bytes_received}
-    return {
-        **{k: getattr(p, k) for k in _IN_FLIGHT},
-        **sums,
-        "seconds": r.seconds,
-        "valid": s.valid,
-        "contributors_norm": s.contributors_norm,
-        "mean": mean,
-    }
+    kept = {k: getattr(p, k) for k in _IN_FLIGHT}
+    return {**kept, **asdict(s.result), "valid": s.valid, "contributors_norm": s.contributors_norm, "mean": mean}
 
 
 _KEYS = [

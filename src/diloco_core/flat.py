@@ -28,26 +28,18 @@ def norm_of(t: torch.Tensor) -> float:
 
 
 class FlatBuffer:
-    """``body`` holds the tensors' values back to back (``views`` are its per-tensor views); ``extra``
-    more values follow it in ``flat``, as ``tail``, so that a few scalars can travel in the same
-    collective as the body without a concatenating copy."""
+    """``body`` holds the tensors' values back to back in fp32 (``views`` are its per-tensor views); ``extra``
+    more values follow it in ``flat``, so that a few scalars can travel in the same collective as the body
+    without a concatenating copy."""
 
-    def __init__(
-        self,
-        like: Sequence[torch.Tensor],
-        device: torch.device | str,
-        dtype: torch.dtype = torch.float32,
-        extra: int = 0,
-    ) -> None:
-        self.shapes = [tuple(t.shape) for t in like]
+    def __init__(self, like: Sequence[torch.Tensor], device: torch.device | str, extra: int = 0) -> None:
         numels = [t.numel() for t in like]
-        self.flat = torch.zeros(sum(numels) + extra, dtype=dtype, device=device)
+        self.flat = torch.zeros(sum(numels) + extra, dtype=torch.float32, device=device)
         self.body = self.flat[: sum(numels)]
-        self.tail = self.flat[sum(numels) :]
         self.views: list[torch.Tensor] = []
         offset = 0
-        for shape, n in zip(self.shapes, numels):
-            self.views.append(self.flat[offset : offset + n].view(shape))
+        for t, n in zip(like, numels):
+            self.views.append(self.flat[offset : offset + n].view(t.shape))
             offset += n
 
     def copy_from(self, tensors: Sequence[torch.Tensor]) -> None:

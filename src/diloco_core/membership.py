@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from .run_state import RunState
 
-__all__ = ["Membership", "attached", "load_membership_state", "membership_state"]
+__all__ = ["Membership"]
 
 
 class Membership(ABC):
@@ -39,20 +39,3 @@ class Membership(ABC):
     @abstractmethod
     def load_state_dict(self, state: dict) -> None:
         """Called by ``DiLoCo.load_state_dict`` after DiLoCo's own state is in place."""
-
-
-def attached(transport: object, state: RunState, *, timeout: float) -> bool:
-    """``transport.attach(state, timeout)`` where it is a ``Membership``; False (nothing to load, nobody to
-    serve) for a fixed group's transport."""
-    return isinstance(transport, Membership) and transport.attach(state, timeout)
-
-
-def membership_state(transport: object) -> dict:
-    """What a ``Membership`` keeps about the run's state, for ``DiLoCo.state_dict()``; {} for a fixed group's."""
-    return transport.state_dict() if isinstance(transport, Membership) else {}
-
-
-def load_membership_state(transport: object, state: dict) -> None:
-    """Hand ``membership_state``'s dict back to a ``Membership`` (nothing to do for a fixed group's transport)."""
-    if isinstance(transport, Membership):
-        transport.load_state_dict(state)

@@ -74,17 +74,14 @@ class ModelState:
         here = [t.device == torch.device(device) and t.is_contiguous() for t in exact]  # broadcast in place
         self._exact = [(t, t.detach() if ok else t.detach().to(device, copy=True)) for t, ok in zip(exact, here)]
 
-    @property
-    def shared(self) -> list[torch.Tensor]:
-        """What the construction broadcast carries besides the global params (the averaged buffers' fp32
-        copy, which a transport serving joiners keeps serving as it changes, then the rest exactly)."""
-        return ([self._flat.flat] if self._flat is not None else []) + [copy for _, copy in self._exact]
-
-    def before_broadcast(self) -> None:
+    def broadcast(self, transport: Transport, global_flat: torch.Tensor, *, timeout: float) -> None:
+        """The construction's broadcast from rank 0 (collective): ``global_flat``, the averaged buffers' fp32 copy
+        (which a transport serving joiners keeps serving as it changes), then the rest exactly."""
+        shared = [copy for _, copy in self._exact]
         if self._flat is not None:
             self._flat.copy_from(self.averaged)
-
-    def after_broadcast(self) -> None:
+            shared.insert(0, self._flat.flat)
+        transport.broadcast([global_flat, *shared], src=0, timeout=timeout)
         if self._flat is not None:
             self._flat.copy_to(self.averaged)
         for t, copy in self._exact:

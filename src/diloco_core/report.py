@@ -5,12 +5,9 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
+from .fragment import Settled
 from .transport import ReduceHandle, ReduceResult
-
-if TYPE_CHECKING:
-    from .fragment import Settled
 
 __all__ = ["PendingRound", "RoundReport", "log_round", "report_of"]
 
@@ -82,9 +79,8 @@ class RoundReport:
 
 def report_of(pending: PendingRound, *, round: int, mean_norm: float, mean_clipped: bool) -> RoundReport:
     """The report of ``pending`` once its outer step is taken (no reduce settled: eager's first boundary)."""
-    settled = pending.settled
-    result = settled.result if settled is not None else ReduceResult(0, 0, 0, 0.0)
-    contributors_norm = settled.contributors_norm if settled is not None else 0.0
+    settled = pending.settled or Settled(result=ReduceResult(0, 0, 0, 0.0), valid=0, contributors_norm=0.0)
+    result, contributors_norm = settled.result, settled.contributors_norm
     return RoundReport(
         round=round,
         num_contributors=result.num_contributors,
@@ -95,7 +91,7 @@ def report_of(pending: PendingRound, *, round: int, mean_norm: float, mean_clipp
         pseudo_grad_norm=pending.pseudo_grad_norm,
         mean_pseudo_grad_norm=mean_norm,
         agreement=mean_norm / contributors_norm if contributors_norm > 0 else 1.0,
-        valid_contributors=settled.valid if settled is not None else 0,
+        valid_contributors=settled.valid,
         excluded=pending.excluded,
         clipped=pending.clipped,
         mean_clipped=mean_clipped,
@@ -126,8 +122,8 @@ def log_round(report: RoundReport) -> RoundReport:
             report.round,
         )
     elif left_out:
-        logger.warning("round %d: %d of %d contributions left out (not finite)", report.round, left_out,
-                       report.num_contributors)  # fmt: skip
+        n = report.num_contributors
+        logger.warning("round %d: %d of %d contributions left out (not finite)", report.round, left_out, n)
     if report.valid_contributors == 0 and report.num_contributors:  # 0 contributors: eager's first boundary
         logger.warning("round %d: no valid contribution: no outer step, the global params are unchanged", report.round)
     if report.clipped or report.mean_clipped:

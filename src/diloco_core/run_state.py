@@ -7,8 +7,7 @@ is built (a joiner downloads them there), and loading a state makes the model th
 
 With overlap the state also holds the means of the reduces in flight that have completed (not yet
 applied: they are due at a later step) and the inner step it was taken at, so that a peer that loads it
-applies the same means at the same steps as the peers it came from (docs/overlap.md). A transport that
-snapshots from another thread holds ``lock`` first, so that no round is half applied meanwhile.
+applies the same means at the same steps as the peers it came from (docs/overlap.md).
 """
 
 from __future__ import annotations

@@ -75,8 +75,7 @@ def user_fragments(names: Sequence[str], fragments: Sequence[Sequence[str]], num
 
 def begins_at(step: int, *, inner_steps: int, fragments: int) -> int | None:
     """The fragment whose reduce begins after inner step ``step`` (1 for the first), or None."""
-    h = inner_steps
     for p in range(fragments):
-        if step % h == ((p + 1) * h // fragments) % h:
+        if step % inner_steps == ((p + 1) * inner_steps // fragments) % inner_steps:
             return p
     return None

@@ -114,10 +114,6 @@ class Transport(ABC):
     start and wait for keyed reduces in the same order (torch.distributed matches collectives by order).
     """
 
-    # The members below have defaults; a transport that wraps another (fault injection, tracing) must
-    # forward them (``ForwardingTransport`` does). What only transports with changing membership need is
-    # in ``membership.Membership``.
-
     own_timeout: float | None = None
     """Seconds after which the transport itself fails a collective that has not finished (torch: its
     process group's timeout; hivemind: the attempts of one round), or None where only the caller's

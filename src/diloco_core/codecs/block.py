@@ -38,7 +38,6 @@ class BlockCodec(Codec):
         return type(self), (self.name, self.bits, self.block), {"fused": self.fused}
 
     def with_block(self, block: int) -> BlockCodec:
-        """This codec with ``block`` values per scale."""
         return type(self)(self.name, self.bits, block, fused=self.fused)
 
     def _fused(

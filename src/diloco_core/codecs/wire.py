@@ -38,13 +38,12 @@ def reference_mean(
     assert contributions, "a mean needs at least one contribution"
     codec = codec_for(codec)
     payloads = [codec.encode(c.reshape(-1)) for c in contributions]
-    total = torch.empty(contributions[0].numel(), dtype=torch.float32, device=contributions[0].device)
-    if out is not None:
-        total = out.view(-1)
+    first = contributions[0]
+    total = torch.empty(first.numel(), dtype=torch.float32, device=first.device) if out is None else out.view(-1)
     # The definition, written plainly (not ``mean_of_payloads``, whose fused paths it checks): decode each
     # payload, sum in order, divide.
     decoded = torch.empty_like(total) if scratch is None else scratch.view(-1)
     codec.decode(payloads[0], total)
     for p in payloads[1:]:
         total.add_(codec.decode(p, decoded))
-    return total.div_(len(payloads)).view(contributions[0].shape)
+    return total.div_(len(payloads)).view(first.shape)
