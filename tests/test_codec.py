@@ -290,5 +290,7 @@ def test_wire_dtype_is_a_deprecated_alias_of_codec():
     with pytest.warns(DeprecationWarning, match=r"wire_dtype='int4' is deprecated: use codec='int4'"):
         config = DiLoCoConfig(wire_dtype="int4")
     assert config.codec == "int4" and config == DiLoCoConfig(codec="int4") and "wire_dtype" not in repr(config)
-    with pytest.warns(DeprecationWarning), pytest.raises(ValueError, match=r"codec='int3' is invalid"):
-        DiLoCoConfig(wire_dtype="int3")
+    with pytest.raises(ValueError, match=r"wire_dtype='int3' is invalid: expected one of .*deprecated: use codec"):
+        DiLoCoConfig(wire_dtype="int3")  # named as the user wrote it
+    with pytest.raises(ValueError, match=r"codec='int8' and wire_dtype='fp16' disagree"):
+        DiLoCoConfig(codec="int8", wire_dtype="fp16")  # neither silently wins

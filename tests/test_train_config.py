@@ -87,6 +87,12 @@ def test_the_deprecated_wire_dtype_key_still_sets_the_codec_with_one_deprecation
             c = build_config(files, overrides)
         assert len(caught) == 1 and c.diloco.codec == codec  # over the trainer's default codec, int4
         assert "wire_dtype" not in c.to_dict()["diloco"] and c.to_dict()["diloco"]["codec"] == codec
+    with pytest.warns(DeprecationWarning):  # renamed within its layer: a later layer's codec wins
+        assert build_config([f], ["diloco.codec=int8"]).diloco.codec == "int8"
+    with pytest.raises(ValueError, match=r"wire_dtype='int3' is invalid"):
+        build_config([], ["diloco.wire_dtype=int3"])
+    with pytest.raises(ValueError, match=r"unknown key\(s\) \['wire'\].*valid keys: \[(?!.*wire_dtype)"):
+        build_config([], ["diloco.wire=int8"])  # the alias is accepted, not advertised
 
 
 @pytest.mark.timeout(30)

@@ -19,6 +19,7 @@ __all__ = [
     "check_field",
     "check_fields",
     "choice",
+    "codec_from_alias",
     "from_mapping",
     "integer",
     "is_finite_number",
@@ -36,6 +37,20 @@ def check_field(name: str, value: object, ok: bool, valid: str) -> None:
     """Raise ``ValueError`` naming the field, the value and the valid range unless ``ok``."""
     if not ok:
         raise ValueError(f"{name}={value!r} is invalid: expected {valid}")
+
+
+def codec_from_alias(wire_dtype: object, *, stacklevel: int = 2) -> object:
+    """``codec``'s value for the deprecated key ``wire_dtype`` (int4 and sign are no dtypes): checked under the name
+    the user wrote, and a ``DeprecationWarning`` at the caller's caller (``stacklevel``)."""
+    check_field(
+        "wire_dtype",
+        wire_dtype,
+        isinstance(wire_dtype, str) and wire_dtype in CODECS,
+        f"one of {sorted(CODECS)} (deprecated: use codec)",
+    )
+    msg = f"wire_dtype={wire_dtype!r} is deprecated: use codec={wire_dtype!r} (the same names)"
+    warnings.warn(msg, DeprecationWarning, stacklevel=stacklevel + 1)
+    return wire_dtype
 
 
 def is_finite_number(value: object) -> bool:
@@ -213,10 +228,10 @@ class DiLoCoConfig:
     """Where the fp32 global copy and the outer optimizer state live (CPU saves accelerator memory)."""
 
     def __post_init__(self) -> None:
-        if self.wire_dtype is not None:  # the deprecated alias: becomes codec, checked as codec
-            msg = f"wire_dtype={self.wire_dtype!r} is deprecated: use codec={self.wire_dtype!r} (the same names)"
-            warnings.warn(msg, DeprecationWarning, stacklevel=3)
-            object.__setattr__(self, "codec", self.wire_dtype)
+        if (old := self.wire_dtype) is not None:
+            if self.codec not in ("fp32", old):  # fp32: codec's default, so codec was not given
+                raise ValueError(f"codec={self.codec!r} and wire_dtype={old!r} disagree: set codec alone")
+            object.__setattr__(self, "codec", codec_from_alias(old, stacklevel=4))
             object.__setattr__(self, "wire_dtype", None)
         check_fields(self)
         check_block(self.codec_block, "codec_block")
@@ -245,9 +260,10 @@ def from_mapping(cls: type, section: Mapping[str, Any], where: str) -> Any:
     """Build the dataclass ``cls`` from a config section, rejecting unknown keys with the valid ones."""
     if not isinstance(section, Mapping):
         raise ValueError(f"[{where}] must be a table of key = value, got {type(section).__name__}")
-    valid = [f.name for f in fields(cls) if f.init]
-    unknown = sorted(set(section) - set(valid))
+    accepted = [f.name for f in fields(cls) if f.init]
+    unknown = sorted(set(section) - set(accepted))
     if unknown:
+        valid = [f.name for f in fields(cls) if f.init and f.repr]  # a deprecated alias is accepted, not shown
         raise ValueError(f"unknown key(s) {unknown} in [{where}]; valid keys: {valid}")
     try:
         return cls(**section)

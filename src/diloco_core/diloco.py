@@ -75,7 +75,10 @@ class DiLoCo:
         fragments: Sequence[Sequence[str]] | None = None,
     ) -> None:
         """``fragments`` (streaming): each fragment's trainable parameter names, instead of strided blocks."""
-        self.model, self.inner_optimizer, self.transport, self.config = model, inner_optimizer, transport, config
+        self.model = model
+        self.inner_optimizer = inner_optimizer
+        self.transport = transport
+        self.config = config
         own = transport.own_timeout
         if own is not None and own > config.reduce_timeout:
             raise ValueError(
@@ -234,8 +237,8 @@ class DiLoCo:
     def _blocking(self, call: str) -> None:
         if self.config.overlap != "none":
             raise RuntimeError(
-                f"{call}() runs a blocking round, but overlap={self.config.overlap!r} runs its own rounds with "
-                "reduces in flight: call step() (it begins and finishes them) and flush() at the end of training"
+                f"{call}() runs a blocking round of the whole model, but overlap={self.config.overlap!r} schedules "
+                "its own rounds: call step() (it begins and finishes them) and flush() at the end of training"
             )
 
     def sync(self) -> RoundReport:

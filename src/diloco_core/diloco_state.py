@@ -80,7 +80,8 @@ _KEYS = [
 
 @torch.no_grad()
 def load_state(rounds: Rounds, state: dict[str, Any], eager: Eager | None) -> None:
-    """Load ``state_of``'s dict (``ValueError`` naming what is missing or does not fit this run)."""
+    """Load ``DiLoCo.state_dict()``'s dict: ``state_of``'s and the transport's, which ``DiLoCo`` loads after this
+    (``ValueError`` naming what is missing or does not fit this run, before anything changes)."""
     missing = [k for k in _KEYS if k not in state]
     if missing:
         raise ValueError(f"DiLoCo state is missing {missing}: it was not written by DiLoCo.state_dict()")

@@ -43,13 +43,20 @@ class Rounds:
         transport: Transport,
         config: DiLoCoConfig,
     ) -> None:
-        self.fragments, self.global_copy, self.outer_optimizer = list(fragments), global_copy, outer_optimizer
-        self.local, self.order = list(local), list(order)
+        self.fragments = list(fragments)
+        self.global_copy = global_copy
+        self.outer_optimizer = outer_optimizer
+        self.local = list(local)
+        self.order = list(order)
         self.ordered = [self.local[i] for i in order]
         """``local`` in the global copy's order."""
-        self.inner_optimizer, self.model_state, self.transport = inner_optimizer, model_state, transport
-        self.timeout, self.merge_alpha = config.reduce_timeout, config.merge_alpha
-        self._round, self._inner_step = 0, 0
+        self.inner_optimizer = inner_optimizer
+        self.model_state = model_state
+        self.transport = transport
+        self.timeout = config.reduce_timeout
+        self.merge_alpha = config.merge_alpha
+        self._round = 0
+        self._inner_step = 0
         self._in_flight: list[PendingRound] = []
         self._listeners: list[Callable[[], None]] = []
 
@@ -164,7 +171,9 @@ class Rounds:
 
     def restore(self, *, round: int, inner_step: int, in_flight: Sequence[PendingRound]) -> None:
         """Counters and rounds in flight as loaded (a checkpoint, or a peer's run state)."""
-        self._round, self._inner_step, self._in_flight = round, inner_step, list(in_flight)
+        self._round = round
+        self._inner_step = inner_step
+        self._in_flight = list(in_flight)
 
     def to_model(self) -> None:
         """The model's trainable tensors become the global copy."""

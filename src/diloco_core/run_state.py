@@ -36,7 +36,9 @@ class RunState:
     DiLoCo's, ``eager`` its eager state (None without)."""
 
     def __init__(self, rounds: Rounds, config: DiLoCoConfig, *, eager: Eager | None = None) -> None:
-        self._rounds, self._config, self._eager = rounds, config, eager
+        self._rounds = rounds
+        self._config = config
+        self._eager = eager
         self.lock = threading.RLock()
         """Held by ``DiLoCo`` while it changes its outer state (a round's boundary, a load): a transport that
         snapshots from another thread holds it, so that no round is half applied meanwhile."""

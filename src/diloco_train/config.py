@@ -16,7 +16,18 @@ else:  # Python 3.10: the same parser as a package (a dependency there)
     import tomli as tomllib
 
 from diloco_core import CODECS, DiLoCoConfig
-from diloco_core.config import boolean, check_field, check_fields, choice, from_mapping, integer, number, rule, string
+from diloco_core.config import (
+    boolean,
+    check_field,
+    check_fields,
+    choice,
+    codec_from_alias,
+    from_mapping,
+    integer,
+    number,
+    rule,
+    string,
+)
 from transports import transport_spec
 
 from .data import DataConfig
@@ -197,7 +208,18 @@ def _merge(base: dict[str, dict[str, Any]], update: Mapping[str, Any], where: st
             raise ValueError(f"unknown section [{section}] in {where}; valid sections: {valid}")
         if not isinstance(table, Mapping):
             raise ValueError(f"[{section}] in {where} must be a table of key = value, got {type(table).__name__}")
+        if section == "diloco" and "wire_dtype" in table:  # renamed within its layer, so a later layer's codec wins
+            table = _renamed(table, where)
         base.setdefault(section, {}).update(table)
+
+
+def _renamed(table: Mapping[str, Any], where: str) -> dict[str, Any]:
+    """A [diloco] table with the deprecated ``wire_dtype`` as ``codec`` (``ValueError`` where both disagree)."""
+    renamed = {k: v for k, v in table.items() if k != "wire_dtype"}
+    codec = codec_from_alias(table["wire_dtype"], stacklevel=4)
+    if renamed.setdefault("codec", codec) != codec:
+        raise ValueError(f"[diloco] in {where}: codec={renamed['codec']!r} and wire_dtype={codec!r} disagree")
+    return renamed
 
 
 def build_config(
@@ -211,7 +233,7 @@ def build_config(
         _merge(tables, load_toml(f), str(f))
     for text in overrides:
         section, key, value = parse_override(text)
-        tables.setdefault(section, {})[key] = value
+        _merge(tables, {section: {key: value}}, f"--set {text!r}")
     sections = {name: from_mapping(cls, tables.get(name, {}), name) for name, cls in SECTIONS.items()}
     # The factory checks the kind and what a launch of it takes, and fills in the default kind.
     transport = dict(transport_spec(tables.get("transport", {})).section)

@@ -30,8 +30,12 @@ class BlockCodec(Codec):
 
     def __init__(self, name: str, bits: int, block: int = 256, *, fused: bool = True) -> None:
         check_block(block)
-        self.name, self.bits, self.block, self.qmax = name, bits, block, 2 ** (bits - 1) - 1
-        self.layout, self.fused = 2 if bits == 4 else 1, fused
+        self.name = name
+        self.bits = bits
+        self.block = block
+        self.qmax = 2 ** (bits - 1) - 1
+        self.layout = 2 if bits == 4 else 1
+        self.fused = fused
         self._workspace = _Workspace()
 
     def __reduce__(self) -> tuple:  # a copy gets a workspace of its own (a thread-local cannot be pickled)
