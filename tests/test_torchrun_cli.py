@@ -69,7 +69,8 @@ def test_ctrl_c_under_diloco_torchrun_is_one_line(tmp_path: Path, when: str) -> 
 
         def ready() -> bool:
             if when == "after-a-checkpoint":
-                return (run / "checkpoints").is_dir() and any((run / "checkpoints").glob("*.pt"))
+                # rank 0's: the one the interrupted line names (rank 1's may come first)
+                return (run / "checkpoints").is_dir() and any((run / "checkpoints").glob("*-rank0.pt"))
             metrics = run / "metrics.jsonl"
             return metrics.is_file() and metrics.read_text().count('"step"') >= 6
 
