@@ -25,6 +25,8 @@ class Interrupts:
 
     def __init__(self) -> None:
         self.received: int | None = None
+        self.deferring = 0
+        self.pending = False
         self.soft: Callable[[], bool] | None = None
         """Asks the run to stop softly; False: it cannot (nothing to checkpoint yet), so stop at once."""
 
@@ -43,12 +45,31 @@ class Interrupts:
             self.received = signum
         if first and self.soft is not None and self.soft():
             return  # the workers stop at a step they agree on, checkpoint it and return
+        if self.deferring:
+            self.pending = True  # raised once the checkpoint being written is whole (``deferred``)
+            return
         raise KeyboardInterrupt
+
+    @contextmanager
+    def deferred(self) -> Iterator[None]:
+        """A signal to the main thread waits for the block's end (a checkpoint is not cut mid-file: torch
+        would report the write as failed). Other threads' blocks need nothing: the signal is not raised there."""
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+        self.deferring += 1
+        try:
+            yield
+        finally:
+            self.deferring -= 1
+        if self.pending and not self.deferring:
+            self.pending = False
+            raise KeyboardInterrupt
 
     @contextmanager
     def installed(self) -> Iterator[Interrupts]:
         """SIGINT and SIGTERM handled here for the block (the previous handlers restored after it)."""
-        self.received, self.soft = None, None
+        self.received, self.soft, self.pending = None, None, False
         if threading.current_thread() is not threading.main_thread():  # only the main thread may set handlers
             yield self
             return
@@ -59,6 +80,16 @@ class Interrupts:
             self.soft = None
             for s, handler in previous.items():
                 signal.signal(s, handler)
+
+    def stop_softly(self, request: Callable[[], bool]) -> Callable[[], None]:
+        """``request`` answers the first signal from now on; call the returned function to withdraw it."""
+        self.soft = request
+
+        def withdraw() -> None:
+            if self.soft is request:
+                self.soft = None
+
+        return withdraw
 
     @staticmethod
     def ignore() -> None:

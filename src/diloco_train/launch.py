@@ -131,7 +131,7 @@ def train(
         )
         stack.callback(job.close)
         if spec.threads:  # this process runs all the run's workers: a signal stops them at a step they checkpoint
-            INTERRUPTS.soft = job.request_stop
+            stack.callback(INTERRUPTS.stop_softly(job.request_stop))
         check_data(config, corpus, world)
         if lead:
             prepare_run_dir(run_dir, config, resume=resume, secret_keys=spec.secret_keys)

@@ -23,6 +23,7 @@ from .config import RunConfig
 from .data import BatchSampler, Corpus
 from .divergence import LossWatch, all_finite, newest_checkpoint
 from .fsdp import evaluates, shard_model
+from .interrupts import INTERRUPTS
 from .log_tag import set_worker
 from .metrics import Reporter, TrainResult
 from .model import Llama
@@ -231,13 +232,14 @@ class Worker:
                 newest = newest_checkpoint(job.run_dir / "checkpoints", self.rank)
                 logger.warning("step %d: the state holds NaN or infinite values: not checkpointed (%s)", step, newest)
             return
-        save_worker(
-            job.run_dir,
-            step=step,
-            rank=self.rank,
-            world_size=self.world_size,
-            config=self.config,
-            core=core,
-            data=sampler.state_dict(),
-            same_disk=job.same_disk,
-        )
+        with INTERRUPTS.deferred():
+            save_worker(
+                job.run_dir,
+                step=step,
+                rank=self.rank,
+                world_size=self.world_size,
+                config=self.config,
+                core=core,
+                data=sampler.state_dict(),
+                same_disk=job.same_disk,
+            )
