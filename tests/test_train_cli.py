@@ -88,8 +88,9 @@ def test_an_error_inside_the_worker_threads_ends_the_run_cleanly(
     common = ["--set", f"train.runs_dir={tmp_path!s}", *FAST]
     assert main(["train", "--name", "r", *common, "--set", "train.mode=ddp", "--set", "train.stop_after=3"]) == 0
     capsys.readouterr()
-    # Every worker thread finds a ddp checkpoint where it expects a diloco one; none may hang.
-    assert main(["train", "--name", "r", "--resume", *common, "--set", "train.mode=diloco"]) == 2
+    # Every worker thread finds a ddp checkpoint where it expects a diloco one; none may hang. (--force: the
+    # changed mode is refused up front otherwise, test_train_interrupts.py)
+    assert main(["train", "--name", "r", "--resume", *common, "--set", "train.mode=diloco", "--force"]) == 2
     err = capsys.readouterr().err
     assert "checkpoint is of a ddp run" in err and "Traceback" not in err
 
@@ -230,7 +231,8 @@ def test_plot_of_several_runs_goes_next_to_the_first(tmp_path: Path, capsys: pyt
 
 @pytest.mark.timeout(150)
 def test_ctrl_c_ends_with_one_line_that_names_the_run(tmp_path: Path) -> None:
-    """SIGINT mid-run: exit 130 and one line with the real run name in the resume hint, no traceback."""
+    """SIGINT mid-run, to a trainer started with SIGINT ignored (a script's background job): exit 130 and one
+    line with the checkpoint the interrupt wrote and the real run name in the resume hint, no traceback."""
     cmd = [
         sys.executable,
         "-m",
@@ -248,7 +250,14 @@ def test_ctrl_c_ends_with_one_line_that_names_the_run(tmp_path: Path) -> None:
         "--set",
         "model.num_layers=1",
     ]
-    proc = subprocess.Popen(cmd, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        cmd,
+        cwd=tmp_path,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN),  # noqa: PLW1509 - as `diloco train &` has it
+    )
     try:
         metrics = tmp_path / "cut-short" / "metrics.jsonl"
         deadline = time.monotonic() + 90
@@ -265,4 +274,9 @@ def test_ctrl_c_ends_with_one_line_that_names_the_run(tmp_path: Path) -> None:
     assert "Traceback" not in err
     # The hint is the whole command: this run's runs_dir is not the default.
     hint = f"diloco train --resume --name cut-short --set 'train.runs_dir=\"{tmp_path}\"'"
-    assert err.strip().splitlines()[-1] == f"diloco: interrupted (resume with: {hint})"
+    ckpt = max((tmp_path / "cut-short" / "checkpoints").glob("step*-rank0.pt"))  # the interrupt's own
+    step = int(ckpt.name[4:12])
+    assert step >= 3
+    assert err.strip().splitlines()[-1] == f"diloco: interrupted (SIGINT); newest checkpoint: step {step} " + (
+        f"(resume with: {hint})"
+    )

@@ -7,7 +7,6 @@ import logging
 import math
 import os
 import shlex
-import signal
 import sys
 import warnings
 from collections.abc import Sequence
@@ -16,6 +15,7 @@ from typing import NoReturn
 
 from diloco_core import FP32, TransportError, codec_for
 
+from .interrupts import INTERRUPTS
 from .log_tag import configure_logging
 from .torchrun import TORCHRUN_ARGS_ENV
 
@@ -88,7 +88,13 @@ def _parser() -> argparse.ArgumentParser:
     t.add_argument(
         "--resume",
         action="store_true",
-        help="continue run NAME from its latest checkpoint (with its saved config unless --config is given)",
+        help="continue run NAME from its latest checkpoint, with its saved config (--config/--set change it: "
+        "each change is printed; one that breaks exact resume needs --force)",
+    )
+    t.add_argument(
+        "--force",
+        action="store_true",
+        help="with --resume: accept changes of the model, data, workers, schedule or DiLoCo settings",
     )
     t.add_argument("--name", metavar="RUN", help="run name: files go to <train.runs_dir>/RUN/ (default: mode-time)")
     t.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
@@ -113,9 +119,12 @@ def _train(args: argparse.Namespace, argv: list[str]) -> int:
     from .config import build_config, load_toml, parse_override
     from .launch import describe_workers, train
     from .metrics import perplexity
-    from .run_name import default_name, resume_command
+    from .resume_merge import merge_onto_saved
+    from .run_name import check_name, default_name, resume_command
 
-    base = None
+    if args.name is not None:
+        check_name(args.name)
+    saved = None
     if args.resume:
         if not args.name:
             raise ValueError("--resume needs --name RUN: the run to continue")
@@ -123,11 +132,22 @@ def _train(args: argparse.Namespace, argv: list[str]) -> int:
         # not checked against the defaults first: only train.runs_dir is needed to find the run.
         where = [o for o in args.overrides if parse_override(o)[:2] == ("train", "runs_dir")]
         saved = Path(build_config((), where).train.runs_dir) / args.name / "config.toml"
-        if not args.config and saved.is_file():  # else nothing to resume yet: start the run as configured
-            base = load_toml(saved)
+    elif args.force:
+        raise ValueError("--force is for --resume: it accepts changes to the saved config")
     with warnings.catch_warnings(record=True) as caught:  # shown: Python hides a library's DeprecationWarning
         warnings.simplefilter("always", DeprecationWarning)
-        config = build_config(args.config, args.overrides, base=base)
+        if saved is not None and saved.is_file():  # else nothing to resume yet: start the run as configured
+            config, changes = merge_onto_saved(
+                load_toml(saved),
+                files=args.config,
+                overrides=args.overrides,
+                force=args.force,
+            )
+            if os.environ.get("RANK", "0") == "0":
+                for line in changes:
+                    print(f"diloco: resume changes {line}", file=sys.stderr)
+        else:
+            config = build_config(args.config, args.overrides)
     for w in caught:
         print(f"diloco: {w.message}", file=sys.stderr)
     name = args.name or default_name(config.train.mode)  # torchrun's ranks take rank 0's (launch)
@@ -149,10 +169,10 @@ def _train(args: argparse.Namespace, argv: list[str]) -> int:
             config, run_dir, resume=args.resume, show_progress=not args.quiet, command=command, named=bool(args.name)
         )
     except KeyboardInterrupt:
-        signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl+C (or torchrun's SIGINT) adds nothing
+        INTERRUPTS.ignore()  # a second Ctrl+C (or torchrun's SIGTERM) adds nothing
         if os.environ.get("RANK", "0") == "0":
-            print(f"diloco: interrupted (resume with: {again})", file=sys.stderr)
-        _exit_now(130)
+            print(_interrupted(run_dir, again), file=sys.stderr)
+        _exit_now(INTERRUPTS.status)
     if not result.rank0:  # a process of a multi-process run without rank 0, which reports
         return 0
     wall = result.wall_seconds
@@ -179,6 +199,16 @@ def _train(args: argparse.Namespace, argv: list[str]) -> int:
             "--set train.mode=ddp and --set train.mode=single (docs/results.md)"
         )
     return 0
+
+
+def _interrupted(run_dir: Path, again: str) -> str:
+    """The last line of an interrupted run: the step it can resume from and how, or that nothing can be."""
+    from .checkpoint import list_checkpoints
+
+    steps = list_checkpoints(run_dir / "checkpoints", 0)
+    if not steps:
+        return f"diloco: interrupted ({INTERRUPTS.name}) before the first checkpoint: nothing can be resumed"
+    return f"diloco: interrupted ({INTERRUPTS.name}); newest checkpoint: step {steps[-1]} (resume with: {again})"
 
 
 def _exit_now(status: int) -> NoReturn:
@@ -223,14 +253,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     configure_logging(level)
     try:
         if args.command == "train":
-            return _train(args, argv[1:])
+            with INTERRUPTS.installed():
+                return _train(args, argv[1:])
         return _plot(args)
     except (ValueError, TransportError, OSError) as e:
         print(f"diloco: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
-        print("diloco: interrupted (resume with --resume --name RUN from the last checkpoint)", file=sys.stderr)
-        return 130
+        print(
+            f"diloco: interrupted ({INTERRUPTS.name}) before training started: nothing can be resumed", file=sys.stderr
+        )
+        return INTERRUPTS.status
 
 
 if __name__ == "__main__":

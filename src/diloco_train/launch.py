@@ -24,6 +24,7 @@ from transports import TransportSpec, transport_spec
 
 from .config import RunConfig
 from .data import Corpus, load_corpus
+from .interrupts import INTERRUPTS
 from .join import check_ports, print_join
 from .metrics import TrainResult
 from .ownership import RunOwner
@@ -72,6 +73,12 @@ def train(
     if t.mode == "single" and not spec.threads:
         raise ValueError(
             f"train.mode='single' runs one worker in one process; [transport] kind={spec.kind!r} needs ddp or diloco"
+        )
+    world_env = os.environ.get("WORLD_SIZE", "1")
+    if spec.threads and world_env.isdigit() and int(world_env) > 1:  # torchrun started this process
+        raise ValueError(
+            f"[transport] kind={spec.kind!r} runs all the run's workers in each process, but torchrun started "
+            f"WORLD_SIZE={world_env} processes: add --set transport.kind=torch (docs/lan.md)"
         )
     corpus = load_corpus(config.data)
     config = _resolve_model(config, corpus)
@@ -123,6 +130,8 @@ def train(
             islands=functools.partial(spec.connect_islands, reduce_timeout=timeout) if t.fsdp_shards > 1 else None,
         )
         stack.callback(job.close)
+        if spec.threads:  # this process runs all the run's workers: a signal stops them at a step they checkpoint
+            stack.callback(INTERRUPTS.stop_softly(job.request_stop))
         check_data(config, corpus, world)
         if lead:
             prepare_run_dir(run_dir, config, resume=resume, secret_keys=spec.secret_keys)
@@ -140,6 +149,8 @@ def train(
             ).run()
         else:
             _run_threads(job, transports=transports, show=show_progress)
+        if job.interrupted:
+            raise KeyboardInterrupt
         stack.close()  # the transports are left and metrics.jsonl closed; the folder is still this process's
         if lead:
             _plot(run_dir)

@@ -15,9 +15,21 @@ from transports import transport_spec
 
 from .config import RunConfig, TrainConfig
 
-__all__ = ["agree_run_dir", "default_name", "resume_command"]
+__all__ = ["agree_run_dir", "check_name", "default_name", "resume_command"]
 
 _MAX_BYTES = 255  # a file name's limit on common file systems
+
+
+def check_name(name: str) -> str:
+    """``name`` if it names a folder directly inside ``train.runs_dir``; else a ValueError saying what is valid."""
+    if name in ("", ".", "..") or "/" in name or "\\" in name or "\0" in name or Path(name).is_absolute():
+        raise ValueError(
+            f"--name {name!r} is invalid: expected a folder name inside train.runs_dir (not empty, '.' or '..', "
+            "no '/' or '\\'): set train.runs_dir to write elsewhere"
+        )
+    if len(name.encode("utf-8")) > _MAX_BYTES:
+        raise ValueError(f"--name {name!r} is invalid: expected at most {_MAX_BYTES} bytes (a file name's limit)")
+    return name
 
 
 def default_name(mode: str) -> str:

@@ -23,6 +23,7 @@ from .config import RunConfig
 from .data import BatchSampler, Corpus
 from .divergence import LossWatch, all_finite, newest_checkpoint
 from .fsdp import evaluates, shard_model
+from .interrupts import INTERRUPTS
 from .log_tag import set_worker
 from .metrics import Reporter, TrainResult
 from .model import Llama
@@ -62,6 +63,31 @@ class Job:
     """Rank 0's, once it has finished."""
     warned_nonfinite: bool = False
     """A worker has said that a state of its was not finite, so not checkpointed (said once per process)."""
+    interrupted: bool = False
+    """A signal asked the run to stop: its workers stop at one step (``stop_at``), checkpoint it and leave."""
+    stop_at: int | None = None
+    begun: dict[int, int] = field(default_factory=dict)
+    """Each worker's step once it has begun it (the one it will reach), for ``stop_at``."""
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def request_stop(self) -> bool:
+        """From the signal handler: every worker of this process stops at the same step (``stop_here``) and
+        checkpoints it. False where no worker has begun a step: nothing new to checkpoint, stop at once."""
+        with self.lock:
+            self.interrupted = bool(self.begun)
+            return self.interrupted
+
+    def stop_here(self, rank: int, step: int) -> bool:
+        """Whether ``rank``, about to begin the step after ``step``, stops instead. Once interrupted, the workers
+        stop at the furthest step one of them has begun (they may be a round apart), so each stops at that one
+        step and checkpoints it; none begins a step past it."""
+        with self.lock:
+            if self.interrupted and self.stop_at is None:
+                self.stop_at = max(self.begun.values(), default=step)
+            if self.stop_at is not None and step >= self.stop_at:
+                return True
+            self.begun[rank] = step + 1
+            return False
 
     def close(self) -> None:
         if self.reporter is not None:
@@ -118,7 +144,8 @@ class Worker:
         last_eval = math.nan
         watch = LossWatch(limit=t.max_nonfinite_losses, folder=job.run_dir / "checkpoints", rank=self.rank, lr=t.lr)
         model.train()
-        while step < end and not job.stop.is_set():
+        saved = step  # the step of this worker's newest checkpoint here (the resumed one, or none: 0)
+        while step < end and not job.stop.is_set() and not job.stop_here(self.rank, step):
             sync.before(step)
             t0 = time.perf_counter()
             lr = lr_at(step, t)
@@ -159,7 +186,10 @@ class Worker:
             watch.see(step, loss_value)
             if checkpoint_due(step, end=end, inner_steps=h, every=t.checkpoint_every):
                 self._save(step, sync, sampler)
-        if job.stop.is_set() or not evaluating:
+                saved = step
+        if job.interrupted and not job.stop.is_set() and step > saved:  # the step all workers stopped at
+            self._save(step, sync, sampler)
+        if job.stop.is_set() or job.interrupted or not evaluating:
             return
         if math.isnan(last_eval):  # resumed at the very end: nothing trained, still report where it stands
             last_eval = evaluate(model, val=job.corpus.val, config=c, device=self.device)
@@ -202,13 +232,14 @@ class Worker:
                 newest = newest_checkpoint(job.run_dir / "checkpoints", self.rank)
                 logger.warning("step %d: the state holds NaN or infinite values: not checkpointed (%s)", step, newest)
             return
-        save_worker(
-            job.run_dir,
-            step=step,
-            rank=self.rank,
-            world_size=self.world_size,
-            config=self.config,
-            core=core,
-            data=sampler.state_dict(),
-            same_disk=job.same_disk,
-        )
+        with INTERRUPTS.deferred():
+            save_worker(
+                job.run_dir,
+                step=step,
+                rank=self.rank,
+                world_size=self.world_size,
+                config=self.config,
+                core=core,
+                data=sampler.state_dict(),
+                same_disk=job.same_disk,
+            )
