@@ -282,7 +282,14 @@ def test_a_resume_with_another_model_shape_is_one_error_line(
     assert main(["train", "--name", "r", *common, "--set", "train.stop_after=3"]) == 0
     capsys.readouterr()
     assert main(["train", "--name", "r", "--resume", *common, "--set", change]) == 2
-    err = capsys.readouterr().err
+    err = capsys.readouterr().err  # refused before anything is loaded: the change breaks exact resume
+    key = change.split("=")[0]
+    assert (
+        err.startswith(f"diloco: error: --resume cannot continue the run exactly with {key} changed")
+        and "--force" in err
+    )
+    assert main(["train", "--name", "r", "--resume", "--force", *common, "--set", change]) == 2
+    err = capsys.readouterr().err  # forced: the checkpoint itself does not fit this model
     assert "diloco: error:" in err and "Traceback" not in err
     named = {
         "model.num_layers=2": "the checkpoint's model has 10 parameter tensors, this run's has 17",
