@@ -44,6 +44,9 @@ def digest(diloco: DiLoCo) -> str:
 
 
 def main() -> None:
+    # Ctrl+C raises KeyboardInterrupt, as in a terminal's foreground script, even where the test run itself was
+    # started with SIGINT ignored (a background job of a non-interactive shell), which this process inherits.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     args = json.loads(sys.argv[1])
     torch.set_num_threads(1)
     flag = args.get("die_flag")

@@ -33,3 +33,18 @@ FAST = [
 
 def losses(run: Path) -> list[float]:
     return [r["loss"] for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()) if r["type"] == "step"]
+
+
+def check_interrupted_line(after: list[str], run: Path, *, resume: str, may_have_none: bool) -> None:
+    """A run of processes stopped by Ctrl+C (no soft stop across processes): its one last line names its newest
+    checkpoint with ``resume`` (the command's start) as the hint, or, with none written (only where
+    ``may_have_none``), says that nothing can be resumed."""
+    saved = sorted(int(p.name[4:12]) for p in (run / "checkpoints").glob("step*-rank0.pt"))
+    assert saved or may_have_none
+    if saved:
+        assert len(after) == 1, after
+        assert after[0].startswith(
+            f"diloco: interrupted (SIGINT); newest checkpoint: step {saved[-1]} (resume with: {resume}"
+        ), after
+    else:
+        assert after == ["diloco: interrupted (SIGINT) before the first checkpoint: nothing can be resumed"], after

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import procs
 import pytest
+from runs import check_interrupted_line
 
 from diloco_train.torchrun import split_launcher_args
 
@@ -91,16 +92,12 @@ def test_ctrl_c_under_diloco_torchrun_is_one_line(tmp_path: Path, when: str) -> 
     after = err.read_bytes()[before:].decode().splitlines()
     # The workers stop at once (no soft stop across processes): the line names the newest checkpoint, if any
     # ("mid-run" is 3 steps in, but rank 0 may have checkpointed step 4 before the signal came).
-    saved = sorted(int(p.name[4:12]) for p in (run / "checkpoints").glob("step*-rank0.pt"))
-    assert saved or when == "mid-run"
-    if saved:
-        hint = f"diloco torchrun --standalone --nproc-per-node=2 train --resume --name {name} "
-        assert len(after) == 1, after
-        assert after[0].startswith(
-            f"diloco: interrupted (SIGINT); newest checkpoint: step {saved[-1]} (resume with: {hint}"
-        )
-    else:
-        assert after == ["diloco: interrupted (SIGINT) before the first checkpoint: nothing can be resumed"], after
+    check_interrupted_line(
+        after,
+        run,
+        resume=f"diloco torchrun --standalone --nproc-per-node=2 train --resume --name {name} ",
+        may_have_none=when == "mid-run",
+    )
 
 
 @pytest.mark.timeout(120)

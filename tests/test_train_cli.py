@@ -261,7 +261,9 @@ def test_ctrl_c_ends_with_one_line_that_names_the_run(tmp_path: Path) -> None:
     try:
         metrics = tmp_path / "cut-short" / "metrics.jsonl"
         deadline = time.monotonic() + 90
-        while time.monotonic() < deadline and (not metrics.is_file() or metrics.read_text().count('"step"') < 3):
+        while time.monotonic() < deadline and (
+            not metrics.is_file() or metrics.read_text().count('"type": "step"') < 3
+        ):
             time.sleep(0.2)
         assert metrics.is_file(), "the run logged no steps"
         proc.send_signal(signal.SIGINT)
