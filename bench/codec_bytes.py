@@ -4,7 +4,7 @@
 
 Prints ``RoundReport.bytes_sent`` of one DiLoCo round between 2 in-process workers for each wire
 (and its ratio to fp32), then, on one thread, the time to encode 25M values, to add one payload's
-decoded values into an fp32 sum, to average two payloads (``mean_of_payloads``: what a transport does
+decoded values into an fp32 sum, to average two payloads (``Codec.mean_of``: what a transport does
 with 2 workers), and error feedback's own cost per round (``ErrorFeedback.feed``: add the residual,
 encode, decode, subtract); int8 and int4 with their fused CPU kernels and without (``-eager``).
 """
@@ -17,7 +17,7 @@ import time
 
 import torch
 
-from diloco_core import DiLoCo, DiLoCoConfig, codec_for, mean_of_payloads
+from diloco_core import DiLoCo, DiLoCoConfig, codec_for
 from diloco_core.feedback import ErrorFeedback
 from transports import InProcessGroup
 
@@ -59,7 +59,7 @@ def _times(codec) -> tuple[float, float, float, float]:
     payload, scratch = torch.empty(size, dtype=dtype), torch.empty(N)
     encode = _best_ms(lambda: codec.encode(x, out=payload))
     add = _best_ms(lambda: codec.decode(payload, total))
-    mean = _best_ms(lambda: mean_of_payloads([payload, payload], codec, out=total, scratch=scratch))
+    mean = _best_ms(lambda: codec.mean_of([payload, payload], total, scratch))
     feedback = ErrorFeedback(codec, x, fed=N - 1, on=True)
     return encode, add, mean, _best_ms(lambda: feedback.feed(x))
 

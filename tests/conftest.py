@@ -14,6 +14,7 @@ UNIT_MODULES = frozenset(
         "test_config_rules",
         "test_diloco",
         "test_feedback",
+        "test_merge",
         "test_optimizer",
         "test_overlap",
         "test_sign_codec",

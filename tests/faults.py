@@ -10,7 +10,17 @@ from dataclasses import dataclass
 
 import torch
 
-from diloco_core import FP32, Codec, ForwardingTransport, ReduceHandle, ReduceResult, Transport, TransportError
+from diloco_core import (
+    FP32,
+    MEAN,
+    Codec,
+    ForwardingTransport,
+    Merge,
+    ReduceHandle,
+    ReduceResult,
+    Transport,
+    TransportError,
+)
 
 
 class Phase(enum.Enum):
@@ -63,11 +73,13 @@ class FaultyTransport(ForwardingTransport):
             self.inner.close()
         raise TransportError(f"injected {fault.action.value} at {fault.phase.value} of {fault.key!r} #{fault.round}")
 
-    def all_reduce(self, tensors: Sequence[torch.Tensor], *, codec: Codec = FP32, key: str = "default") -> ReduceHandle:
+    def all_reduce(
+        self, tensors: Sequence[torch.Tensor], *, codec: Codec = FP32, key: str = "default", merge: Merge = MEAN
+    ) -> ReduceHandle:
         self.calls[key] += 1
         n = self.calls[key]
         fault = next((f for f in self.faults if (f.rank, f.round, f.key) == (self.inner.rank, n, key)), None)
         if fault is not None and fault.phase is Phase.START:
             self.act(fault)
-        handle = self.inner.all_reduce(tensors, codec=codec, key=key)
+        handle = self.inner.all_reduce(tensors, codec=codec, key=key, merge=merge)
         return handle if fault is None or fault.phase is Phase.START else _Handle(handle, fault, self)

@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from threads import in_threads
 
-from diloco_core import BF16, CODECS, FP16, FP32, INT4, INT8, DiLoCoConfig, codec_for, mean_of_payloads, reference_mean
+from diloco_core import BF16, CODECS, FP16, FP32, INT4, INT8, DiLoCoConfig, codec_for, reference_mean
 from diloco_core.codecs.names import check_codec
 from diloco_core.codecs.sign import SignCodec
 
@@ -63,7 +63,7 @@ def test_reference_mean_sums_decoded_payloads_in_order_in_fp32():
     wire = [x.half().float() for x in xs]
     assert torch.equal(got, ((wire[0] + wire[1]) + wire[2]) / 3)
     out = torch.empty(3)
-    assert mean_of_payloads([FP16.encode(x) for x in xs], FP16, out=out) is out and torch.equal(out, got)
+    assert FP16.mean_of([FP16.encode(x) for x in xs], out) is out and torch.equal(out, got)
     assert torch.equal(reference_mean(xs, FP32), ((xs[0] + xs[1]) + xs[2]) / 3)
 
 
@@ -171,7 +171,7 @@ def test_huge_values_next_to_tiny_ones_stay_finite_and_within_half_a_step(codec,
     got = codec.decode(payload, torch.empty(x.numel()))
     assert got[0] == pytest.approx(huge, rel=1e-5) and got[1] == pytest.approx(-huge, rel=1e-5)
     assert (got[b : 2 * b].double() - x[b : 2 * b].double()).abs().max() <= 1e-38 / codec.qmax  # own scale
-    mean = mean_of_payloads([payload], codec, out=torch.empty(x.numel()))
+    mean = codec.mean_of([payload], torch.empty(x.numel()))
     assert torch.equal(mean, got)  # one contributor: its decoded values, finite
 
 
@@ -214,7 +214,7 @@ def test_block_codecs_refuse_corrupt_payloads(codec):
         with pytest.raises(ValueError, match="NaN, infinite or negative scale"):
             codec.check(corrupt, 600)
         with pytest.raises(ValueError, match="NaN, infinite or negative scale"):  # never a silently wrong mean
-            mean_of_payloads([payload, corrupt], codec, out=torch.empty(600))
+            codec.mean_of([payload, corrupt], torch.empty(600))
         into = torch.ones(600)
         with pytest.raises(ValueError, match="NaN, infinite or negative scale"):
             codec.decode(corrupt, into)
@@ -233,13 +233,13 @@ def test_reference_mean_with_block_codecs_sums_decoded_payloads_in_order(codec):
 
 @pytest.mark.parametrize("codec", [INT8, INT4], ids=lambda c: c.name)
 def test_the_fused_block_mean_equals_the_plain_definition_bit_for_bit_across_chunks(codec):
-    """``mean_of_payloads`` decodes, sums and divides chunk by chunk (``BlockCodec.mean_of``): over several
+    """``Codec.mean_of`` decodes, sums and divides chunk by chunk (``BlockCodec.mean_of``): over several
     chunks, a partial last block and three contributions it must equal decode-sum-divide value for value."""
     g = torch.Generator().manual_seed(1)
     n = 2 * 2**20 + 3 * codec.block + 77
     xs = [torch.randn(n, generator=g) * (i + 1) for i in range(3)]
     out = torch.full((n,), float("nan"))
-    assert mean_of_payloads([codec.encode(x) for x in xs], codec, out=out) is out
+    assert codec.mean_of([codec.encode(x) for x in xs], out) is out
     plain = [codec.decode(codec.encode(x), torch.empty(n)) for x in xs]
     assert torch.equal(out, ((plain[0] + plain[1]) + plain[2]) / 3)
 

@@ -10,6 +10,7 @@ from threads import in_threads, run_threads
 
 from diloco_core import (
     FP32,
+    MEAN,
     DiLoCo,
     DiLoCoConfig,
     ForwardingTransport,
@@ -219,7 +220,7 @@ class FailingTransport(Transport):
     world_size = property(lambda self: self.inner.world_size)
     capabilities = property(lambda self: self.inner.capabilities)
 
-    def all_reduce(self, tensors, *, codec=FP32, key="default") -> ReduceHandle:
+    def all_reduce(self, tensors, *, codec=FP32, key="default", merge=MEAN) -> ReduceHandle:
         self.calls += 1
         if self.calls in self.fail_at:
             error = self.error
@@ -229,7 +230,7 @@ class FailingTransport(Transport):
                     raise error("injected failure")
 
             return Failed()
-        return self.inner.all_reduce(tensors, codec=codec, key=key)
+        return self.inner.all_reduce(tensors, codec=codec, key=key, merge=merge)
 
     def broadcast(self, tensors, *, src=0, timeout):
         self.inner.broadcast(tensors, src=src, timeout=timeout)
@@ -743,8 +744,9 @@ def test_a_worker_whose_moments_diverged_restarts_its_inner_optimizer():
 
 def test_the_norm_guard_clips_an_insiders_huge_contribution_on_every_worker():
     """Round 1 sets the reference; in round 2 worker 2, whose software does not clip itself, sends 6e4 times
-    its update: every worker clips the mean to norm_clip times round 1's, the same on every worker."""
-    cfg = DiLoCoConfig(inner_steps=1, outer_lr=1.0, outer_momentum=0.0, norm_clip=4.0)
+    its update: every worker clips the mean to norm_clip times round 1's, the same on every worker. The plain
+    mean: the norm guard alone (the robust merge leaves such an insider out first, tests/test_merge.py)."""
+    cfg = DiLoCoConfig(inner_steps=1, outer_lr=1.0, outer_momentum=0.0, norm_clip=4.0, merge="mean")
 
     def worker(t: Transport):
         model = Scalar([0.0] * 8)

@@ -11,7 +11,7 @@ import torch
 from threads import run_threads
 from torch import nn
 
-from diloco_core import FP32, DiLoCo, DiLoCoConfig, ForwardingTransport, Transport, TransportError
+from diloco_core import FP32, MEAN, DiLoCo, DiLoCoConfig, ForwardingTransport, Transport, TransportError
 from diloco_core.streaming import begins_at, strided_fragments, user_fragments
 from diloco_core.transport import Capabilities, ReduceHandle, ReduceResult
 from transports import InProcessGroup
@@ -327,8 +327,8 @@ class _Swarm(ForwardingTransport):
 
     capabilities = Capabilities(fixed_ranks=False)
 
-    def all_reduce(self, tensors, *, codec=FP32, key="default"):
-        return _Done(self.inner.all_reduce(tensors, codec=codec, key=key).wait(10))
+    def all_reduce(self, tensors, *, codec=FP32, key="default", merge=MEAN):
+        return _Done(self.inner.all_reduce(tensors, codec=codec, key=key, merge=merge).wait(10))
 
 
 @pytest.mark.parametrize(("mode", "taken_at"), [("eager", 5), ("streaming", 2), ("streaming", 6)])

@@ -12,7 +12,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from diloco_core import SIGN, DiLoCo, DiLoCoConfig, codec_for, mean_of_payloads, reference_mean
+from diloco_core import SIGN, DiLoCo, DiLoCoConfig, codec_for, reference_mean
 from diloco_core.codecs.sign import SignCodec
 from diloco_core.feedback import ErrorFeedback
 from transports import InProcessGroup
@@ -79,7 +79,7 @@ def test_a_received_payload_with_a_bad_scale_is_refused(scale):
     payload = SIGN.encode(torch.randn(300))
     payload[:4] = torch.tensor([scale]).view(torch.uint8)
     with pytest.raises(ValueError, match="NaN, infinite or negative scale"):
-        mean_of_payloads([payload, SIGN.encode(torch.randn(300))], SIGN, out=torch.empty(300))
+        SIGN.mean_of([payload, SIGN.encode(torch.randn(300))], torch.empty(300))
 
 
 def test_copies_and_other_blocks_stay_sign_codecs_and_bits_other_than_1_are_refused():
@@ -93,7 +93,7 @@ def test_copies_and_other_blocks_stay_sign_codecs_and_bits_other_than_1_are_refu
 def test_the_mean_of_payloads_is_the_reference_mean_bit_for_bit():
     g = torch.Generator().manual_seed(3)
     xs = [torch.randn(2**20 + 999, generator=g) * (r + 1) for r in range(3)]  # chunks, a partial last block
-    out = mean_of_payloads([SIGN.encode(x) for x in xs], SIGN, out=torch.empty(xs[0].numel()))
+    out = SIGN.mean_of([SIGN.encode(x) for x in xs], torch.empty(xs[0].numel()))
     assert torch.equal(out, reference_mean(xs, SIGN))
 
 

@@ -3,12 +3,13 @@
 from .codecs.base import BF16, FP16, FP32, CastCodec, Codec
 from .codecs.block import INT4, INT8, BlockCodec
 from .codecs.names import CODECS, SIGN, codec_for
-from .codecs.wire import mean_of_payloads, reference_mean
+from .codecs.wire import reference_mean
 from .config import DiLoCoConfig
 from .diloco import DiLoCo
 from .forwarding import ForwardingTransport
 from .guard import ContributionGuard
 from .membership import Membership
+from .merge import MEAN, LeftOut, Merge, MergeRule
 from .optimizer import DiLoCoOptimizer
 from .report import PendingRound, RoundReport
 from .run_state import RunState
@@ -21,6 +22,7 @@ __all__ = [
     "FP32",
     "INT4",
     "INT8",
+    "MEAN",
     "SIGN",
     "BlockCodec",
     "Capabilities",
@@ -32,7 +34,10 @@ __all__ = [
     "DiLoCoOptimizer",
     "ForwardingTransport",
     "FutureHandle",
+    "LeftOut",
     "Membership",
+    "Merge",
+    "MergeRule",
     "PendingRound",
     "ReduceHandle",
     "ReduceResult",
@@ -42,6 +47,5 @@ __all__ = [
     "Transport",
     "TransportError",
     "codec_for",
-    "mean_of_payloads",
     "reference_mean",
 ]

@@ -74,6 +74,8 @@ def settings_of(c: DiLoCoConfig, *, codec: Codec, outer_lr: float, fragments: Se
         "codec": str(codec.identity),  # its name, block and payload layout
         "error_feedback": fragments[0].feedback.on,
         "norm_clip": c.norm_clip,
+        "merge": c.merge,
+        "outlier_ratio": c.outlier_ratio,
         "overlap": c.overlap,
         "fragments": len(fragments),
         "overlap_steps": c.overlap_steps,

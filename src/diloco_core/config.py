@@ -12,6 +12,7 @@ from .codecs.block import check_block
 from .codecs.names import CODECS
 
 __all__ = [
+    "MERGE_RULES",
     "OVERLAP_MODES",
     "DiLoCoConfig",
     "Rule",
@@ -30,6 +31,8 @@ __all__ = [
 ]
 
 OVERLAP_MODES = ("none", "streaming", "eager")
+MERGE_RULES = ("robust", "mean")
+"""``DiLoCoConfig.merge``'s values: ``diloco_core.merge.MergeRule``'s."""
 """How a round's reduce meets training (``DiLoCoConfig.overlap``, docs/overlap.md)."""
 
 
@@ -203,6 +206,13 @@ class DiLoCoConfig:
     norm_clip: float | None = field(default=None, metadata=number(gt=1, noun="a finite number", unset=True))
     """The norm guard (``diloco_core.guard``): clip each worker's pseudo-gradient, and the round's mean, to
     this many times their norms in the last round it did not clip. Unset: off. A number > 1 (e.g. 4)."""
+    merge: str = field(default="robust", metadata=choice(MERGE_RULES))
+    """How a round's contributions become its update (``diloco_core.merge``): ``robust`` leaves out a
+    contribution further than ``outlier_ratio`` times the median distance from the contributions' coordinate-wise
+    median (with 3 contributors or more: 2 have no majority), and averages the rest; where none is that far, the
+    plain mean bit for bit. ``mean``: the plain mean of every contribution (``MERGE_RULES``)."""
+    outlier_ratio: float = field(default=3.0, metadata=number(gt=1, noun="a finite number"))
+    """``merge = "robust"``: how many median distances from the centre a contribution may be before it is left out."""
     overlap: str = field(default="none", metadata=choice(OVERLAP_MODES))
     """``none`` (every worker waits for the round's mean), ``streaming`` (the model's fragments one after another,
     each reduce behind ``overlap_steps`` inner steps) or ``eager`` (the round's reduce behind the next

@@ -16,6 +16,7 @@ import torch
 
 from .codecs.base import FP32, Codec
 from .membership import Membership
+from .merge import MEAN, Merge
 from .run_state import RunState
 from .transport import Capabilities, ReduceHandle, Transport
 
@@ -51,8 +52,10 @@ class ForwardingTransport(Transport):
     def world_size(self) -> int:
         return self.inner.world_size
 
-    def all_reduce(self, tensors: Sequence[torch.Tensor], *, codec: Codec = FP32, key: str = "default") -> ReduceHandle:
-        return self.inner.all_reduce(tensors, codec=codec, key=key)
+    def all_reduce(
+        self, tensors: Sequence[torch.Tensor], *, codec: Codec = FP32, key: str = "default", merge: Merge = MEAN
+    ) -> ReduceHandle:
+        return self.inner.all_reduce(tensors, codec=codec, key=key, merge=merge)
 
     def broadcast(self, tensors: Sequence[torch.Tensor], *, src: int = 0, timeout: float) -> None:
         self.inner.broadcast(tensors, src=src, timeout=timeout)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -12,6 +13,7 @@ from .config import DiLoCoConfig
 from .feedback import ErrorFeedback
 from .flat import FlatBuffer, norm_of
 from .guard import ContributionGuard
+from .merge import Merge, MergeRule
 from .transport import ReduceHandle, ReduceResult, Transport
 
 __all__ = ["Fragment", "Settled", "cut"]
@@ -45,8 +47,11 @@ class Fragment:
         norm_clip: float | None,
         error_feedback: bool,
         compare: bool,
+        merge: Merge,
     ) -> None:
+        """``merge``: how the contributions are merged; it judges the pseudo-gradient, never the guard's tail."""
         self.key, self.local, self.flat, self.views, self.codec = key, list(local), flat, list(views), codec
+        self.merge = dataclasses.replace(merge, judged=flat.numel())
         self.guard = ContributionGuard(codec, norm_clip=norm_clip, numel=flat.numel(), compare=compare)
         self.reduce = FlatBuffer(self.local, flat.device, extra=self.guard.tail_size)
         self.feedback = ErrorFeedback(codec, self.reduce.flat, fed=flat.numel(), on=error_feedback)
@@ -75,7 +80,7 @@ class Fragment:
             except ValueError:  # with the residual, past what the wire carries (fp16)
                 excluded = True
                 self.guard.mark(flat, excluded=True, norm=norm, global_flat=self.flat)
-        return transport.all_reduce([flat], codec=self.codec, key=self.key), excluded
+        return transport.all_reduce([flat], codec=self.codec, key=self.key, merge=self.merge), excluded
 
     def settle(self, result: ReduceResult, *, excluded: bool) -> Settled:
         """After the reduce: the mean rescaled to the valid contributions, the residual committed."""
@@ -124,6 +129,7 @@ def cut(
                 norm_clip=config.norm_clip,
                 error_feedback=config.error_feedback,
                 compare=compare,
+                merge=Merge(rule=MergeRule(config.merge), outlier_ratio=config.outlier_ratio),
             )
         )
         start, first = start + n, first + len(g)

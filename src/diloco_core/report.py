@@ -7,6 +7,7 @@ import time
 from dataclasses import dataclass
 
 from .fragment import Settled
+from .merge import LeftOut
 from .transport import ReduceHandle, ReduceResult
 
 __all__ = ["PendingRound", "RoundReport", "log_round", "report_of"]
@@ -75,6 +76,10 @@ class RoundReport:
     """The norm guard scaled the round's mean down (the same on every worker)."""
     fragment: int = 0
     """The fragment this round synchronized (streaming; 0 otherwise)."""
+    outliers: tuple[LeftOut, ...] = ()
+    """Contributions the robust merge left out (``DiLoCoConfig.merge``), and by how much: who sent each (as the
+    transport names contributors) and its distance from the centre in median distances. As far as this worker
+    saw: all of them where it merged every payload, those of its own parts where members merge parts."""
 
 
 def report_of(pending: PendingRound, *, round: int, mean_norm: float, mean_clipped: bool) -> RoundReport:
@@ -96,6 +101,7 @@ def report_of(pending: PendingRound, *, round: int, mean_norm: float, mean_clipp
         clipped=pending.clipped,
         mean_clipped=mean_clipped,
         fragment=pending.fragment,
+        outliers=result.left_out,
     )
 
 
@@ -126,6 +132,16 @@ def log_round(report: RoundReport) -> RoundReport:
         logger.warning("round %d: %d of %d contributions left out (not finite)", report.round, left_out, n)
     if report.valid_contributors == 0 and report.num_contributors:  # 0 contributors: eager's first boundary
         logger.warning("round %d: no valid contribution: no outer step, the global params are unchanged", report.round)
+    if report.outliers:
+        who = ", ".join(f"{o.who} ({o.ratio:.3g}x)" for o in report.outliers)
+        logger.warning(
+            "round %d: the robust merge left out %d of %d contributions, each further from the others' median "
+            "than its outlier_ratio allows (in median distances): %s",
+            report.round,
+            len(report.outliers),
+            report.num_contributors,
+            who,
+        )
     if report.clipped or report.mean_clipped:
         what = " and ".join(w for w, on in (("this worker's", report.clipped), ("the mean", report.mean_clipped)) if on)
         logger.warning("round %d: the norm guard clipped %s pseudo-gradient", report.round, what)

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from .codecs.base import FP32, Codec
+from .merge import MEAN, LeftOut, Merge
 
 __all__ = [
     "Capabilities",
@@ -66,6 +67,9 @@ class ReduceResult:
     bytes_received: int
     seconds: float
     """Wall time from the start of the collective until its result was in place."""
+    left_out: tuple[LeftOut, ...] = ()
+    """Contributions the merge left out (``Merge``), as far as this member saw: every one where a member merges
+    every payload (in-process, torch with up to 3 ranks), those of the parts it merged where members merge parts."""
 
 
 class ReduceHandle(ABC):
@@ -134,10 +138,13 @@ class Transport(ABC):
         """Members the transport currently knows of (contributors to a given reduce may be fewer)."""
 
     @abstractmethod
-    def all_reduce(self, tensors: Sequence[torch.Tensor], *, codec: Codec = FP32, key: str = "default") -> ReduceHandle:
+    def all_reduce(
+        self, tensors: Sequence[torch.Tensor], *, codec: Codec = FP32, key: str = "default", merge: Merge = MEAN
+    ) -> ReduceHandle:
         """Start averaging the fp32 ``tensors`` in place across the group, each contribution (the tensors'
         concatenation) travelling as ``codec``'s payload (the transport moves payloads; the codec encodes and
-        decodes them)."""
+        decodes them), merged by ``merge`` wherever the transport holds the received payloads (every member
+        passes the same)."""
 
     @abstractmethod
     def broadcast(self, tensors: Sequence[torch.Tensor], *, src: int = 0, timeout: float) -> None:

@@ -1,8 +1,8 @@
 """In-process transport: ranks are threads of one process sharing an ``InProcessGroup``.
 
 It is the oracle the network transports are tested against: the mean of the contributions' codec
-payloads in rank order (``diloco_core.mean_of_payloads``), computed once and handed to every
-rank. Collectives meet by key: the n-th call with a key on every rank meets in the same slot. A rank that ``close()``s leaves
+payloads in rank order (``Codec.mean_of``), or their ``Merge`` where one is given, computed once and handed to
+every rank. Collectives meet by key: the n-th call with a key on every rank meets in the same slot. A rank that ``close()``s leaves
 the group; collectives then complete among the members that remain.
 """
 
@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from diloco_core import FP32, Codec, mean_of_payloads
+from diloco_core import FP32, MEAN, Codec, LeftOut, Merge
 from diloco_core.codecs.names import check_codec
 from diloco_core.config import check_fields, integer, string
 from diloco_core.transport import Capabilities, ReduceHandle, ReduceResult, Transport, TransportError, reduce_inputs
@@ -47,11 +47,13 @@ class _Slot:
 
     kind: str
     codec: Codec
+    merge: Merge
     numels: list[int] = field(default_factory=list)
     """Values per tensor (a payload may hold another number of elements)."""
     contributions: dict[int, list[torch.Tensor]] = field(default_factory=dict)
     result: list[torch.Tensor] | None = None
     num_contributors: int = 0
+    left_out: tuple[LeftOut, ...] = ()
     error: str | None = None
     consumed: set[int] = field(default_factory=set)
 
@@ -87,11 +89,40 @@ class InProcessGroup:
             return len(self._members)
 
     def join(
-        self, rank: int, *, kind: str, key: str, codec: Codec, tensors: list[torch.Tensor] | None, numels: list[int]
+        self,
+        rank: int,
+        *,
+        kind: str,
+        key: str,
+        codec: Codec,
+        tensors: list[torch.Tensor] | None,
+        numels: list[int],
+        merge: Merge = MEAN,
     ) -> tuple[tuple[str, int], _Slot]:
         """``rank``'s next collective of ``key`` (its contribution, if any): the slot it meets the others in."""
         with self._cond:
-            return self._join(rank, kind=kind, key=key, codec=codec, tensors=tensors, numels=numels)
+            if rank not in self._members:
+                raise TransportError(f"rank {rank} has left the in-process group")
+            n = self._next_op.get((rank, key), 0)
+            self._next_op[rank, key] = n + 1
+            op = (key, n)
+            slot = self._slots.setdefault(op, _Slot(kind, codec, merge, numels))
+            mine = (kind, codec.identity, merge)  # the codec's name, block and layout
+            if (slot.kind, slot.codec.identity, slot.merge) != mine:
+                slot.error = (
+                    f"collective #{n} of key {key!r} mismatched: {slot.kind}/{slot.codec.identity}/{slot.merge} vs "
+                    f"{kind}/{codec.identity}/{merge} on rank {rank}"
+                )
+            elif tensors is not None:
+                first = next(iter(slot.contributions.values()), tensors)
+                if [t.shape for t in first] != [t.shape for t in tensors] or slot.numels != numels:
+                    slot.error = (
+                        f"collective #{n} of key {key!r}: rank {rank} sent shapes that differ from the other ranks'"
+                    )
+                slot.contributions[rank] = tensors
+            self._complete(slot)
+            self._cond.notify_all()
+            return op, slot
 
     def await_mean(self, op: tuple[str, int], slot: _Slot, *, rank: int, timeout: float) -> list[torch.Tensor]:
         """The mean of ``op`` once every member contributed; ``TransportError`` if it failed or did not complete
@@ -148,31 +179,6 @@ class InProcessGroup:
 
     # Everything below runs with self._cond held.
 
-    def _join(
-        self, rank: int, *, kind: str, key: str, codec: Codec, tensors: list[torch.Tensor] | None, numels: list[int]
-    ) -> tuple[tuple[str, int], _Slot]:
-        if rank not in self._members:
-            raise TransportError(f"rank {rank} has left the in-process group")
-        n = self._next_op.get((rank, key), 0)
-        self._next_op[rank, key] = n + 1
-        op = (key, n)
-        slot = self._slots.setdefault(op, _Slot(kind, codec, numels))
-        if (slot.kind, slot.codec.identity) != (kind, codec.identity):  # name, block and layout
-            slot.error = (
-                f"collective #{n} of key {key!r} mismatched: {slot.kind}/{slot.codec.identity} vs "
-                f"{kind}/{codec.identity} on rank {rank}"
-            )
-        elif tensors is not None:
-            first = next(iter(slot.contributions.values()), None)
-            if first is not None and ([t.shape for t in first] != [t.shape for t in tensors] or slot.numels != numels):
-                slot.error = (
-                    f"collective #{n} of key {key!r}: rank {rank} sent shapes that differ from the other ranks'"
-                )
-            slot.contributions[rank] = tensors
-        self._complete(slot)
-        self._cond.notify_all()
-        return op, slot
-
     def _complete(self, slot: _Slot) -> None:
         if slot.kind != "all_reduce" or slot.result is not None or slot.error is not None:
             return
@@ -180,7 +186,8 @@ class InProcessGroup:
             return
         ranks = sorted(slot.contributions)
         out = torch.empty(sum(slot.numels), dtype=torch.float32)
-        mean_of_payloads([slot.contributions[r][0] for r in ranks], slot.codec, out=out)
+        payloads = [slot.contributions[r][0] for r in ranks]
+        slot.left_out = slot.merge.of(payloads, codec=slot.codec, out=out, who=[f"rank {r}" for r in ranks])
         slot.result = list(out.split(slot.numels))
         slot.num_contributors = len(ranks)
         slot.contributions.clear()
@@ -217,7 +224,8 @@ class _Handle(ReduceHandle):
         torch._foreach_copy_(self._tensors, [r.view_as(t) for r, t in zip(result, self._tensors)])
         g.consume(self._op, slot, self._rank)
         sent = slot.codec.payload_bytes(sum(slot.numels))
-        return ReduceResult(slot.num_contributors, sent, sum(slot.numels) * 4, time.perf_counter() - self._start)
+        took = time.perf_counter() - self._start
+        return ReduceResult(slot.num_contributors, sent, sum(slot.numels) * 4, took, left_out=slot.left_out)
 
 
 class InProcessTransport(Transport):
@@ -249,7 +257,9 @@ class InProcessTransport(Transport):
     def world_size(self) -> int:
         return self._group.num_members()
 
-    def all_reduce(self, tensors: Sequence[torch.Tensor], *, codec: Codec = FP32, key: str = "default") -> ReduceHandle:
+    def all_reduce(
+        self, tensors: Sequence[torch.Tensor], *, codec: Codec = FP32, key: str = "default", merge: Merge = MEAN
+    ) -> ReduceHandle:
         start = time.perf_counter()
         tensors = reduce_inputs(tensors)
         check_codec(codec)
@@ -258,7 +268,9 @@ class InProcessTransport(Transport):
         flat = tensors[0].reshape(-1) if len(tensors) == 1 else torch.cat([t.reshape(-1) for t in tensors])
         payload = [codec.encode(flat)]
         numels = [t.numel() for t in tensors]
-        op, slot = self._group.join(self._rank, kind="all_reduce", key=key, codec=codec, tensors=payload, numels=numels)
+        op, slot = self._group.join(
+            self._rank, kind="all_reduce", key=key, codec=codec, tensors=payload, numels=numels, merge=merge
+        )
         return _Handle(self._group, self._rank, op=op, slot=slot, tensors=tensors, start=start)
 
     def broadcast(self, tensors: Sequence[torch.Tensor], *, src: int = 0, timeout: float) -> None:

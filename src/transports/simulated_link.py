@@ -13,6 +13,7 @@ before it (in call order; every transport but the in-process one requires that o
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -21,7 +22,7 @@ from typing import Any
 
 import torch
 
-from diloco_core import FP32, Codec
+from diloco_core import FP32, MEAN, Codec, Merge
 from diloco_core.config import check_field, check_fields, from_mapping, is_finite_number, number
 from diloco_core.forwarding import ForwardingTransport
 from diloco_core.transport import ReduceHandle, ReduceResult, Transport, TransportError
@@ -98,9 +99,11 @@ class SimulatedLink(ForwardingTransport):
         """Seconds the link takes to deliver ``nbytes`` once it is free."""
         return self.latency + nbytes * 8 / self.bandwidth
 
-    def all_reduce(self, tensors: Sequence[torch.Tensor], *, codec: Codec = FP32, key: str = "default") -> ReduceHandle:
+    def all_reduce(
+        self, tensors: Sequence[torch.Tensor], *, codec: Codec = FP32, key: str = "default", merge: Merge = MEAN
+    ) -> ReduceHandle:
         start = self.clock()
-        handle = _LinkHandle(self, self.inner.all_reduce(tensors, codec=codec, key=key), start)
+        handle = _LinkHandle(self, self.inner.all_reduce(tensors, codec=codec, key=key, merge=merge), start)
         with self._lock:
             self._queue.append(handle)
         return handle
@@ -158,6 +161,4 @@ class _LinkHandle(ReduceHandle):
         if left > 0:
             link.sleep(left)
         r = self.result
-        return ReduceResult(
-            r.num_contributors, r.bytes_sent, r.bytes_received, max(self.done_at - self.start, r.seconds)
-        )
+        return dataclasses.replace(r, seconds=max(self.done_at - self.start, r.seconds))

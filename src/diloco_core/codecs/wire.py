@@ -13,18 +13,7 @@ import torch
 from .base import Codec
 from .names import codec_for
 
-__all__ = ["mean_of_payloads", "reference_mean"]
-
-
-def mean_of_payloads(
-    payloads: Sequence[torch.Tensor],
-    codec: Codec,
-    out: torch.Tensor,
-    scratch: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """``out`` = the fp32 mean of the decoded ``payloads``, summed in the given order (``Codec.mean_of``)."""
-    assert payloads, "a mean needs at least one contribution"
-    return codec.mean_of(payloads, out, scratch)
+__all__ = ["reference_mean"]
 
 
 def reference_mean(
@@ -40,7 +29,7 @@ def reference_mean(
     payloads = [codec.encode(c.reshape(-1)) for c in contributions]
     first = contributions[0]
     total = torch.empty(first.numel(), dtype=torch.float32, device=first.device) if out is None else out.view(-1)
-    # The definition, written plainly (not ``mean_of_payloads``, whose fused paths it checks): decode each
+    # The definition, written plainly (not ``Codec.mean_of``, whose fused paths it checks): decode each
     # payload, sum in order, divide.
     decoded = torch.empty_like(total) if scratch is None else scratch.view(-1)
     codec.decode(payloads[0], total)

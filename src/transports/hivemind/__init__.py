@@ -14,7 +14,7 @@ One all-reduce (``HivemindTransport.all_reduce``) runs in phases:
    came with matchmaking; if they differ nothing is sent, peers holding the group's state retry
    without the others, and a peer that is behind takes the group's state (``StateReplaced``);
 3. butterfly all-reduce: every peer owns one slice of the values. Casts: the owner sums the wire
-   values in fp32 *in group order* (``mean_of_payloads``) and sends back the mean rounded to the wire
+   values in fp32 *in group order* (``Merge.of``) and sends back the mean rounded to the wire
    dtype (not hivemind's compressed delta ``local + fp16(avg - local)``). Block codecs (int8, int4):
    parts are cut at codec blocks, every contributor sends the owner its payload of each part, the owner
    sends each groupmate the *other* contributors' payloads, and every peer sums all of a part's

@@ -11,7 +11,7 @@ from hivemind.averaging.allreduce import AllreduceException
 from hivemind.averaging.matchmaking import MatchmakingException
 from hivemind.p2p import P2PDaemonError, P2PHandlerError
 
-from diloco_core import Codec
+from diloco_core import Codec, LeftOut
 from diloco_core.transport import ReduceResult, TransportError
 
 from .averager import Averager
@@ -79,9 +79,10 @@ def commit(
     """Copy the group's result ``out`` (None: alone) into ``tensors``; the result and the group's peers.
     Called under the transport's lock."""
     if out is None:  # nobody to average with: my own values, as OpenDiLoCo
-        n, sent, received, group = 1, 0, 0, []
+        n, sent, received, group, left_out = 1, 0, 0, [], ()
     else:  # the payload bytes this peer really sent and received in the round (its runner counted)
         n, sent, received, group = len(out["peers"]), out["sent"], out["received"], list(out["peers"])
+        left_out = tuple(LeftOut(who, ratio) for who, ratio in out["left_out"])
     # Alone, the buffer holds my own values as they travel, like every contributor's.
     with averager.get_tensors() as (buf,):
         if outcome.abandoned:  # the caller timed out and may be retrying with these tensors
@@ -93,5 +94,7 @@ def commit(
         if tracked:  # alone, my state leaves the group's: my own mark, never equal to theirs
             state.commit(out["digest"] if out is not None else b"alone:" + me)
         took = time.perf_counter() - start
-        outcome.result = ReduceResult(num_contributors=n, bytes_sent=sent, bytes_received=received, seconds=took)
+        outcome.result = ReduceResult(
+            num_contributors=n, bytes_sent=sent, bytes_received=received, seconds=took, left_out=left_out
+        )
     return outcome.result, group

@@ -31,7 +31,8 @@ from hivemind.p2p import P2PContext
 from hivemind.proto import averaging_pb2, runtime_pb2
 from hivemind.utils import get_dht_time
 
-from diloco_core import Codec
+from diloco_core import Codec, Merge
+from diloco_core.merge import combined
 
 from .auth import MAC_BYTES, RunKeys, unwrap_gather, wrap_gather
 from .block_runner import BlockRunner
@@ -57,11 +58,18 @@ class Averager(DecentralizedAverager):
     """Added to this process's niceness as it starts (``HivemindConfig.background_niceness``)."""
 
     def __init__(
-        self, *, codec: Codec, faults: HivemindFaults, keys: RunKeys, presence_key: str | None = None, **kwargs: Any
+        self,
+        *,
+        codec: Codec,
+        merge: Merge,
+        faults: HivemindFaults,
+        keys: RunKeys,
+        presence_key: str | None = None,
+        **kwargs: Any,
     ) -> None:
         """``presence_key``: declare this peer alive in the DHT under that key (``swarm.Swarm`` reads it).
         ``keys``: the run's (``auth``): joins, confirmations and state downloads are checked with them."""
-        self.codec, self.faults, self.presence_key, self.keys = codec, faults, presence_key, keys
+        self.codec, self.merge, self.faults, self.presence_key, self.keys = codec, merge, faults, presence_key, keys
         self._presence: dict = {}
         self._confirms: OrderedDict[bytes, dict] = OrderedDict()
         self._groups: dict[bytes, dict] = {}  # per group id: its deadline, then its result's digest
@@ -205,7 +213,7 @@ class Averager(DecentralizedAverager):
             await super()._aggregate_with_group(group_info, min_vector_size, **kwargs)
             peers = [p.to_bytes() for p in group_info.peer_ids]
             done = self._groups[group_id]
-            return {"peers": peers, "digest": done["digest"], "sent": done["sent"], "received": done["received"]}
+            return {k: done[k] for k in ("digest", "sent", "received", "left_out")} | {"peers": peers}
         finally:
             self._groups.pop(group_id, None)
 
@@ -223,6 +231,7 @@ class Averager(DecentralizedAverager):
             group_id=group_id,
             ordered_peer_ids=group_info.peer_ids,
             codec=self.codec,
+            merge=self.merge,
             faults=self.faults,
             **kwargs,
         )
@@ -239,7 +248,9 @@ class Averager(DecentralizedAverager):
             error = f"{type(e).__name__}: {e}"
         digest = b"" if error else runner.digest()
         await self._confirm(group_info.peer_ids, group_id, error=error, digest=digest)
+        left_out = [(o.who, o.ratio) for o in combined(runner.left_out)]  # plain values back to the transport
         self._groups[group_id].update(digest=digest, sent=runner.bytes_sent, received=runner.bytes_received)
+        self._groups[group_id]["left_out"] = left_out
 
     async def _confirm(self, peer_ids: Sequence[Any], group_id: bytes, *, error: str | None, digest: bytes) -> None:
         others = [p for p in peer_ids if p != self.peer_id]

@@ -6,7 +6,7 @@ buffer holds fp32 values, each part is a block-aligned slice, and its payload (`
 slice) is a valid payload of those values, exactly the matching blocks of the whole contribution's.
 Per part, every contributor sends the part's owner its payload; the owner sends each groupmate the
 payloads of the *other* contributors (group order, concatenated), and every peer sums all the part's
-payloads, its own included, with ``mean_of_payloads`` in group order: the very same fp32 mean on every
+payloads, its own included, merged (``Merge.of``) in group order: the very same fp32 mean on every
 peer, never rounded again. With 2 peers this moves as many bytes as the butterfly (each peer sends one
 whole payload); with n peers each sends n - 1 payloads, like an all-gather.
 
@@ -30,7 +30,7 @@ from hivemind.compression import deserialize_torch_tensor, serialize_torch_tenso
 from hivemind.proto import averaging_pb2, runtime_pb2
 from hivemind.utils.asyncio import aiter_with_timeout, amap_in_executor, as_aiter
 
-from diloco_core import Codec, mean_of_payloads
+from diloco_core import Codec
 
 from .checks import check_tensor
 from .reducer import Runner, part_sum
@@ -102,7 +102,8 @@ class BlockRunner(Runner):
         for p in others:
             self.codec.check(p, part.numel())
         payloads = others[: self.me] + [self.own.pop(where)] + others[self.me :]
-        mean_of_payloads(payloads, self.codec, out=part)
+        start = self.starts[index][part_index]
+        self.left_out += self.merge.of(payloads, codec=self.codec, out=part, start=start, who=self.who)
         return got.numel(), part_sum(part)
 
     async def _communicate_with_peer(self, peer_id: Any) -> None:

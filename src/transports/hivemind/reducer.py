@@ -12,6 +12,8 @@ tested (``>=1.1.10,<1.2``). Check these overrides against hivemind's before wide
 import asyncio
 import functools
 import hashlib
+import itertools
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -21,7 +23,7 @@ from hivemind.compression import deserialize_torch_tensor, serialize_torch_tenso
 from hivemind.proto import averaging_pb2, runtime_pb2
 from hivemind.utils.asyncio import aiter_with_timeout, amap_in_executor
 
-from diloco_core import FP32, Codec, mean_of_payloads
+from diloco_core import FP32, MEAN, Codec, LeftOut, Merge
 
 from .checks import check_tensor, checked
 from .faults import HivemindFaults
@@ -41,10 +43,15 @@ def part_sum(t: torch.Tensor) -> int:
 
 
 class OrderedReducer(TensorPartReducer):
-    """Keeps every sender's part; once all arrived, their mean is ``mean_of_payloads`` of them in group
-    order (not arrival order): the same arithmetic as the transport contract's reference."""
+    """Keeps every sender's part; once all arrived, they are merged (``Merge.of``) in group order (not arrival
+    order): the same arithmetic as the transport contract's reference."""
 
-    codec: Codec = FP32  # set by the Runner
+    codec: Codec = FP32  # these four set by the Runner
+    merge: Merge = MEAN
+    starts: Sequence[int] = ()
+    """Where each of the parts this reducer merges begins in the averaged values."""
+    who: Sequence[str] = ()
+    left_out: list[LeftOut]
 
     def reset_accumulators(self) -> None:
         self.received: dict[int, torch.Tensor] = {}
@@ -72,8 +79,15 @@ class OrderedReducer(TensorPartReducer):
         """Once every sender's part is in: the future's result is (mean, the parts by sender index)."""
         if self.current_part_accumulated_from == self.num_current_senders:
             received = self.received
-            parts = [received[i] for i in sorted(received)]
-            mean = mean_of_payloads(parts, self.codec, out=self.accumulator)
+            senders = sorted(received)
+            mean = self.accumulator
+            self.left_out += self.merge.of(
+                [received[i] for i in senders],
+                codec=self.codec,
+                out=mean,
+                start=self.starts[self.current_part_index],
+                who=[self.who[i] for i in senders],
+            )
             self.current_part_future.set_result((mean, received))
             self.reset_accumulators()
 
@@ -82,16 +96,24 @@ class Runner(AllReduceRunner):
     """Returns the rounded mean itself (not a delta), checks what it receives, records failures, and
     writes every mean part straight into the averaged tensors (no final concatenation and copy)."""
 
-    def __init__(self, *, codec: Codec, faults: HivemindFaults, **kwargs: Any) -> None:
+    def __init__(self, *, codec: Codec, merge: Merge, faults: HivemindFaults, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.wire = codec.elementwise_dtype  # parts of an element-wise payload are payloads of the parts
         self.faults = faults
         self.failures: list[str] = []
         self.tensor_part_reducer.finished.set()  # replaced before use: keep its finalizer quiet
         self.tensor_part_reducer = OrderedReducer(self.tensor_part_reducer.part_shapes, len(self.sender_peer_ids))
-        self.tensor_part_reducer.codec = codec
         container = self.tensor_part_container
         self.inputs = [[p for p, _ in parts] for parts in container._input_parts_by_peer]  # views of the tensors
+        self.merge = merge
+        self.who = [str(p) for p in self.ordered_peer_ids]
+        self.left_out: list[LeftOut] = []  # what the merges of the parts this peer reduced left out
+        offsets = itertools.accumulate((p.numel() for parts in self.inputs for p in parts), initial=0)
+        flat = iter(offsets)  # hivemind cuts the values into consecutive parts, peer after peer
+        self.starts = [[next(flat) for _ in parts] for parts in self.inputs]
+        reducer = self.tensor_part_reducer
+        reducer.codec, reducer.merge, reducer.who, reducer.left_out = codec, merge, self.who, self.left_out
+        reducer.starts = self.starts[self.ordered_peer_ids.index(self.peer_id)]
         self.expected = [[p.shape for p in parts] for parts in self.inputs]
         self.part_sums: dict[tuple[int, int], int] = {}
         self.bytes_sent = self.bytes_received = 0  # the values' payloads this peer sent and received

@@ -19,7 +19,7 @@ from hivemind.dht.protocol import DHTProtocol
 from hivemind.dht.routing import DHTID
 from hivemind.dht.storage import DictionaryDHTValue
 
-from diloco_core import Codec
+from diloco_core import MEAN, Codec, Merge
 from diloco_core.transport import TransportError
 
 from .auth import RunKeys, averager_keys
@@ -125,9 +125,17 @@ class Resources:
         self.p2pd_socket = maddr.value_for_protocol("unix") if "/unix/" in str(maddr) else None
 
     def start_averager(
-        self, size: int, codec: Codec, *, prefix: str, share: bool = False, presence_key: str | None = None
+        self,
+        size: int,
+        codec: Codec,
+        *,
+        prefix: str,
+        merge: Merge = MEAN,
+        share: bool = False,
+        presence_key: str | None = None,
     ) -> Averager:
-        """An averager of ``size`` values travelling as ``codec`` (a process), serving state to joiners if ``share``.
+        """An averager of ``size`` values travelling as ``codec`` and merged by ``merge`` (a process), serving
+        state to joiners if ``share``.
         Its buffer holds the values in the wire dtype (casts) or in fp32 (block codecs: encoded per part)."""
         cfg = self.config
         # Its records are the run's from the start (merged into the DHT's validator: auth.RecordAuth.merge_with).
@@ -138,6 +146,7 @@ class Resources:
             start=False,
             prefix=prefix,
             codec=codec,
+            merge=merge,
             faults=self.faults,
             keys=self.keys,
             presence_key=presence_key,

@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from diloco_core import FP32, Codec
+from diloco_core import FP32, MEAN, Codec, Merge
 from diloco_core.codecs.names import check_codec
 from diloco_core.membership import Membership
 from diloco_core.run_state import RunState
@@ -62,7 +62,7 @@ class HivemindTransport(Transport, Membership):
         )
         self._finalizer = weakref.finalize(self, self._res.close)
         self._lock = threading.RLock()
-        self._averagers: dict[tuple[str, int, str], Averager] = {}  # per (key, size, codec)
+        self._averagers: dict[tuple[str, int, str, Merge], Averager] = {}  # per (key, size, codec, merge)
         self._last_group: list[bytes] = []
         self._closed = False
         self._snapshot_on_commit = False
@@ -174,16 +174,19 @@ class HivemindTransport(Transport, Membership):
 
     # -- averaging -----------------------------------------------------------------------------------
 
-    def _averager(self, key: str, size: int, codec: Codec) -> Averager:
-        """The averager of ``key`` (hivemind fixes an averager's tensors when it starts: one per size and codec)."""
+    def _averager(self, key: str, size: int, codec: Codec, merge: Merge) -> Averager:
+        """The averager of ``key`` (hivemind fixes an averager's tensors when it starts: one per size, codec and
+        merge)."""
         wire = str(codec.identity)
-        ident = (key, size, wire)  # peers meet only with the same codec identity (block size, payload layout)
+        ident = (key, size, wire, merge)  # peers meet only with the same codec identity (block size, layout)
         if ident not in self._averagers:
             prefix = f"{self._ns}_{key_hash(key)}_{wire}_{size}"  # any key, in names the DHT and p2p accept
-            self._averagers[ident] = self._res.start_averager(size, codec, prefix=prefix)
+            self._averagers[ident] = self._res.start_averager(size, codec, prefix=prefix, merge=merge)
         return self._averagers[ident]
 
-    def all_reduce(self, tensors: Sequence[torch.Tensor], *, codec: Codec = FP32, key: str = "default") -> ReduceHandle:
+    def all_reduce(
+        self, tensors: Sequence[torch.Tensor], *, codec: Codec = FP32, key: str = "default", merge: Merge = MEAN
+    ) -> ReduceHandle:
         check_codec(codec)
         tensors = reduce_inputs(tensors)
         if self._closed:
@@ -192,15 +195,17 @@ class HivemindTransport(Transport, Membership):
         # flight trains from it and meets this round's group if it matchmakes in time (tested); telling
         # joiners to wait instead made them miss the round and average a round behind.
         self._server.take_snapshot()
-        self._averager(key, sum(t.numel() for t in tensors), codec)  # created here: it starts a process
+        self._averager(key, sum(t.numel() for t in tensors), codec, merge)  # created here: it starts a process
         # The caller's tensors are the contribution (untouched until commit, so a retry re-reads them).
         outcome = Outcome()
-        future = self._res.pool.submit(self._reduce, tensors, codec=codec, key=key, outcome=outcome)
+        future = self._res.pool.submit(self._reduce, tensors, codec=codec, key=key, merge=merge, outcome=outcome)
         return Handle(future, outcome, self._lock)
 
-    def _reduce(self, tensors: list[torch.Tensor], *, codec: Codec, key: str, outcome: Outcome) -> ReduceResult:
+    def _reduce(
+        self, tensors: list[torch.Tensor], *, codec: Codec, key: str, merge: Merge, outcome: Outcome
+    ) -> ReduceResult:
         start = time.perf_counter()
-        averager = self._averager(key, sum(t.numel() for t in tensors), codec)
+        averager = self._averager(key, sum(t.numel() for t in tensors), codec, merge)
         self._swarm.declare(key=key_hash(key), busy=True)
         try:
             return self._reduce_with(averager, tensors, codec=codec, key=key, outcome=outcome, start=start)

@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 
+from diloco_core.merge import LeftOut, combined
 from diloco_core.transport import ReduceHandle, ReduceResult, TransportError
 
 from .identity import Identity
@@ -38,6 +39,7 @@ class TorchReduce(ReduceHandle):
         n: int,
         sent: int,
         start: float,
+        left_out: list[LeftOut],
         release: Callable[[], None],
         identity: Identity,
         stream: torch.cuda.Stream | None,
@@ -45,6 +47,7 @@ class TorchReduce(ReduceHandle):
         self._start_buckets, self._start_header, self._check_header = start_buckets, start_header, check_header
         self._tensors, self._flat, self._n, self._sent, self._start = tensors, flat, n, sent, start
         self._release, self._identity, self._stream = release, identity, stream
+        self._left_out = left_out  # filled by the buckets' merges as they run
         self.job = Job(self._run)
 
     def wait(self, timeout: float) -> ReduceResult:
@@ -66,7 +69,8 @@ class TorchReduce(ReduceHandle):
                             job.await_work(w)
                 if self._flat.data_ptr() != self._tensors[0].data_ptr() or len(self._tensors) > 1:
                     _unflatten(self._flat, self._tensors)
-            return ReduceResult(self._n, self._sent, self._sent, time.perf_counter() - self._start)
+            took = time.perf_counter() - self._start
+            return ReduceResult(self._n, self._sent, self._sent, took, left_out=combined(self._left_out))
         except TransportError as e:
             self._mark_broken(e)
             raise

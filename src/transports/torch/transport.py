@@ -38,10 +38,11 @@ from collections.abc import Iterator, Sequence
 import torch
 import torch.distributed as dist
 
-from diloco_core import FP32, Codec, mean_of_payloads
+from diloco_core import FP32, MEAN, Codec, LeftOut, Merge, MergeRule
 from diloco_core.codecs.names import check_codec
 from diloco_core.transport import ReduceHandle, Transport, TransportError, reduce_inputs
 
+from .buffers import Buffers
 from .group import BACKEND_DEVICE, TorchDistConfig, init_process_group
 from .handle import TorchReduce, finish, transport_error
 from .identity import Identity
@@ -53,23 +54,6 @@ __all__ = ["TorchDistConfig", "TorchDistTransport"]
 _ALL_GATHER = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
 
 logger = logging.getLogger(__name__)
-
-
-class _Buffers:
-    """Scratch buffers of one reduce key, kept from round to round: a fresh 100 MB buffer costs more in
-    page faults than the arithmetic done in it. A second reduce of the same key while the first is in
-    flight gets fresh ones."""
-
-    def __init__(self, device: torch.device) -> None:
-        self.device = device
-        self.busy = False
-        self._cache: dict[tuple, torch.Tensor] = {}
-
-    def get(self, name: tuple, numel: int, dtype: torch.dtype) -> torch.Tensor:
-        buf = self._cache.get(name)
-        if buf is None or buf.numel() != numel or buf.dtype != dtype:
-            buf = self._cache[name] = torch.empty(numel, dtype=dtype, device=self.device)
-        return buf
 
 
 def _shard(numel: int, world_size: int, block: int) -> int:
@@ -106,7 +90,7 @@ class TorchDistTransport(Transport):
         self._size = dist.get_world_size(group)
         self._bucket_numel = max(1, int(bucket_mb * 1e6 / 4))
         self._closed = False
-        self._buffers: dict[str, _Buffers] = {}  # per reduce key
+        self._buffers: dict[str, Buffers] = {}  # per reduce key
         self._identity = Identity()
         self._comm = CommThread(f"diloco-torch-comm-{self._rank}")  # every collective, in call order
         weakref.finalize(self, self._comm.close)  # a transport dropped without close() stops its thread too
@@ -137,27 +121,33 @@ class TorchDistTransport(Transport):
     def _global_rank(self, group_rank: int) -> int:
         return group_rank if self._group is None else dist.get_global_rank(self._group, group_rank)
 
-    def all_reduce(self, tensors: Sequence[torch.Tensor], *, codec: Codec = FP32, key: str = "default") -> ReduceHandle:
+    def all_reduce(
+        self, tensors: Sequence[torch.Tensor], *, codec: Codec = FP32, key: str = "default", merge: Merge = MEAN
+    ) -> ReduceHandle:
         start = time.perf_counter()
         tensors = self._check(reduce_inputs(tensors))
         check_codec(codec)
         flat = _flatten(tensors)
         cached = self._buffers.get(key)
         if cached is None or cached.device != flat.device:
-            cached = self._buffers[key] = _Buffers(flat.device)
-        buffers = _Buffers(flat.device) if cached.busy else cached  # same key still in flight: fresh ones
+            cached = self._buffers[key] = Buffers(flat.device)
+        buffers = Buffers(flat.device) if cached.busy else cached  # same key still in flight: fresh ones
         w = self._size
-        if codec.elementwise_dtype == torch.float32:
-            bucket_fn = self._ring
+        left_out: list[LeftOut] = []  # what the merges of this rank's buckets or shards left out
+        if codec.elementwise_dtype == torch.float32 and (merge.rule is MergeRule.MEAN or w < 3):
+            bucket_fn = self._ring  # a backend's sum: no payload seen, nothing to judge (fewer than 3: no majority)
         else:
-            bucket_fn = functools.partial(self._gather_all if w <= 3 else self._scatter_gather, codec=codec)
-        parts = flat.split(max(codec.block, self._bucket_numel // codec.block * codec.block))
+            gather = self._gather_all if w <= 3 else self._scatter_gather
+            bucket_fn = functools.partial(gather, codec=codec, merge=merge, left_out=left_out)
+        size = max(codec.block, self._bucket_numel // codec.block * codec.block)
+        parts = flat.split(size)
         header = self._identity.header(key, codec, flat.numel(), flat.device)
         gathered = torch.empty(w * header.numel(), dtype=header.dtype, device=header.device)
         buffers.busy = True
-        sent = sum(self._bytes_out(b.numel(), codec) for b in parts)  # payloads (the header's 32 bytes aside)
+        ring = bucket_fn == self._ring
+        sent = sum(self._bytes_out(b.numel(), codec, ring=ring) for b in parts)  # payloads (the header's 32 B aside)
         handle = TorchReduce(
-            lambda: [bucket_fn(b, buffers=buffers, index=i) for i, b in enumerate(parts)],
+            lambda: [bucket_fn(b, buffers=buffers, index=i, start=i * size) for i, b in enumerate(parts)],
             start_header=lambda: (_ALL_GATHER(gathered, header, group=self._group, async_op=True), gathered),
             check_header=lambda g: self._identity.check(g, self._rank),
             identity=self._identity,
@@ -166,6 +156,7 @@ class TorchDistTransport(Transport):
             n=w,
             sent=sent,
             start=start,
+            left_out=left_out,
             release=lambda: setattr(buffers, "busy", False),
             stream=_caller_stream(flat),
         )
@@ -176,16 +167,16 @@ class TorchDistTransport(Transport):
             raise
         return handle
 
-    def _bytes_out(self, numel: int, codec: Codec) -> int:
+    def _bytes_out(self, numel: int, codec: Codec, *, ring: bool) -> int:
         w = self._size
-        if codec.elementwise_dtype == torch.float32:
+        if ring:
             return 2 * (w - 1) * numel * 4 // w
         if w <= 3:
             return (w - 1) * codec.payload_bytes(numel)
         shard = _shard(numel, w, codec.block)
         return (w - 1) * (codec.payload_bytes(shard) + shard * 4)
 
-    def _ring(self, bucket: torch.Tensor, *, buffers: _Buffers, index: int) -> Iterator[list]:
+    def _ring(self, bucket: torch.Tensor, *, buffers: Buffers, index: int, start: int) -> Iterator[list]:
         yield [dist.all_reduce(bucket, group=self._group, async_op=True)]
         bucket.div_(self._size)
 
@@ -195,7 +186,17 @@ class TorchDistTransport(Transport):
         ops += [dist.P2POp(dist.irecv, t, self._global_rank(r), self._group) for r, t in recvs.items()]
         return dist.batch_isend_irecv(ops)
 
-    def _gather_all(self, bucket: torch.Tensor, *, codec: Codec, buffers: _Buffers, index: int) -> Iterator[list]:
+    def _gather_all(
+        self,
+        bucket: torch.Tensor,
+        *,
+        codec: Codec,
+        merge: Merge,
+        left_out: list[LeftOut],
+        buffers: Buffers,
+        index: int,
+        start: int,
+    ) -> Iterator[list]:
         me, peers, n = self._rank, [r for r in range(self._size) if r != self._rank], bucket.numel()
         size, dtype = codec.payload_spec(n)
         payloads = [buffers.get(("payload", index, r), size, dtype) for r in range(self._size)]
@@ -203,9 +204,20 @@ class TorchDistTransport(Transport):
         yield self._exchange({r: payloads[me] for r in peers}, {r: payloads[r] for r in peers})
         cast = codec.elementwise_dtype is not None  # a cast's mean widens into scratch; a block codec's needs none
         scratch = buffers.get(("scratch", index), n, torch.float32) if cast else None
-        mean_of_payloads(payloads, codec, out=bucket, scratch=scratch)
+        who = [f"rank {r}" for r in range(self._size)]
+        left_out += merge.of(payloads, codec=codec, out=bucket, scratch=scratch, start=start, who=who)
 
-    def _scatter_gather(self, bucket: torch.Tensor, *, codec: Codec, buffers: _Buffers, index: int) -> Iterator[list]:
+    def _scatter_gather(
+        self,
+        bucket: torch.Tensor,
+        *,
+        codec: Codec,
+        merge: Merge,
+        left_out: list[LeftOut],
+        buffers: Buffers,
+        index: int,
+        start: int,
+    ) -> Iterator[list]:
         me, w, n = self._rank, self._size, bucket.numel()
         peers = [r for r in range(w) if r != me]
         shard = _shard(n, w, codec.block)
@@ -224,7 +236,14 @@ class TorchDistTransport(Transport):
         mine, used = lengths[me], codec.payload_spec(lengths[me])[0]
         scratch = buffers.get(("scratch", index), shard, torch.float32) if codec.elementwise_dtype is not None else None
         payloads = [p[:used] for p in received.split(size)]
-        mean_of_payloads(payloads, codec, out=shards[me][:mine], scratch=None if scratch is None else scratch[:mine])
+        left_out += merge.of(
+            payloads,
+            codec=codec,
+            out=shards[me][:mine],
+            scratch=None if scratch is None else scratch[:mine],
+            start=start + me * shard,
+            who=[f"rank {r}" for r in range(w)],
+        )
         yield self._exchange({r: shards[me] for r in peers}, {r: shards[r] for r in peers})
         bucket.copy_(gathered[:n])
 

@@ -1,0 +1,140 @@
+"""The merge (diloco_core/merge.py): the robust rule leaves an outlier out and is the plain mean otherwise."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from threads import run_threads
+
+from diloco_core import MEAN, DiLoCo, DiLoCoConfig, LeftOut, Merge, MergeRule, codec_for
+from diloco_core.merge import combined
+
+ROBUST = Merge(rule=MergeRule.ROBUST)
+CODECS = ["fp32", "fp16", "bf16", "int8", "int4", "sign"]
+
+
+def _honest(k: int, n: int = 1000, seed: int = 0) -> list[torch.Tensor]:
+    """``k`` workers' pseudo-gradients: a shared direction plus each one's own noise of the same size."""
+    g = torch.Generator().manual_seed(seed)
+    shared = torch.randn(n, generator=g)
+    return [shared + torch.randn(n, generator=g) for _ in range(k)]
+
+
+def _merge(merge: Merge, contributions: list[torch.Tensor], codec: str, **kw) -> tuple[torch.Tensor, tuple]:
+    c = codec_for(codec, block=32)
+    payloads = [c.encode(x.clone()) for x in contributions]
+    out = torch.empty(contributions[0].numel())
+    return out, merge.of(payloads, codec=c, out=out, **kw)
+
+
+@pytest.mark.parametrize("codec", CODECS)
+@pytest.mark.parametrize("k", [3, 4, 8])
+def test_honest_contributions_merge_to_the_plain_mean_bit_for_bit(codec, k):
+    for seed in range(5):
+        honest = _honest(k, seed=seed)
+        robust, left_out = _merge(ROBUST, honest, codec)
+        plain, _ = _merge(MEAN, honest, codec)
+        assert left_out == () and torch.equal(robust, plain)
+
+
+@pytest.mark.parametrize("codec", CODECS)
+@pytest.mark.parametrize("scale", [1e6, -1e6, -10.0, 5.0])
+@pytest.mark.parametrize("k", [3, 4, 5])
+def test_an_insiders_scaled_contribution_is_left_out_and_the_rest_averaged(codec, scale, k):
+    honest = _honest(k - 1)
+    if codec == "fp16":  # the largest it carries is 65504: the insider sends as much as the wire lets it
+        scale = max(-1e4, min(scale, 1e4))
+    insider = honest[0] * scale
+    got, left_out = _merge(ROBUST, [*honest[:1], insider, *honest[1:]], codec, who=[f"w{i}" for i in range(k)])
+    want, _ = _merge(MEAN, honest, codec)
+    assert [o.who for o in left_out] == ["w1"] and left_out[0].ratio > 3
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-6)  # the same sum, divided by k - 1
+    if codec == "fp32":
+        assert torch.equal(got, want)
+
+
+def test_two_contributors_have_no_majority_nothing_is_left_out():
+    a, b = _honest(2)
+    got, left_out = _merge(ROBUST, [a, b * 1e6], "fp32")
+    assert left_out == () and torch.equal(got, (a + b * 1e6) / 2)
+
+
+def test_values_past_judged_are_the_plain_mean_of_everyone():
+    """The guard's tail (flags, digests) is averaged over every contributor, the outlier's included, also in a
+    slice that begins before the judged values end."""
+    honest = _honest(2, n=100)
+    rows = [*honest, honest[0] * 1e6]
+    for row, flag in zip(rows, [1.0, 1.0, 0.0]):
+        row[90:] = flag
+    whole, left_out = _merge(Merge(rule=MergeRule.ROBUST, judged=90), rows, "fp32")
+    assert [o.who for o in left_out] == ["2"]
+    assert torch.equal(whole[:90], (honest[0][:90] + honest[1][:90]) / 2)
+    assert torch.equal(whole[90:], torch.full((10,), 2 / 3))
+    part, _ = _merge(Merge(rule=MergeRule.ROBUST, judged=90), [r[50:] for r in rows], "fp32", start=50)
+    assert torch.equal(part, whole[50:])
+
+
+def test_a_slice_too_small_to_judge_is_the_plain_mean():
+    rows = [torch.ones(4), torch.ones(4), torch.full((4,), 1e6)]
+    got, left_out = _merge(ROBUST, rows, "fp32")
+    assert left_out == () and torch.equal(got, torch.full((4,), (2 + 1e6) / 3))
+
+
+def test_the_slices_verdicts_combine_to_one_per_contributor():
+    parts = [LeftOut("rank 2", 10.0), LeftOut("rank 1", 4.0), LeftOut("rank 2", 30.0)]
+    assert combined(parts) == (LeftOut("rank 2", 30.0), LeftOut("rank 1", 4.0))
+
+
+def test_merge_and_outlier_ratio_are_validated():
+    with pytest.raises(ValueError, match="merge='median' is invalid"):
+        DiLoCoConfig(merge="median")
+    with pytest.raises(ValueError, match="outlier_ratio=1 is invalid"):
+        DiLoCoConfig(outlier_ratio=1)
+
+
+def _train(world: int, *, insider: float | None, merge: str = "robust", rounds: int = 4):
+    """``world`` workers train a small model; with ``insider``, the last worker sends its update times that. The
+    honest workers are ranks 0 and 1, with the same data whatever the world size."""
+    cfg = DiLoCoConfig(inner_steps=3, outer_lr=0.7, merge=merge)
+
+    torch.manual_seed(0)  # here, not in the threads: they share torch's generator
+    start = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 16)).state_dict()
+
+    def worker(transport):
+        rank = transport.rank
+        model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 16))
+        model.load_state_dict(start)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        dl = DiLoCo(model, opt, transport, cfg)
+        data = torch.Generator().manual_seed(rank)
+        reports = []
+        for _ in range(rounds):
+            for step in range(cfg.inner_steps):
+                x = torch.randn(8, 16, generator=data)
+                (model(x) - x.flip(1)).pow(2).mean().backward()
+                opt.step()
+                opt.zero_grad()
+                if insider is not None and rank == world - 1 and step == cfg.inner_steps - 1:
+                    with torch.no_grad():  # its update, scaled: global - s * (global - local)
+                        for p, g in zip(model.parameters(), dl.global_params):
+                            p.copy_(g - insider * (g - p))
+                report = dl.step()
+            reports.append(report)
+        return reports, [p.clone() for p in dl.global_params]
+
+    return run_threads(world, worker)
+
+
+@pytest.mark.parametrize("scale", [1e6, -1e6, -10.0])
+def test_an_insider_among_three_workers_leaves_the_two_honest_workers_run_bit_for_bit(scale):
+    alone = _train(2, insider=None)
+    attacked = _train(3, insider=scale)
+    for reports, params in attacked:
+        assert all([o.who for o in r.outliers] == ["rank 2"] for r in reports), [r.outliers for r in reports]
+        assert all(torch.equal(a, b) for a, b in zip(params, alone[0][1]))
+
+
+def test_honest_workers_run_as_with_the_plain_mean():
+    robust, plain = _train(3, insider=None), _train(3, insider=None, merge="mean")
+    assert all(not r.outliers for r in robust[0][0])
+    assert all(torch.equal(a, b) for a, b in zip(robust[0][1], plain[0][1]))
