@@ -11,6 +11,7 @@ from threads import in_threads, run_threads
 from diloco_core import (
     FP32,
     MEAN,
+    ContributionGuard,
     DiLoCo,
     DiLoCoConfig,
     ForwardingTransport,
@@ -23,6 +24,7 @@ from diloco_core import (
     reference_mean,
 )
 from diloco_core.config import outer_lr_for
+from diloco_core.guard import WINDOW
 from transports import InProcessGroup
 
 pytestmark = pytest.mark.timeout(60)
@@ -385,7 +387,10 @@ def test_the_transport_is_attached_once_the_global_params_are_in_place():
     assert joiner.joined
     [(params, (meta, momentum), timeout)] = seen
     assert timeout == 7 and torch.equal(params, torch.tensor([1.0, 5.0]))  # rank 0's weights, broadcast first
-    assert meta == {"round": 0, "num_momentum": 0, "guard": {"ref_norm": 0.0, "ref_mean": 0.0}} and momentum == []
+    assert (
+        meta == {"round": 0, "num_momentum": 0, "guard": {"ref_norm": 0.0, "ref_mean": 0.0, "means": []}}
+        and momentum == []
+    )
 
 
 def _trained(rounds: int, seed: int = 0) -> tuple[DiLoCo, torch.nn.Module]:
@@ -824,3 +829,32 @@ def test_a_huge_finite_pseudo_gradient_is_sent_and_its_norm_reported(wire_dtype)
     assert report.pseudo_grad_norm == pytest.approx(3e30, rel=1e-6) and report.num_contributors == 1
     assert report.mean_pseudo_grad_norm == pytest.approx(3e30, rel=0.05)  # int4 rounds 1 to 8/7 here
     assert report.agreement == pytest.approx(1.0, rel=0.05)
+
+
+def test_the_norm_guards_reference_tracks_the_honest_rounds_and_a_clipped_round_never_raises_it():
+    """The reference is the median of the last WINDOW unclipped rounds' mean norms: honest norms that shrink
+    (or grow within the limit) move it; an insider clipped round after round leaves it where it was."""
+    guard = ContributionGuard(FP32, norm_clip=4.0, numel=4)
+
+    def round_(norm: float) -> tuple[bool, float]:
+        mean = torch.full((4,), norm / 2)  # its norm is ``norm``
+        return guard.clip_mean(mean, mean_norm=norm, contributors_norm=norm)
+
+    for norm in [8.0, 4.0, 2.0, 1.0, 1.0, 1.0]:  # honest norms shrink: the reference follows them down
+        assert round_(norm) == (False, norm)
+    assert guard.ref_mean == 2.0
+    for _ in range(3 * WINDOW):  # an attack of 30 rounds: each clipped to 4 x the reference, which stays
+        clipped, norm = round_(1e6)
+        assert clipped and norm == pytest.approx(8.0)
+    assert guard.ref_mean == 2.0
+    for norm in [3.0, 5.0] + [7.0] * (WINDOW - 2):  # honest growth within the limit: it follows them up
+        assert not round_(norm)[0]
+    assert guard.ref_mean == 7.0
+    state = guard.state_dict()
+    again = ContributionGuard(FP32, norm_clip=4.0, numel=4)
+    again.load_state_dict(state)
+    assert again.state_dict() == state
+    again.load_state_dict({"ref_norm": 1.0, "ref_mean": 3.0})  # saved before the window existed
+    assert again.ref_mean == 3.0
+    with pytest.raises(ValueError, match="finite numbers >= 0"):
+        again.load_state_dict({"ref_norm": 1.0, "ref_mean": 3.0, "means": [float("nan")]})

@@ -9,10 +9,12 @@
   valid contribution at all: no outer step, the global params and outer momentum stay as they were.
 - **Norm guard** (``DiLoCoConfig.norm_clip = k``, off by default): each worker clips its own
   pseudo-gradient to k times the contributors' mean norm of the last round the guard did not clip (an
-  honest outlier), and every worker clips the round's mean to k times that round's mean norm (an insider
-  who sends a huge finite contribution, whatever its own software does). Both references come from
-  reduced values, so they are the same on every worker; they are in ``DiLoCo.state_dict()`` and in the
-  state served to joiners. Before the first unclipped round there is no reference and nothing is clipped.
+  honest outlier), and every worker clips the round's mean to k times the median of the mean's norm over
+  the last ``WINDOW`` rounds it did not clip (an insider who sends a huge finite contribution, whatever its
+  own software does): honest rounds move it either way, a clipped round never, so an attack cannot raise its
+  own limit. Where there is a majority the robust merge (``merge.py``) leaves such an insider out first.
+  The references come from reduced values, the same on every worker; they are in ``DiLoCo.state_dict()`` and
+  the state served to joiners. Before the first unclipped round there is no reference: nothing is clipped.
 - **Replicas compared** (where ranks are fixed): each worker also sends a 4-bit digest h of its global
   params (a strided sample of 4,096 values, CRC-32) and h², each in a block of its own; all digests are
   equal exactly when M·Σh² = (Σh)² (integers every wire carries exactly, bf16 included), so every worker
@@ -43,7 +45,10 @@ def reset_if_nonfinite(optimizer: torch.optim.Optimizer, round: int) -> None:
         optimizer.state.clear()
 
 
-__all__ = ["ContributionGuard", "reset_if_nonfinite"]
+__all__ = ["WINDOW", "ContributionGuard", "reset_if_nonfinite"]
+
+WINDOW = 9
+"""Rounds whose mean norms the norm guard's reference is the median of."""
 
 
 class ContributionGuard:
@@ -61,8 +66,8 @@ class ContributionGuard:
         square, the RMS (a block of one)."""
         self.ref_norm = 0.0
         """Contributors' mean pseudo-gradient norm in the last round the guard did not clip (0: none yet)."""
-        self.ref_mean = 0.0
-        """Norm of that round's mean pseudo-gradient."""
+        self.means: list[float] = []
+        """The mean pseudo-gradient's norm in the last ``WINDOW`` rounds the guard did not clip (oldest first)."""
 
     def admit(self, pseudo_grad: torch.Tensor, norm: float) -> tuple[bool, bool, float]:
         """Before sending: (excluded, clipped, the norm sent). Clipping scales ``pseudo_grad`` in place."""
@@ -122,15 +127,26 @@ class ContributionGuard:
         if limit > 0 and mean_norm > limit:
             mean.mul_(limit / mean_norm)
             return True, norm_of(mean)
-        self.ref_norm, self.ref_mean = contributors_norm, mean_norm
+        self.ref_norm = contributors_norm
+        self.means = [*self.means, mean_norm][-WINDOW:]
         return False, mean_norm
 
-    def state_dict(self) -> dict[str, float]:
-        return {"ref_norm": self.ref_norm, "ref_mean": self.ref_mean}
+    @property
+    def ref_mean(self) -> float:
+        """The reference of the mean's norm: the median over ``means`` (the upper one of an even number)."""
+        return sorted(self.means)[len(self.means) // 2] if self.means else 0.0
+
+    def state_dict(self) -> dict[str, float | list[float]]:
+        return {"ref_norm": self.ref_norm, "ref_mean": self.ref_mean, "means": list(self.means)}
 
     def load_state_dict(self, state: dict) -> None:
-        """From ``state_dict()`` (or a peer's snapshot)."""
+        """From ``state_dict()`` (or a peer's snapshot; one saved before ``means`` existed: its ``ref_mean``)."""
         refs = (state.get("ref_norm"), state.get("ref_mean")) if isinstance(state, dict) else (None, None)
-        if not all(isinstance(r, (int, float)) and math.isfinite(r) and r >= 0 for r in refs):
-            raise ValueError(f"the contribution guard's references must be finite numbers >= 0, got {state!r}")
-        self.ref_norm, self.ref_mean = float(refs[0]), float(refs[1])
+        means = state.get("means", [refs[1]] if refs[1] else []) if isinstance(state, dict) else None
+        numbers = [*refs, *means] if isinstance(means, list) and len(means) <= WINDOW else [None]
+        if not all(isinstance(r, (int, float)) and math.isfinite(r) and r >= 0 for r in numbers):
+            raise ValueError(
+                f"the contribution guard's references must be finite numbers >= 0 (at most {WINDOW} means), "
+                f"got {state!r}"
+            )
+        self.ref_norm, self.means = float(refs[0]), [float(m) for m in means]

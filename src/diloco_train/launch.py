@@ -12,7 +12,7 @@ import logging
 import math
 import os
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from contextlib import ExitStack
 from dataclasses import replace
 from pathlib import Path
@@ -58,10 +58,12 @@ def train(
     show_progress: bool = True,
     command: list[str] | None = None,
     named: bool = True,
+    wrap: Callable[[Transport], Transport] | None = None,
 ) -> TrainResult:
     """Train as ``config`` says, writing into ``run_dir``. ``command``: argv shown to peers that join by address.
     ``named=False``: ``run_dir``'s name was made up here (not given), and ranks of a multi-process run take
-    rank 0's.
+    rank 0's. ``wrap``: each worker's transport goes through it (a ``ForwardingTransport``: faults, tracing, the
+    insiders of bench/insider.py).
 
     Workers run as threads of this process where the transport's spec says so; else this process is one
     worker. Only rank 0 writes files (metrics, config, plot); every rank its own checkpoints; another
@@ -105,6 +107,8 @@ def train(
         transports: Sequence[Transport | None] = (
             [None] if t.mode == "single" else spec.connect(local, reduce_timeout=timeout)
         )
+        if wrap is not None:
+            transports = [None if x is None else wrap(x) for x in transports]
         for transport in transports:
             if transport is not None:
                 stack.callback(transport.close)

@@ -1,0 +1,128 @@
+"""Insiders against the merge: one worker of three sends its pseudo-gradient scaled by 1e6, -1e6 or -10 every
+round, and the run's final eval loss is compared with the two honest workers training alone.
+
+Not part of the test run. Every run is the trainer's default run (``diloco train``) but for the number of
+workers, ``--steps`` and ``--set`` overrides; the insider is the last worker, a ``ForwardingTransport`` that
+scales the pseudo-gradient part of every round's contribution (what the merge judges: ``Merge.judged``), so the
+guard's tail (flags, digest) stays what its honest software writes. ``--merge mean`` shows what the plain mean
+does with the same insiders.
+
+    python bench/insider.py --out runs/insider                      # in-process workers (threads)
+    python bench/insider.py --out runs/insider-gloo --transport torch   # 3 gloo processes under torchrun
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+from diloco_core import FP32, MEAN, Codec, ForwardingTransport, Merge, ReduceHandle, Transport
+from diloco_train.config import build_config
+from diloco_train.plot import read_metrics
+from diloco_train.train import train
+
+SCALES = [1e6, -1e6, -10.0]
+
+
+class Insider(ForwardingTransport):
+    """Sends every round's pseudo-gradient times ``scale`` (a worker whose software, or owner, went wrong)."""
+
+    def __init__(self, inner: Transport, scale: float) -> None:
+        super().__init__(inner)
+        self.scale = scale
+
+    def all_reduce(
+        self, tensors: Sequence[torch.Tensor], *, codec: Codec = FP32, key: str = "default", merge: Merge = MEAN
+    ) -> ReduceHandle:
+        if merge.judged is not None:  # a round's contribution: [pseudo-gradient | guard tail]
+            tensors[0].view(-1)[: merge.judged].mul_(self.scale)
+        return self.inner.all_reduce(tensors, codec=codec, key=key, merge=merge)
+
+
+def _overrides(args: argparse.Namespace, workers: int, out: Path) -> list[str]:
+    return [
+        f"train.workers={workers}",
+        f"train.steps={args.steps}",
+        "train.checkpoint_every=0",
+        f"train.runs_dir={json.dumps(str(out))}",
+        f"diloco.merge={args.merge}",
+        *args.set,
+    ]
+
+
+def _wrap(scale: float | None, insider_rank: int):
+    if scale is None:
+        return None
+    return lambda t: Insider(t, scale) if t.rank == insider_rank else t
+
+
+def run(args: argparse.Namespace, *, name: str, workers: int, scale: float | None) -> dict:
+    """One run (read back if finished): its eval loss and how many rounds left someone out."""
+    out = Path(args.out)
+    run_dir = out / name
+    if not (run_dir / "metrics.jsonl").is_file() or not any(r["type"] == "summary" for r in read_metrics(run_dir)):
+        overrides = _overrides(args, workers, out)
+        if args.transport == "torch":
+            cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(workers), "--master-port"]
+            cmd += [str(args.port), __file__, "--worker", name, "--scale", repr(scale), "--out", str(out)]
+            cmd += [a for o in [*overrides, "transport.kind=torch"] for a in ("--set", o)]
+            subprocess.run(cmd, check=True, timeout=3600)
+        else:
+            train(build_config(overrides=overrides), run_dir, show_progress=False, wrap=_wrap(scale, workers - 1))
+    records = read_metrics(run_dir)
+    summary = next(r for r in records if r["type"] == "summary")
+    rounds = [r for r in records if r["type"] == "round"]
+    return {
+        "name": name,
+        "eval_after": summary["eval_after"],
+        "rounds": len(rounds),
+        "rounds_with_left_out": sum(1 for r in rounds if r.get("left_out")),
+    }
+
+
+def _worker(args: argparse.Namespace) -> None:
+    """One torchrun rank of a gloo run: the last rank is the insider."""
+    scale = None if args.scale == "None" else float(args.scale)
+    config = build_config(overrides=args.set)
+    workers = int(os.environ["WORLD_SIZE"])
+    train(config, Path(args.out) / args.worker, show_progress=False, wrap=_wrap(scale, workers - 1))
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", default="runs/insider")
+    p.add_argument("--steps", type=int, default=300, help="inner steps per worker (train.steps)")
+    p.add_argument("--merge", default="robust", choices=["robust", "mean"], help="diloco.merge")
+    p.add_argument("--transport", default="inprocess", choices=["inprocess", "torch"])
+    p.add_argument("--port", type=int, default=29517, help="torchrun's rendezvous port (--transport torch)")
+    p.add_argument("--set", action="append", default=[], help="a further trainer override, key=value")
+    p.add_argument("--worker", help=argparse.SUPPRESS)
+    p.add_argument("--scale", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.worker:
+        _worker(args)
+        return 0
+    tag = f"{args.transport}-{args.merge}"
+    rows = [run(args, name=f"{tag}-honest2", workers=2, scale=None)]
+    rows += [run(args, name=f"{tag}-insider{s:g}", workers=3, scale=s) for s in SCALES]
+    base = rows[0]["eval_after"]
+    print("| run | eval loss | vs the 2 honest alone | rounds with a contribution left out |")
+    print("|---|---|---|---|")
+    for r in rows:
+        print(
+            f"| {r['name']} | {r['eval_after']:.4f} | {r['eval_after'] / base - 1:+.2%} | {r['rounds_with_left_out']}/{r['rounds']} |"
+        )
+    worst = max(r["eval_after"] / base - 1 for r in rows[1:])
+    print(f"worst insider run: {worst:+.2%} against the honest workers alone (target: <= +2%)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
