@@ -8,6 +8,7 @@ import torch
 from bitflip import flip_bit
 
 from diloco_train import checkpoint as ckpt
+from diloco_train.divergence import newest_checkpoint
 from diloco_train.spikes import SpikeWatch
 
 
@@ -122,6 +123,8 @@ def test_rotation_keeps_the_pinned_checkpoint(tmp_path: Path) -> None:
     ckpt.save_checkpoint(tmp_path, 18, 0, _state(18), keep=2)
     assert ckpt.list_checkpoints(tmp_path, 0) == [12, 15, 18]
     assert ckpt.pinned(tmp_path, 1) is None
+    said = "the newest checkpoint is of step 18; the newest before a loss spike is of step 12"
+    assert newest_checkpoint(tmp_path, 0) == said  # what a run that diverges says
 
 
 def _spike_run(folder: Path, losses: dict[int, float], checkpoints: tuple[int, ...]) -> SpikeWatch:
