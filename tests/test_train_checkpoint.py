@@ -1,11 +1,15 @@
-"""Checkpoints: atomic writes, retention, and loading with weights_only=True."""
+"""Checkpoints: atomic writes, retention (and the pinned one), checksums, and loading with weights_only=True."""
 
+import math
 from pathlib import Path
 
 import pytest
 import torch
+from bitflip import flip_bit
 
 from diloco_train import checkpoint as ckpt
+from diloco_train.divergence import newest_checkpoint
+from diloco_train.spikes import SpikeWatch
 
 
 class Evil:
@@ -52,3 +56,112 @@ def test_unsafe_or_broken_files_are_refused(tmp_path: Path) -> None:
     (tmp_path / "junk.pt").write_bytes(b"not a checkpoint")
     with pytest.raises(ValueError, match="cannot be read"):
         ckpt.load_checkpoint(tmp_path / "junk.pt")
+
+
+def _state(step: int) -> dict[str, object]:
+    g = torch.Generator().manual_seed(step)
+    weights = {"embed.weight": torch.randn(64, 32, generator=g), "norm.weight": torch.ones(32, dtype=torch.bfloat16)}
+    return {"format": 1, "step": step, "core": {"model": weights, "names": ["a", "b"]}, "data": {"pos": step * 7}}
+
+
+@pytest.mark.timeout(30)
+def test_a_flipped_bit_inside_a_weight_is_refused_in_one_line(tmp_path: Path) -> None:
+    """Before: the file loaded, one weight changed, and nothing said so (torch.load checks no CRC)."""
+    path = ckpt.save_checkpoint(tmp_path, 3, 0, _state(3), keep=2)
+    assert ckpt.load_checkpoint(path)["core"]["model"]["embed.weight"].equal(_state(3)["core"]["model"]["embed.weight"])
+    flip_bit(path)
+    flipped = torch.load(path, weights_only=True)["core"]["model"]["embed.weight"]  # torch itself loads it
+    assert (flipped != _state(3)["core"]["model"]["embed.weight"]).sum() == 1 and torch.isfinite(flipped).all()
+    with pytest.raises(ValueError) as e:
+        ckpt.load_checkpoint(path)
+    line = str(e.value)
+    assert "\n" not in line and line.startswith(f"checkpoint {str(path)!r} cannot be read: its checksum crc32:")
+    assert "the file changed after it was written" in line
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize(
+    "change",
+    [
+        lambda s: s["data"].update(pos=s["data"]["pos"] + 1),  # a plain value beside the tensors
+        lambda s: s["core"]["model"].update({"norm.weight": torch.ones(2, 16, dtype=torch.bfloat16)}),  # a shape
+        lambda s: s["core"]["names"].reverse(),  # an order
+    ],
+)
+def test_the_checksum_covers_values_shapes_and_order(change: object) -> None:
+    from diloco_train.checksum import checksum_of
+
+    state = _state(3)
+    before = checksum_of(state)
+    assert checksum_of(_state(3)) == before and checksum_of({**state, "checksum": "crc32:0"}) == before
+    change(state)  # type: ignore[operator]
+    assert checksum_of(state) != before
+
+
+@pytest.mark.timeout(30)
+def test_a_checkpoint_without_a_checksum_still_loads_with_a_warning(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Written by a version before checksums: refusing it would strand the run."""
+    path = ckpt.checkpoint_path(tmp_path, 3, 0)
+    ckpt.atomic_save(_state(3), path)
+    with caplog.at_level("WARNING"):
+        assert ckpt.load_checkpoint(path)["data"] == {"pos": 21}
+    assert [r.getMessage() for r in caplog.records] == [
+        f"checkpoint {str(path)!r} has no checksum (written before checksums): loaded unverified"
+    ]
+
+
+@pytest.mark.timeout(30)
+def test_rotation_keeps_the_pinned_checkpoint(tmp_path: Path) -> None:
+    for step in (3, 6, 9, 12, 15):
+        ckpt.save_checkpoint(tmp_path, step, 0, _state(step), keep=2)
+        if step == 6:
+            ckpt.pin(tmp_path, 0, step=3, why="a test")
+    assert ckpt.list_checkpoints(tmp_path, 0) == [3, 12, 15]
+    ckpt.pin(tmp_path, 0, step=12, why="a later spike")  # a new pin replaces the old one
+    ckpt.save_checkpoint(tmp_path, 18, 0, _state(18), keep=2)
+    assert ckpt.list_checkpoints(tmp_path, 0) == [12, 15, 18]
+    assert ckpt.pinned(tmp_path, 1) is None
+    said = "the newest checkpoint is of step 18; the newest before a loss spike is of step 12"
+    assert newest_checkpoint(tmp_path, 0) == said  # what a run that diverges says
+
+
+def _spike_run(folder: Path, losses: dict[int, float], checkpoints: tuple[int, ...]) -> SpikeWatch:
+    for step in checkpoints:
+        ckpt.save_checkpoint(folder, step, 0, _state(step), keep=100)
+    watch = SpikeWatch(folder=folder, rank=0)
+    for step, loss in sorted(losses.items()):
+        watch.see(step, loss)
+    return watch
+
+
+@pytest.mark.timeout(30)
+def test_a_spike_pins_the_newest_checkpoint_whose_next_loss_was_good(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The loss of step 10 is the first on the state of step 9's checkpoint: that one is not pinned, 6 is."""
+    losses = {s: 4.0 - 0.01 * s for s in range(1, 10)} | {10: 400.0, 11: 380.0, 12: math.nan, 13: 390.0}
+    with caplog.at_level("WARNING"):
+        watch = _spike_run(tmp_path, losses, checkpoints=(3, 6, 9))
+    assert ckpt.pinned(tmp_path, 0) == 6 and watch.first == 10
+    line = (
+        "step 10: loss 400 is a spike (101x the median 3.95 before it): the checkpoint of step 6, the newest "
+        f"before it, is kept out of rotation ({tmp_path / 'pinned-rank0.json'})"
+    )
+    assert [r.getMessage() for r in caplog.records] == [line]  # one per spike: 11 and 13 are of it, NaN neither
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize(
+    ("losses", "expected"),
+    [
+        ({s: 4.0 for s in range(1, 13)} | {9: 7.9, 11: 7.0}, None),  # under 2x the median: none
+        ({s: 0.3 for s in range(1, 13)} | {11: 1.2}, None),  # 4x, but 0.9 nats: batch noise near 0
+        ({s: 4.0 for s in range(1, 8)} | {8: 40.0}, None),  # 7 losses seen: too few to judge
+        ({s: 4.0 for s in range(1, 20)} | {10: 40.0, 11: 4.0, 17: 9.0}, 15),  # recovered, then a new spike
+    ],
+)
+def test_what_is_a_spike(tmp_path: Path, losses: dict[int, float], expected: int | None) -> None:
+    _spike_run(tmp_path, losses, checkpoints=(3, 6, 9, 12, 15, 16))
+    assert ckpt.pinned(tmp_path, 0) == expected

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from bitflip import flip_bit
 from runs import FAST
 from threads import in_threads
 
@@ -165,6 +166,67 @@ def test_resume_falls_back_to_the_newest_intact_checkpoint(
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert any(str(bad) in w and "cannot be read" in w for w in warnings), warnings
     assert not any("weights_only" in w for w in warnings)
+
+
+def _steps(run: Path) -> dict[int, list[int]]:
+    """Each rank's checkpoint steps on disk."""
+    return {r: ckpt.list_checkpoints(run / "checkpoints", r) for r in (0, 1)}
+
+
+@pytest.mark.timeout(120)
+def test_a_flipped_bit_is_refused_and_rotation_after_the_fallback_keeps_the_intact_checkpoint(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], caplog: pytest.LogCaptureFixture
+) -> None:
+    """Before: the flipped file loaded silently; and after a fallback from a corrupt step 6 to step 3, the next
+    checkpoint (4) rotated out the intact 3 and kept the corrupt 6, the newest a later resume would try."""
+    common = ["--set", f"train.runs_dir={tmp_path!s}", *FAST]
+    assert main(["train", "--name", "r", *common, "--set", "train.stop_after=6"]) == 0
+    run, folder = tmp_path / "r", tmp_path / "r" / "checkpoints"
+    bad = folder / "step00000006-rank0.pt"
+    flip_bit(bad)
+    capsys.readouterr()
+    resume = ["train", "--name", "r", "--resume", "--set", f"train.runs_dir={tmp_path!s}", "-q"]
+    with caplog.at_level(logging.WARNING):
+        assert main([*resume, "--set", "train.stop_after=4"]) == 0
+    assert "resumed from step 3 of 12, to step 4" in capsys.readouterr().err
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    refused = [w for w in warnings if str(bad) in w and "does not match its contents" in w]
+    assert len(refused) == 1 and "\n" not in refused[0] and refused[0].endswith(": trying an older checkpoint")
+    assert _steps(run) == {0: [3, 4], 1: [3, 4]}
+    aside = sorted(p.name for p in folder.iterdir() if not p.name.endswith((".pt", ".json")))
+    assert aside == ["step00000006-rank0.pt.corrupt", "step00000006-rank1.pt.unused"]  # rank 0 lacks step 6
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):
+        assert main(resume) == 0  # from the intact 4, to the end, without a warning
+    assert "resumed from step 4 of 12" in capsys.readouterr().err
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+    assert _steps(run) == {0: [9, 12], 1: [9, 12]}
+
+
+@pytest.mark.timeout(120)
+def test_the_checkpoint_from_before_a_loss_spike_survives_rotation(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Every worker's loss is 100 times itself from step 10 on. Its first spiking loss is computed on the state
+    of step 9's checkpoint: step 6's is the newest before the spike, and rotation (keep 2) never deletes it.
+    Before: steps 15 and 18 only."""
+    real = worker_module.loss_of
+    calls = threading.local()
+
+    def loss_of(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        calls.n = getattr(calls, "n", 0) + 1
+        return real(model, x, y) * (100.0 if calls.n >= 10 else 1.0)
+
+    monkeypatch.setattr(worker_module, "loss_of", loss_of)
+    common = ["--set", f"train.runs_dir={tmp_path!s}", *FAST, "--set", "train.steps=18"]
+    with caplog.at_level(logging.WARNING):
+        assert main(["train", "--name", "r", *common]) == 0
+    assert _steps(tmp_path / "r") == {0: [6, 15, 18], 1: [6, 15, 18]}
+    spikes = sorted(r.getMessage() for r in caplog.records if "is a spike" in r.getMessage())
+    assert len(spikes) == 2 and all(
+        s.startswith("step 10: loss ") and "the checkpoint of step 6, the newest before it" in s for s in spikes
+    )
+    assert all(_checkpoints(tmp_path / "r").values())
 
 
 @pytest.mark.timeout(60)

@@ -5,10 +5,20 @@ its final name (``os.replace`` is atomic on POSIX and Windows): a crash mid-writ
 checkpoint as it was and, at worst, a stray ``.tmp`` file that the rank's next start removes. A write that
 fails (a full disk) is an OSError naming the file and the OS's reason; a file that cannot be read, a
 ValueError saying why in one line (never torch's advice to load it unsafely).
+
+Each checkpoint carries a checksum of its tensors and values (``checksum.py``) under the key ``"checksum"``,
+verified when it is read: a file changed on disk after it was written (a flipped bit, a bad copy) is refused
+with one line naming it. A checkpoint written before checksums (no such key) still loads, unverified, with
+a warning saying so: refusing it would strand every run checkpointed by an older version.
+
+Rotation (``save_checkpoint``) keeps a rank's newest ``keep`` checkpoints and its pinned one (``pin``: the
+newest before a loss spike, ``spikes.py``), and sees only files named ``stepNNNNNNNN-rankR.pt``: a resume
+renames those it passed over aside (``resume_from.set_aside``), so a corrupt file never counts.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import pickle
@@ -20,12 +30,16 @@ from typing import Any, BinaryIO
 
 import torch
 
+from .checksum import CHECKSUM, checksum_of
+
 __all__ = [
     "atomic_save",
     "checkpoint_path",
     "checkpoint_ranks",
     "list_checkpoints",
     "load_checkpoint",
+    "pin",
+    "pinned",
     "remove_stray_temp",
     "save_checkpoint",
 ]
@@ -133,13 +147,39 @@ def checkpoint_ranks(folder: str | Path) -> list[int]:
 
 
 def save_checkpoint(folder: str | Path, step: int, rank: int, state: dict[str, Any], keep: int) -> Path:
-    """Write ``state`` as ``rank``'s checkpoint of ``step``; then delete all but its newest ``keep``."""
+    """Write ``state`` and its checksum as ``rank``'s checkpoint of ``step``; then delete all but its newest
+    ``keep`` and its pinned one."""
     path = checkpoint_path(folder, step, rank)
-    atomic_save(state, path)
+    atomic_save({**state, CHECKSUM: checksum_of(state)}, path)
+    kept = pinned(folder, rank)
     for old in list_checkpoints(folder, rank)[:-keep]:
-        checkpoint_path(folder, old, rank).unlink(missing_ok=True)
+        if old != kept:
+            checkpoint_path(folder, old, rank).unlink(missing_ok=True)
     logger.debug("rank %d: checkpoint of step %d written to %s", rank, step, path)
     return path
+
+
+def _pin_path(folder: str | Path, rank: int) -> Path:
+    return Path(folder) / f"pinned-rank{rank}.json"
+
+
+def pin(folder: str | Path, rank: int, *, step: int, why: str) -> Path:
+    """Keep ``rank``'s checkpoint of ``step`` out of rotation (in place of the one pinned before), saying
+    ``why`` in the file, written atomically like the checkpoints; that file."""
+    path = _pin_path(folder, rank)
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps({"step": step, "why": why}) + "\n", encoding="utf-8")
+    os.replace(tmp, path)
+    return path
+
+
+def pinned(folder: str | Path, rank: int) -> int | None:
+    """The step of ``rank``'s pinned checkpoint (None: none, or a pin file that cannot be read)."""
+    try:
+        step = json.loads(_pin_path(folder, rank).read_text(encoding="utf-8"))["step"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return step if isinstance(step, int) else None
 
 
 def remove_stray_temp(folder: str | Path, rank: int) -> None:
@@ -160,11 +200,22 @@ def _unreadable(e: BaseException) -> str:
 
 
 def load_checkpoint(path: str | Path) -> dict[str, Any]:
-    """Read a checkpoint; only tensors and plain containers are accepted (nothing is unpickled)."""
+    """Read a checkpoint and verify its checksum (without one: written before checksums, loaded with a
+    warning); only tensors and plain containers are accepted (nothing is unpickled)."""
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:  # noqa: BLE001 - whatever the reader raises, the user gets one clear ValueError
         raise ValueError(f"checkpoint {str(path)!r} cannot be read: {_unreadable(e)}") from None
     if not isinstance(state, dict):
         raise ValueError(f"checkpoint {str(path)!r} holds a {type(state).__name__}, not a dict")
+    saved = state.pop(CHECKSUM, None)
+    if saved is None:
+        logger.warning("checkpoint %r has no checksum (written before checksums): loaded unverified", str(path))
+        return state
+    found = checksum_of(state)
+    if saved != found:
+        raise ValueError(
+            f"checkpoint {str(path)!r} cannot be read: its checksum {saved} does not match its contents "
+            f"({found}): the file changed after it was written (a flipped bit, a bad disk or copy)"
+        )
     return state

@@ -2,7 +2,9 @@
 
 One NaN or infinite loss makes the gradients, then the weights and optimizer moments, non-finite: nothing
 trains on from there. The worker stops with an error after ``train.max_nonfinite_losses`` such losses in a
-row, and never checkpoints a state that is not finite, so the good checkpoints before it stay on disk.
+row, and never checkpoints a state that is not finite, so the good checkpoints before it stay on disk. A
+finite loss spike (``spikes.py``) does not stop the run; the newest checkpoint from before it is kept out of
+rotation.
 """
 
 from __future__ import annotations
@@ -15,7 +17,8 @@ import torch
 
 from diloco_core.flat import local_of
 
-from .checkpoint import list_checkpoints
+from .checkpoint import list_checkpoints, pinned
+from .spikes import SpikeWatch
 
 __all__ = ["LossWatch", "all_finite", "newest_checkpoint"]
 
@@ -41,18 +44,25 @@ def all_finite(obj: Any) -> bool:
 def newest_checkpoint(folder: Path, rank: int) -> str:
     """Where a diverged run can go back to, in words."""
     steps = list_checkpoints(folder, rank)
-    return f"the newest checkpoint is of step {steps[-1]}" if steps else "no checkpoint was written yet"
+    if not steps:
+        return "no checkpoint was written yet"
+    kept = pinned(folder, rank)
+    spike = f"; the newest before a loss spike is of step {kept}" if kept in steps and kept != steps[-1] else ""
+    return f"the newest checkpoint is of step {steps[-1]}{spike}"
 
 
 class LossWatch:
-    """Counts one worker's non-finite losses in a row; the ``limit``-th ends the run with a ValueError."""
+    """Counts one worker's non-finite losses in a row; the ``limit``-th ends the run with a ValueError. Its
+    finite losses go to a ``SpikeWatch``, which keeps the checkpoint from before a spike out of rotation."""
 
     def __init__(self, *, limit: int, folder: Path, rank: int, lr: float) -> None:
         self.limit, self.folder, self.rank, self.lr = limit, folder, rank, lr
+        self.spikes = SpikeWatch(folder=folder, rank=rank)
         self.first: int | None = None
         """The first step of the current streak of non-finite losses (None: the last loss was finite)."""
 
     def see(self, step: int, loss: float) -> None:
+        self.spikes.see(step, loss)
         if math.isfinite(loss):
             self.first = None
             return

@@ -4,6 +4,12 @@ where ranks hold for the run (in-process workers, torchrun), the newest step tha
 A checkpoint that cannot be read (truncated, overwritten, from a run that wrote NaN) is passed over with a
 warning for an older one. Ranks agree in rounds: each offers its newest readable step at or below the
 lowest offered so far, until all offer the same; every rank sees the same offers, so all end together.
+
+Once every rank has loaded its checkpoint, each renames its files of steps after the one resumed from
+aside (``set_aside``): those it could not read to ``NAME.corrupt``, the others (readable, but another rank
+lacks the step) to ``NAME.unused``. Both are out of the run's path: the resumed run writes those steps
+anew, and rotation, which sees only ``stepNNNNNNNN-rankR.pt`` names, can no longer keep one of them and
+delete the intact checkpoint the run resumed from (nor can a later resume jump to them).
 """
 
 from __future__ import annotations
@@ -20,7 +26,7 @@ from diloco_core import Transport
 from .checkpoint import checkpoint_path, list_checkpoints, load_checkpoint
 from .divergence import all_finite
 
-__all__ = ["Resume", "from_every_rank", "resume_step"]
+__all__ = ["Resume", "from_every_rank", "resume_step", "set_aside"]
 
 logger = logging.getLogger(__name__)
 
@@ -38,6 +44,8 @@ class Resume:
     """The step every rank resumes from; -1: none (the run starts over)."""
     state: dict[str, Any] | None
     """This rank's checkpoint of ``step``, read (None with -1)."""
+    refused: frozenset[int] = frozenset()
+    """The steps of this rank's checkpoints that were read and refused (unreadable, not finite)."""
 
 
 def from_every_rank(transport: Transport, value: int, timeout: float) -> list[int]:
@@ -121,8 +129,24 @@ def resume_step(run_dir: Path, *, rank: int, transport: Transport | None, timeou
         everyone = from_every_rank(transport, mine, timeout) if agree and transport is not None else [mine]
         _refuse(everyone, folder=folder, bound=bound)
         common = min(everyone)
+        refused = frozenset(step for step, ok in readable.ok.items() if not ok)
         if common == _NONE:
-            return Resume(step=_NONE, state=None)
+            return Resume(step=_NONE, state=None, refused=refused)
         if all(v == common for v in everyone):
-            return Resume(step=common, state=readable.state(common))
+            return Resume(step=common, state=readable.state(common), refused=refused)
         bound = common
+
+
+def set_aside(run_dir: Path, *, rank: int, resumed: Resume) -> None:
+    """Rename ``rank``'s checkpoints of steps after ``resumed.step`` aside (``.corrupt``, ``.unused``); once
+    every rank has loaded its checkpoint, so that a failed resume changes nothing."""
+    folder = run_dir / "checkpoints"
+    for step in list_checkpoints(folder, rank):
+        if step <= resumed.step:
+            continue
+        path = checkpoint_path(folder, step, rank)
+        aside = path.with_name(path.name + (".corrupt" if step in resumed.refused else ".unused"))
+        path.replace(aside)
+        logger.warning(
+            "resumed from step %d: %s renamed to %s (out of rotation and resumes)", resumed.step, path, aside.name
+        )

@@ -29,7 +29,7 @@ from .metrics import Reporter, TrainResult
 from .model import Llama
 from .modes import Sync
 from .resume import checkpoint_due, commit_resume, confirm_loaded, load_worker, save_worker
-from .resume_from import resume_step
+from .resume_from import resume_step, set_aside
 from .schedule import lr_at
 from .shards import shard_of
 
@@ -219,6 +219,7 @@ class Worker:
             sampler.load_state_dict(state["data"])
             logger.info("rank %d: resumed from step %d", self.rank, step)
         confirm_loaded(self.transport, timeout)
+        set_aside(job.run_dir, rank=self.rank, resumed=found)  # files after the step resumed from: never kept
         if self.rank == 0:
             commit_resume(job.run_dir, step=step, config=self.config, secret_keys=job.secret_keys)
         return max(step, 0)  # -1: crashed (or restarted by torchrun) before its first checkpoint: start over
