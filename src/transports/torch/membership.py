@@ -60,6 +60,7 @@ SHORT_SECRET = 16
 """A secret shorter than this is warned about (``secrets.token_urlsafe(24)`` has 32 characters)."""
 _HELLO = len(MAGIC) + 1 + NONCE
 NOT_DILOCO = "is not a diloco member (its first message is not diloco's membership check)"
+NO_PROOF = "did not prove the run's secret (another secret, or not a member of this run)"
 
 
 def read_secret(*, secret: str | None, secret_file: str | None, environ: Mapping[str, str]) -> str | None:
@@ -193,7 +194,7 @@ def prove_membership(key: bytes | None, *, timeout: float, group: dist.ProcessGr
         assert key is not None
         want = _proof(key, sender=r, receiver=me, nonces=(nonce, nonces[r]))
         ok = hmac.compare_digest(message, want)
-        return None if ok else "did not prove the run's secret (another secret, or not a member of this run)"
+        return None if ok else NO_PROOF
 
     exchange.round(dict.fromkeys(exchange.peers, MAGIC + bytes([key is not None]) + nonce), size=_HELLO, check=hello)
     if key is not None and not exchange.failed:
@@ -206,7 +207,7 @@ def prove_membership(key: bytes | None, *, timeout: float, group: dist.ProcessGr
 def _refusal(failed: dict[int, str], *, rank: int, peers: int, secret: bool) -> str:
     reasons = "; ".join(f"rank {r} {why}" for r, why in sorted(failed.items()))
     hint = ""
-    if secret and peers > 1 and len(failed) == peers:
+    if peers > 1 and len(failed) == peers and all(why == NO_PROOF for why in failed.values()):
         hint = " (every other rank failed: this rank's own secret is likely the one that differs)"
     elif not secret and any(why.startswith("has a secret") for why in failed.values()):
         hint = f" (set {SECRET_ENV} or [transport] secret_file on every rank)"
