@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import os
 import time
 import weakref
 from collections.abc import Iterator, Sequence
@@ -43,10 +42,9 @@ from diloco_core import FP32, Codec, mean_of_payloads
 from diloco_core.codecs.names import check_codec
 from diloco_core.transport import ReduceHandle, Transport, TransportError, reduce_inputs
 
-from .group import BACKEND_DEVICE, TorchDistConfig, init_process_group
+from .group import BACKEND_DEVICE, TorchDistConfig, join_group
 from .handle import TorchReduce, finish, transport_error
 from .identity import Identity
-from .membership import membership_key, prove_membership, read_secret
 from .worker import CommThread, Job, on_stream
 
 __all__ = ["TorchDistConfig", "TorchDistTransport"]
@@ -90,11 +88,7 @@ class TorchDistTransport(Transport):
 
     @classmethod
     def from_config(cls, config: TorchDistConfig) -> TorchDistTransport:
-        secret = read_secret(secret=config.secret, secret_file=config.secret_file, environ=os.environ)
-        key = membership_key(secret)  # scrypt, before joining: no rank waits on another's
-        if not dist.is_initialized():
-            init_process_group(config)
-        prove_membership(key, timeout=config.timeout)  # before any other collective
+        join_group(config)  # and every rank proves the run's secret (membership)
         return cls(bucket_mb=config.bucket_mb, timeout=config.timeout)
 
     def __init__(
