@@ -1,5 +1,4 @@
-"""Joining a torch.distributed process group: the transport's config, the group's initialization, and the
-membership check (``membership``) that every rank passes before the first collective."""
+"""Joining a torch.distributed process group: the transport's config and the group's initialization."""
 
 from __future__ import annotations
 
@@ -12,9 +11,7 @@ import torch.distributed as dist
 
 from diloco_core.config import check_field, check_fields, choice, number, string
 
-from .membership import membership_key, prove_membership, read_secret
-
-__all__ = ["BACKEND_DEVICE", "TorchDistConfig", "init_process_group", "join_group"]
+__all__ = ["BACKEND_DEVICE", "TorchDistConfig", "init_process_group"]
 
 BACKEND_DEVICE = {"gloo": "cpu", "nccl": "cuda"}
 
@@ -47,17 +44,6 @@ class TorchDistConfig:
             ok = value is None or (isinstance(value, str) and value != "")
             shown = "<hidden>" if name == "secret" and ok else value
             check_field(name, shown, ok=ok, valid="a non-empty string or none")
-
-
-def join_group(config: TorchDistConfig) -> None:
-    """Join the default process group (unless one exists), then check that every rank holds this rank's secret
-    (``config.secret``, ``secret_file`` or DILOCO_TORCH_SECRET; or that none holds one): ``TransportError``
-    naming every rank that failed, on every rank, within ``config.timeout``."""
-    secret = read_secret(secret=config.secret, secret_file=config.secret_file, environ=os.environ)
-    key = membership_key(secret)  # scrypt, before joining: no rank waits on another's
-    if not dist.is_initialized():
-        init_process_group(config)
-    prove_membership(key, timeout=config.timeout)  # before any other collective
 
 
 def init_process_group(config: TorchDistConfig) -> None:

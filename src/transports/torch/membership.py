@@ -44,6 +44,8 @@ import torch.distributed as dist
 
 from diloco_core.transport import TransportError
 
+from .group import TorchDistConfig
+
 __all__ = ["KDF", "SECRET_ENV", "membership_key", "prove_membership", "read_secret"]
 
 logger = logging.getLogger(__name__)
@@ -97,8 +99,10 @@ def _derive(secret: str) -> bytes:
     return hashlib.scrypt(secret.encode(), salt=MAGIC, maxmem=2**28, dklen=32, **KDF)
 
 
-def membership_key(secret: str | None) -> bytes | None:
-    """The key a rank proves membership with (None: no secret, no proof)."""
+def membership_key(config: TorchDistConfig) -> bytes | None:
+    """The key this rank proves membership with, from ``config``'s secret (``read_secret``, the environment
+    this process's); None: no secret, no proof."""
+    secret = read_secret(secret=config.secret, secret_file=config.secret_file, environ=os.environ)
     if secret is None:
         return None
     if len(secret) < SHORT_SECRET:

@@ -42,9 +42,10 @@ from diloco_core import FP32, Codec, mean_of_payloads
 from diloco_core.codecs.names import check_codec
 from diloco_core.transport import ReduceHandle, Transport, TransportError, reduce_inputs
 
-from .group import BACKEND_DEVICE, TorchDistConfig, join_group
+from .group import BACKEND_DEVICE, TorchDistConfig, init_process_group
 from .handle import TorchReduce, finish, transport_error
 from .identity import Identity
+from .membership import membership_key, prove_membership
 from .worker import CommThread, Job, on_stream
 
 __all__ = ["TorchDistConfig", "TorchDistTransport"]
@@ -88,7 +89,10 @@ class TorchDistTransport(Transport):
 
     @classmethod
     def from_config(cls, config: TorchDistConfig) -> TorchDistTransport:
-        join_group(config)  # and every rank proves the run's secret (membership)
+        key = membership_key(config)  # before joining: a bad secret_file fails before any rank waits on this one
+        if not dist.is_initialized():
+            init_process_group(config)
+        prove_membership(key, timeout=config.timeout)  # every rank holds the run's secret, before any collective
         return cls(bucket_mb=config.bucket_mb, timeout=config.timeout)
 
     def __init__(
