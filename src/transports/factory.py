@@ -67,6 +67,7 @@ def _torch_spec(
         threads=False,
         fixed_ranks=True,
         processes_on_machine=_local_world_size(),
+        secret_keys=frozenset({"secret"}),
         fsdp_islands=True,
         link=link,
     )

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from diloco_core.config import check_fields, choice, number, string
+from diloco_core.config import check_field, check_fields, choice, number, string
 
 __all__ = ["BACKEND_DEVICE", "TorchDistConfig", "init_process_group"]
 
@@ -29,9 +29,21 @@ class TorchDistConfig:
     when it is not set."""
     bucket_mb: float = field(default=8.0, metadata=number(gt=0, noun="a number of MB"))
     """Size of the buckets a reduce is split into, in MB of fp32: few large collectives, pipelined."""
+    secret: str | None = field(default=None, repr=False)
+    """The run's shared secret: every rank must hold the same one, or the group refuses to start
+    (``membership``; docs/lan.md, "Members only"). Never saved with the run. Prefer ``secret_file`` or the
+    DILOCO_TORCH_SECRET environment variable (used when neither key is set): a ``--set`` value is in the
+    command line, which every user of the machine can read. None: no secret, unless the variable is set."""
+    secret_file: str | None = None
+    """A file holding the run's secret (its content, stripped), readable by its owner only (chmod 600)."""
 
     def __post_init__(self) -> None:
         check_fields(self)
+        for name in ("secret", "secret_file"):
+            value = getattr(self, name)
+            ok = value is None or (isinstance(value, str) and value != "")
+            shown = "<hidden>" if name == "secret" and ok else value
+            check_field(name, shown, ok=ok, valid="a non-empty string or none")
 
 
 def init_process_group(config: TorchDistConfig) -> None:

@@ -46,6 +46,7 @@ from .buffers import Buffers
 from .group import BACKEND_DEVICE, TorchDistConfig, init_process_group
 from .handle import TorchReduce, finish, transport_error
 from .identity import Identity
+from .membership import membership_key, prove_membership
 from .worker import CommThread, Job, on_stream
 
 __all__ = ["TorchDistConfig", "TorchDistTransport"]
@@ -72,8 +73,10 @@ class TorchDistTransport(Transport):
 
     @classmethod
     def from_config(cls, config: TorchDistConfig) -> TorchDistTransport:
+        key = membership_key(config)  # before joining: a bad secret_file fails before any rank waits on this one
         if not dist.is_initialized():
             init_process_group(config)
+        prove_membership(key, timeout=config.timeout)  # every rank holds the run's secret, before any collective
         return cls(bucket_mb=config.bucket_mb, timeout=config.timeout)
 
     def __init__(
