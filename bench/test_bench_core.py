@@ -17,7 +17,7 @@ import threading
 import pytest
 import torch
 
-from diloco_core import FP16, ContributionGuard, DiLoCo, DiLoCoConfig
+from diloco_core import FP16, ContributionGuard, DiLoCo, DiLoCoConfig, Merge, MergeRule, codec_for
 from transports import InProcessGroup
 
 N = 25_000_000
@@ -87,10 +87,27 @@ def test_contribution_guard_25m(benchmark):
     bufs = [torch.randn(N + g.tail_size) * 1e-3 for g in guards]
 
     def one(guard: ContributionGuard, flat: torch.Tensor) -> None:
-        guard.ref_norm = guard.ref_mean = 10.0
+        guard.ref_norm, guard.means = 10.0, [10.0]
         excluded, _, sent = guard.admit(flat[:N], 1.0)
         guard.mark(flat, excluded=excluded, norm=sent, global_flat=flat[:N])
         _, norm = guard.settle(flat, 2)
         guard.clip_mean(flat[:N], mean_norm=1.0, contributors_norm=norm)
 
     benchmark.pedantic(lambda: _in_threads([lambda g=g, b=b: one(g, b) for g, b in zip(guards, bufs)]), rounds=8)
+
+
+@pytest.mark.parametrize("codec", ["fp32", "int4"])
+@pytest.mark.parametrize("rule", ["mean-baseline", "robust"])
+def test_merge_of_3_contributions_25m(benchmark, codec, rule):
+    """The merge a member runs on 3 received payloads of 25M values, one thread: the plain mean (baseline) and
+    the robust rule on honest contributions (it decodes each, takes the coordinate-wise median and 3 distances,
+    then the same mean). Issue 29's budget is on a round's time: this is its worst case, the merge alone."""
+    benchmark.group = f"merge of 3 contributions, 25M values, {codec}"
+    c = codec_for(codec)
+    shared = torch.randn(N)
+    payloads = [c.encode(shared + torch.randn(N)) for _ in range(3)]
+    c.prepare(shared, payloads=(3,))
+    merge, out = Merge(rule=MergeRule(rule.removesuffix("-baseline"))), torch.empty(N)
+    torch.set_num_threads(1)
+    assert merge.of(payloads, codec=c, out=out) == ()
+    benchmark.pedantic(lambda: merge.of(payloads, codec=c, out=out), rounds=5, warmup_rounds=1)

@@ -1,9 +1,10 @@
 """The gloo transport against raw ``dist.all_reduce``, and its 16-bit and int8/int4 wires against its
 fp32 one: 2 processes on 127.0.0.1, 25M fp32 values, side by side in one session (each call encodes,
 exchanges and decodes: the whole reduce of a round, error feedback aside; ``-eager``: the codec without its
-fused CPU kernels).
+fused CPU kernels); and, with 3 processes, the robust merge (``diloco_core.merge``) beside the plain mean.
 
     python -m pytest bench/test_bench_torch.py --benchmark-only
+    python -m pytest bench/test_bench_torch.py --benchmark-only -k robust  # the robust merge's cost
     python -m pytest bench/test_bench_torch.py --benchmark-only -k interleaved  # the LAN target alone
     bench/shaped_link.sh 1gbit python -m pytest bench/test_bench_torch.py --benchmark-only  # a 1 Gbit/s link
 
@@ -27,7 +28,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from diloco_core import Codec, codec_for
+from diloco_core import MEAN, Codec, Merge, MergeRule, codec_for
 from transports import TorchDistTransport
 
 N = 25_000_000
@@ -47,20 +48,24 @@ def _codec(name: str) -> Codec:
 
 
 def _op(name: str, transport: TorchDistTransport, x: torch.Tensor) -> None:
+    """``raw``, a codec's name, or ``<codec>-robust`` (the robust merge; every other: the plain mean)."""
     if name == "raw":  # the mean, as the transport returns: all_reduce + divide (a bare sum would overflow x)
         dist.all_reduce(x)
-        x.div_(2)
+        x.div_(dist.get_world_size())
+    elif name.endswith("-robust"):
+        merge = Merge(rule=MergeRule.ROBUST)
+        transport.all_reduce([x], codec=_codec(name.removesuffix("-robust")), merge=merge).wait(120)
     else:
-        transport.all_reduce([x], codec=_codec(name)).wait(120)
+        transport.all_reduce([x], codec=_codec(name), merge=MEAN).wait(120)
 
 
-def _peer(store: str, commands: mp.Queue, done: mp.Queue) -> None:
+def _peer(store: str, rank: int, world: int, commands: mp.Queue, done: mp.Queue) -> None:
     os.environ["GLOO_SOCKET_IFNAME"] = "lo"
     torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo", init_method=f"file://{store}", rank=1, world_size=2, timeout=datetime.timedelta(seconds=120)
-    )
+    timeout = datetime.timedelta(seconds=120)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world, timeout=timeout)
     transport = TorchDistTransport()
+    torch.manual_seed(rank)
     x = torch.randn(N)
     while (name := commands.get()) is not None:
         _op(name, transport, x)
@@ -68,34 +73,47 @@ def _peer(store: str, commands: mp.Queue, done: mp.Queue) -> None:
     dist.destroy_process_group()
 
 
-@pytest.fixture(scope="module")
-def pair(tmp_path_factory):
+def _world(tmp_path_factory, world: int):
+    """This process as rank 0 of ``world`` gloo processes: ``run(name)`` has every rank run ``_op(name)``."""
     os.environ["GLOO_SOCKET_IFNAME"] = "lo"
     threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # as the peer: one core each
+    torch.set_num_threads(1)  # as the peers: one core each
     store = str(tmp_path_factory.mktemp("gloo") / "store")
     ctx = mp.get_context("spawn")
-    commands, done = ctx.Queue(), ctx.Queue()
-    peer = ctx.Process(target=_peer, args=(store, commands, done), daemon=True)
-    peer.start()
-    dist.init_process_group(
-        "gloo", init_method=f"file://{store}", rank=0, world_size=2, timeout=datetime.timedelta(seconds=120)
-    )
+    queues = [(ctx.Queue(), ctx.Queue()) for _ in range(world - 1)]
+    peers = [ctx.Process(target=_peer, args=(store, r + 1, world, *q), daemon=True) for r, q in enumerate(queues)]
+    for peer in peers:
+        peer.start()
+    timeout = datetime.timedelta(seconds=120)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=world, timeout=timeout)
     transport = TorchDistTransport()
     x = torch.randn(N)
 
     def run(name: str) -> None:
-        commands.put(name)
+        for commands, _ in queues:
+            commands.put(name)
         _op(name, transport, x)
-        done.get(timeout=120)
+        for _, done in queues:
+            done.get(timeout=120)
 
     yield run
-    commands.put(None)
-    peer.join(30)
-    if peer.is_alive():
-        peer.kill()
+    for (commands, _), peer in zip(queues, peers):
+        commands.put(None)
+        peer.join(30)
+        if peer.is_alive():
+            peer.kill()
     dist.destroy_process_group()
     torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    yield from _world(tmp_path_factory, 2)
+
+
+@pytest.fixture(scope="module")
+def trio(tmp_path_factory):
+    yield from _world(tmp_path_factory, 3)
 
 
 @pytest.mark.parametrize(
@@ -134,3 +152,12 @@ def test_gloo_fp32_against_raw_interleaved(benchmark, pair):
         f"(medians of {INTERLEAVED_REPS} interleaved reps) = {statistics.median(fp32) / statistics.median(raw):.3f}x; "
         f"median per-rep ratio {statistics.median(f / r for f, r in zip(fp32, raw)):.3f}x"
     )
+
+
+@pytest.mark.parametrize("name", ["fp32-baseline", "fp32-robust", "int4", "int4-robust"])
+def test_gloo_3_ranks_robust_merge_25m(benchmark, trio, name):
+    """The robust merge's cost on a whole reduce: 3 gloo processes (where it judges: 2 have no majority), each
+    codec's plain mean beside its robust merge of honest contributions (nothing left out). fp32's plain mean is
+    the backend's ring; its robust merge reduce-scatters the payloads, merges each shard, and all-gathers."""
+    benchmark.group = "3 gloo processes, 25M fp32 values, plain and robust merge"
+    benchmark.pedantic(trio, args=(name.removesuffix("-baseline"),), rounds=8, warmup_rounds=2)

@@ -140,7 +140,8 @@ class TorchDistTransport(Transport):
         if codec.elementwise_dtype == torch.float32 and (merge.rule is MergeRule.MEAN or w < 3):
             bucket_fn = self._ring  # a backend's sum: no payload seen, nothing to judge (fewer than 3: no majority)
         else:
-            gather = self._gather_all if w <= 3 else self._scatter_gather
+            fp32 = codec.elementwise_dtype == torch.float32  # all-gathered, 3 fp32 payloads are 1.5x the ring's bytes
+            gather = self._gather_all if w <= 3 and not fp32 else self._scatter_gather
             bucket_fn = functools.partial(gather, codec=codec, merge=merge, left_out=left_out)
         size = max(codec.block, self._bucket_numel // codec.block * codec.block)
         parts = flat.split(size)
@@ -174,7 +175,7 @@ class TorchDistTransport(Transport):
         w = self._size
         if ring:
             return 2 * (w - 1) * numel * 4 // w
-        if w <= 3:
+        if w <= 3 and codec.elementwise_dtype != torch.float32:
             return (w - 1) * codec.payload_bytes(numel)
         shard = _shard(numel, w, codec.block)
         return (w - 1) * (codec.payload_bytes(shard) + shard * 4)
