@@ -9,6 +9,10 @@ does with the same insiders.
 
     python bench/insider.py --out runs/insider                      # in-process workers (threads)
     python bench/insider.py --out runs/insider-gloo --transport torch   # 3 gloo processes under torchrun
+    python bench/insider.py --out runs/insider-hm --transport hivemind --workers 4  # 4 hivemind peers (processes)
+
+On hivemind every peer is a process of its own on 127.0.0.1 (its own shard of the data, ``train.num_shards``);
+the first prints its join command, the others join its addresses; the honest baseline is one peer fewer.
 """
 
 from __future__ import annotations
@@ -16,8 +20,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import subprocess
 import sys
+import time
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -63,10 +69,59 @@ def _wrap(scale: float | None, insider_rank: int):
     return lambda t: Insider(t, scale) if t.rank == insider_rank else t
 
 
+HIVEMIND = [
+    "transport.kind=hivemind",
+    'transport.host_maddrs=["/ip4/127.0.0.1/tcp/0"]',
+    "transport.matchmaking_time=15.0",  # the first round waits for every peer to start (a group forms once all are in)
+    "transport.averaging_timeout=60.0",
+    "train.ddp_warm_start=0",
+]
+
+
+def _hivemind(args: argparse.Namespace, *, name: str, workers: int, scale: float | None, overrides: list[str]) -> None:
+    """``workers`` peers as processes; the last is the insider (if ``scale``). Their run folders: name-pN."""
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    base = [*overrides, *HIVEMIND, f"train.num_shards={workers}", f"transport.target_group_size={workers}"]
+    base.append('transport.secret="insider-bench-secret-0123456789"')
+    procs: list[subprocess.Popen] = []
+    try:
+        joined: list[str] = []
+        for i in range(workers):
+            sets = [*base, f"train.shard={i}", *joined]
+            cmd = [sys.executable, __file__, "--worker", f"{name}/p{i}", "--out", str(out)]
+            cmd += ["--scale", repr(scale if i == workers - 1 else None)]
+            cmd += [a for o in sets for a in ("--set", o)]
+            err = open(out / f"{name}-p{i}.err", "w")  # noqa: SIM115 - the child writes it until it exits
+            procs.append(subprocess.Popen(cmd, stderr=err, stdout=subprocess.DEVNULL, start_new_session=True))
+            if i == 0:
+                joined = [f"transport.initial_peers={_first_addresses(out / f'{name}-p0.err', procs[0])}"]
+        for p in procs:
+            if p.wait(timeout=3600) != 0:
+                raise RuntimeError(f"a peer of {name} exited with {p.returncode} (see {out}/{name}-p*.err)")
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, 9)
+
+
+def _first_addresses(err: Path, proc: subprocess.Popen) -> str:
+    """The addresses the first peer printed in its join command (a JSON list)."""
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        found = re.search(r"transport\.initial_peers=(\[[^\]]*\])", err.read_text())
+        if found:
+            return found.group(1)
+        if proc.poll() is not None:
+            raise RuntimeError(f"the first peer exited ({proc.returncode}): {err}")
+        time.sleep(0.5)
+    raise RuntimeError(f"the first peer printed no join command within 120 s: {err}")
+
+
 def run(args: argparse.Namespace, *, name: str, workers: int, scale: float | None) -> dict:
     """One run (read back if finished): its eval loss and how many rounds left someone out."""
     out = Path(args.out)
-    run_dir = out / name
+    run_dir = out / name / "p0" if args.transport == "hivemind" else out / name
     if not (run_dir / "metrics.jsonl").is_file() or not any(r["type"] == "summary" for r in read_metrics(run_dir)):
         overrides = _overrides(args, workers, out)
         if args.transport == "torch":
@@ -74,8 +129,14 @@ def run(args: argparse.Namespace, *, name: str, workers: int, scale: float | Non
             cmd += [str(args.port), __file__, "--worker", name, "--scale", repr(scale), "--out", str(out)]
             cmd += [a for o in [*overrides, "transport.kind=torch"] for a in ("--set", o)]
             subprocess.run(cmd, check=True, timeout=3600)
+        elif args.transport == "hivemind":
+            _hivemind(args, name=name, workers=workers, scale=scale, overrides=overrides)
         else:
-            train(build_config(overrides=overrides), run_dir, show_progress=False, wrap=_wrap(scale, workers - 1))
+            try:
+                train(build_config(overrides=overrides), run_dir, show_progress=False, wrap=_wrap(scale, workers - 1))
+            except ValueError as e:  # the trainer stopped it (a diverged run: the plain mean's fate)
+                print(f"{name}: {e}", file=sys.stderr)
+                return {"name": name, "eval_after": float("nan"), "rounds": 0, "rounds_with_left_out": 0}
     records = read_metrics(run_dir)
     summary = next(r for r in records if r["type"] == "summary")
     rounds = [r for r in records if r["type"] == "round"]
@@ -88,11 +149,15 @@ def run(args: argparse.Namespace, *, name: str, workers: int, scale: float | Non
 
 
 def _worker(args: argparse.Namespace) -> None:
-    """One torchrun rank of a gloo run: the last rank is the insider."""
+    """One torchrun rank of a gloo run (the last rank is the insider), or one hivemind peer (``--scale``: its own)."""
     scale = None if args.scale == "None" else float(args.scale)
     config = build_config(overrides=args.set)
-    workers = int(os.environ["WORLD_SIZE"])
-    train(config, Path(args.out) / args.worker, show_progress=False, wrap=_wrap(scale, workers - 1))
+    run_dir = Path(args.out) / args.worker
+    if "WORLD_SIZE" in os.environ:
+        train(config, run_dir, show_progress=False, wrap=_wrap(scale, int(os.environ["WORLD_SIZE"]) - 1))
+    else:
+        insider = None if scale is None else (lambda t: Insider(t, scale))
+        train(config, run_dir, show_progress=False, wrap=insider)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -100,7 +165,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default="runs/insider")
     p.add_argument("--steps", type=int, default=300, help="inner steps per worker (train.steps)")
     p.add_argument("--merge", default="robust", choices=["robust", "mean"], help="diloco.merge")
-    p.add_argument("--transport", default="inprocess", choices=["inprocess", "torch"])
+    p.add_argument("--transport", default="inprocess", choices=["inprocess", "torch", "hivemind"])
+    p.add_argument("--workers", type=int, default=3, help="workers with the insider (the honest baseline: one fewer)")
     p.add_argument("--port", type=int, default=29517, help="torchrun's rendezvous port (--transport torch)")
     p.add_argument("--set", action="append", default=[], help="a further trainer override, key=value")
     p.add_argument("--worker", help=argparse.SUPPRESS)
@@ -110,16 +176,17 @@ def main(argv: list[str] | None = None) -> int:
         _worker(args)
         return 0
     tag = f"{args.transport}-{args.merge}"
-    rows = [run(args, name=f"{tag}-honest2", workers=2, scale=None)]
-    rows += [run(args, name=f"{tag}-insider{s:g}", workers=3, scale=s) for s in SCALES]
+    honest = args.workers - 1
+    rows = [run(args, name=f"{tag}-honest{honest}", workers=honest, scale=None)]
+    rows += [run(args, name=f"{tag}-insider{s:g}", workers=args.workers, scale=s) for s in SCALES]
     base = rows[0]["eval_after"]
-    print("| run | eval loss | vs the 2 honest alone | rounds with a contribution left out |")
+    print(f"| run | eval loss | vs the {honest} honest alone | rounds with a contribution left out |")
     print("|---|---|---|---|")
     for r in rows:
         print(
             f"| {r['name']} | {r['eval_after']:.4f} | {r['eval_after'] / base - 1:+.2%} | {r['rounds_with_left_out']}/{r['rounds']} |"
         )
-    worst = max(r["eval_after"] / base - 1 for r in rows[1:])
+    worst = max(r["eval_after"] / base - 1 if r["eval_after"] == r["eval_after"] else float("inf") for r in rows[1:])
     print(f"worst insider run: {worst:+.2%} against the honest workers alone (target: <= +2%)")
     return 0
 
