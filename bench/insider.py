@@ -10,6 +10,7 @@ does with the same insiders.
     python bench/insider.py --out runs/insider                      # in-process workers (threads)
     python bench/insider.py --out runs/insider-gloo --transport torch   # 3 gloo processes under torchrun
     python bench/insider.py --out runs/insider-hm --transport hivemind --workers 4  # 4 hivemind peers (processes)
+    python bench/insider.py --out runs/insider-long --steps 330 --scales=-1 --set diloco.norm_clip=4  # 30 rounds
 
 On hivemind every peer is a process of its own on 127.0.0.1 (its own shard of the data, ``train.num_shards``);
 the first prints its join command, the others join its addresses; the honest baseline is one peer fewer.
@@ -33,8 +34,6 @@ from diloco_core import FP32, MEAN, Codec, ForwardingTransport, Merge, ReduceHan
 from diloco_train.config import build_config
 from diloco_train.plot import read_metrics
 from diloco_train.train import train
-
-SCALES = [1e6, -1e6, -10.0]
 
 
 class Insider(ForwardingTransport):
@@ -167,6 +166,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--merge", default="robust", choices=["robust", "mean"], help="diloco.merge")
     p.add_argument("--transport", default="inprocess", choices=["inprocess", "torch", "hivemind"])
     p.add_argument("--workers", type=int, default=3, help="workers with the insider (the honest baseline: one fewer)")
+    p.add_argument("--scales", default="1e6,-1e6,-10", help="comma-separated: the insider's scale in each run")
     p.add_argument("--port", type=int, default=29517, help="torchrun's rendezvous port (--transport torch)")
     p.add_argument("--set", action="append", default=[], help="a further trainer override, key=value")
     p.add_argument("--worker", help=argparse.SUPPRESS)
@@ -178,7 +178,8 @@ def main(argv: list[str] | None = None) -> int:
     tag = f"{args.transport}-{args.merge}"
     honest = args.workers - 1
     rows = [run(args, name=f"{tag}-honest{honest}", workers=honest, scale=None)]
-    rows += [run(args, name=f"{tag}-insider{s:g}", workers=args.workers, scale=s) for s in SCALES]
+    scales = [float(x) for x in args.scales.split(",")]
+    rows += [run(args, name=f"{tag}-insider{s:g}", workers=args.workers, scale=s) for s in scales]
     base = rows[0]["eval_after"]
     print(f"| run | eval loss | vs the {honest} honest alone | rounds with a contribution left out |")
     print("|---|---|---|---|")
