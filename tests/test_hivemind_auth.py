@@ -161,9 +161,10 @@ def test_no_secret_generates_a_strong_one_and_a_joiner_without_one_is_refused(ca
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_a_trainer_started_without_a_secret_prints_a_join_command_that_carries_one(tmp_path):
-    """`diloco train` on hivemind without transport.secret: the first peer generates one, its join command
-    carries it (and only there: not in config.toml), and the pasted command averages with it."""
+def test_a_trainer_started_without_a_secret_prints_a_join_command_that_names_it(tmp_path):
+    """`diloco train` on hivemind without a secret: the first peer generates one and writes it to join.secret
+    in its run folder (mode 0600; not in config.toml, not in any printed line), its join command names that
+    file, and the pasted command averages with it."""
     import json
     import shlex
     import subprocess
@@ -178,20 +179,29 @@ def test_a_trainer_started_without_a_secret_prints_a_join_command_that_carries_o
     first = subprocess.Popen(
         [*cli, "--name", "p1", "--set", "train.shard=0", *sets], cwd=tmp_path, stderr=subprocess.PIPE, text=True
     )
+    printed = []
     try:
-        join = next((shlex.split(line) for line in first.stderr if "transport.initial_peers=" in line), None)
-        assert join is not None, "the first peer printed no join command"
-        secret = [a.split("=", 1)[1] for a in join if a.startswith("transport.secret=")]
-        assert len(secret) == 1 and len(json.loads(secret[0])) >= 32, join
-        assert join[:2] == ["diloco", "train"], join
+        for line in first.stderr:
+            printed.append(line)
+            if "transport.initial_peers=" in line:
+                break
+        join = shlex.split(printed[-1])
+        assert join[:2] == ["diloco", "train"], printed
+        named = [json.loads(a.split("=", 1)[1]) for a in join if a.startswith("transport.secret_file=")]
+        assert named == [str(tmp_path / "p1" / "join.secret")], join
+        assert not any(a.startswith("transport.secret=") for a in join), join
         run = [*cli[:-1], *join[2:]]
         second = subprocess.run(run, check=False, cwd=tmp_path, capture_output=True, text=True, timeout=200)
         assert second.returncode == 0, second.stderr[-3000:]
-        assert first.wait(timeout=60) == 0
+        _, err = first.communicate(timeout=60)
+        assert first.returncode == 0
     finally:
         if first.poll() is None:
             first.kill()
             first.wait()
-    assert json.loads(secret[0]) not in (tmp_path / "p1" / "config.toml").read_text()
+    secret = (tmp_path / "p1" / "join.secret").read_text().strip()
+    assert len(secret) >= 32 and ((tmp_path / "p1" / "join.secret").stat().st_mode & 0o777) == 0o600
+    assert all(secret not in text for text in [*printed, err, second.stdout, second.stderr])
+    assert secret not in (tmp_path / "p1" / "config.toml").read_text()
     rounds = [json.loads(line) for line in (tmp_path / "p1" / "metrics.jsonl").read_text().splitlines()]
     assert [r["num_contributors"] for r in rounds if r["type"] == "round"] == [2, 2]
