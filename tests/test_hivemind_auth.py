@@ -40,7 +40,7 @@ def _honest_pair(run_id: str) -> list[HivemindTransport]:
 
 @pytest.mark.timeout(150)
 def test_junk_stored_over_the_runs_records_by_an_outsider_changes_no_round():
-    """The record-hiding attack: a plain DHT node (no secret) stores junk over every record of the run with a
+    """The record-hiding attack: a DHT node without the record key stores junk over every record of the run with a
     long expiry (their key ids travel in every DHT request). Rounds still have both peers, and a joiner still
     gets the run's state. Before the records were MACed both peers averaged alone from then on."""
     peers = _honest_pair("junk")
@@ -52,7 +52,9 @@ def test_junk_stored_over_the_runs_records_by_an_outsider_changes_no_round():
         assert [r.num_contributors for r in _round(peers, xs)] == [2, 2]
         keys = [f"{peers[0]._ns}_peers"]
         keys += [f"{a.prefix}.{s}" for t in peers for a in t._res.averagers for s in ("0b", "all_averagers")]
-        outsider = hivemind.DHT(initial_peers=peers[0].join_addresses, host_maddrs=LOCAL, start=True)
+        # Let into the run's DHT (as if that layer had fallen: test_hivemind_outsiders.py), without the record key.
+        inside = derive_keys("junk", SECRET).dht_authorizer()
+        outsider = hivemind.DHT(initial_peers=peers[0].join_addresses, host_maddrs=LOCAL, authorizer=inside, start=True)
         for key in set(keys):  # a plain value with a later expiry replaces a dictionary of subkeys
             outsider.store(key, "junk", expiration_time=get_dht_time() + 3600)
         xs = [[torch.full((4,), 5.0)], [torch.full((4,), 7.0)]]
@@ -94,10 +96,15 @@ class _ReadAnything(RecordValidatorBase):
 
 
 class _Outsider(RunKeys):
-    """Knows the run's namespace (libp2p's identify lists a peer's protocol names), not its MAC key."""
+    """Knows the run's namespace (libp2p's identify lists a peer's protocol names), not its MAC key. It is let
+    into the run's DHT (as if that layer had fallen: tests/test_hivemind_outsiders.py tests it), so that the
+    layers behind it are tested alone."""
 
     def record_validator(self, raw_keys):
         return _ReadAnything(self, raw_keys)
+
+    def dht_authorizer(self):
+        return derive_keys("outsider", SECRET).dht_authorizer()
 
 
 @pytest.mark.timeout(150)
