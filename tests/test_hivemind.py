@@ -548,28 +548,16 @@ def test_a_peer_without_the_secret_can_neither_contribute_nor_read(swarm):
     # Without a secret a joiner is refused at once (the first peer of a run generates one: test_hivemind_auth.py).
     with pytest.raises(ValueError, match="secret=None is invalid for a peer that joins"):
         HivemindTransport(HivemindConfig(run_id="contract", initial_peers=swarm[0].join_addresses, **FAST))
-    outsiders = [
-        HivemindTransport(
-            HivemindConfig(
-                run_id="contract", secret=s, target_group_size=3, initial_peers=swarm[0].join_addresses, **FAST
-            )
-        )
-        for s in ("wrong", "another wrong one")
-    ]
-    try:
-        inside = [[torch.full((4,), 1.0)], [torch.full((4,), 3.0)]]
-        outside = [[torch.full((4,), 1000.0)], [torch.full((4,), 5000.0)]]
-        calls = [lambda t=t, x=x: t.all_reduce(x).wait(30) for t, x in zip(swarm[:2] + outsiders, inside + outside)]
-        results = together(calls)
-        assert [r.num_contributors for r in results[:2]] == [2, 2], results
-        assert all(torch.equal(x[0], torch.full((4,), 2.0)) for x in inside)  # no outsider's value got in
-        assert [r.num_contributors for r in results[2:]] == [1, 1]  # outsiders only ever see themselves
-        assert torch.equal(outside[0][0], torch.full((4,), 1000.0))
-        with pytest.raises(TransportError, match="served its state"):
-            outsiders[1].broadcast([torch.zeros(4)], timeout=4)  # cannot read the run's state either
-    finally:
-        for o in outsiders:
-            o.close()
+    # With a wrong one, the run's DHT does not answer it (dht_auth.py): a clear error at once. The layers behind
+    # the DHT against a peer let into it: test_hivemind_auth.py.
+    for s in ("wrong", "another wrong one"):
+        cfg = HivemindConfig(run_id="contract", secret=s, initial_peers=swarm[0].join_addresses, **FAST)
+        with pytest.raises(TransportError, match="do all peers use the same run_id and secret"):
+            HivemindTransport(cfg)
+    inside = [[torch.full((4,), 1.0)], [torch.full((4,), 3.0)]]
+    results = together([lambda t=t, x=x: t.all_reduce(x).wait(30) for t, x in zip(swarm[:2], inside)])
+    assert [r.num_contributors for r in results] == [2, 2], results
+    assert all(torch.equal(x[0], torch.full((4,), 2.0)) for x in inside)
 
 
 # -- clean shutdown ----------------------------------------------------------------------------------------

@@ -40,7 +40,7 @@ def _honest_pair(run_id: str) -> list[HivemindTransport]:
 
 @pytest.mark.timeout(150)
 def test_junk_stored_over_the_runs_records_by_an_outsider_changes_no_round():
-    """The record-hiding attack: a plain DHT node (no secret) stores junk over every record of the run with a
+    """The record-hiding attack: a DHT node without the record key stores junk over every record of the run with a
     long expiry (their key ids travel in every DHT request). Rounds still have both peers, and a joiner still
     gets the run's state. Before the records were MACed both peers averaged alone from then on."""
     peers = _honest_pair("junk")
@@ -52,7 +52,9 @@ def test_junk_stored_over_the_runs_records_by_an_outsider_changes_no_round():
         assert [r.num_contributors for r in _round(peers, xs)] == [2, 2]
         keys = [f"{peers[0]._ns}_peers"]
         keys += [f"{a.prefix}.{s}" for t in peers for a in t._res.averagers for s in ("0b", "all_averagers")]
-        outsider = hivemind.DHT(initial_peers=peers[0].join_addresses, host_maddrs=LOCAL, start=True)
+        # Let into the run's DHT (as if that layer had fallen: test_hivemind_outsiders.py), without the record key.
+        inside = derive_keys("junk", SECRET).dht_authorizer()
+        outsider = hivemind.DHT(initial_peers=peers[0].join_addresses, host_maddrs=LOCAL, authorizer=inside, start=True)
         for key in set(keys):  # a plain value with a later expiry replaces a dictionary of subkeys
             outsider.store(key, "junk", expiration_time=get_dht_time() + 3600)
         xs = [[torch.full((4,), 5.0)], [torch.full((4,), 7.0)]]
@@ -94,10 +96,15 @@ class _ReadAnything(RecordValidatorBase):
 
 
 class _Outsider(RunKeys):
-    """Knows the run's namespace (libp2p's identify lists a peer's protocol names), not its MAC key."""
+    """Knows the run's namespace (libp2p's identify lists a peer's protocol names), not its MAC key. It is let
+    into the run's DHT (as if that layer had fallen: tests/test_hivemind_outsiders.py tests it), so that the
+    layers behind it are tested alone."""
 
     def record_validator(self, raw_keys):
         return _ReadAnything(self, raw_keys)
+
+    def dht_authorizer(self):
+        return derive_keys("outsider", SECRET).dht_authorizer()
 
 
 @pytest.mark.timeout(150)
@@ -161,9 +168,10 @@ def test_no_secret_generates_a_strong_one_and_a_joiner_without_one_is_refused(ca
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_a_trainer_started_without_a_secret_prints_a_join_command_that_carries_one(tmp_path):
-    """`diloco train` on hivemind without transport.secret: the first peer generates one, its join command
-    carries it (and only there: not in config.toml), and the pasted command averages with it."""
+def test_a_trainer_started_without_a_secret_prints_a_join_command_that_names_it(tmp_path):
+    """`diloco train` on hivemind without a secret: the first peer generates one and writes it to join.secret
+    in its run folder (mode 0600; not in config.toml, not in any printed line), its join command names that
+    file, and the pasted command averages with it."""
     import json
     import shlex
     import subprocess
@@ -178,20 +186,29 @@ def test_a_trainer_started_without_a_secret_prints_a_join_command_that_carries_o
     first = subprocess.Popen(
         [*cli, "--name", "p1", "--set", "train.shard=0", *sets], cwd=tmp_path, stderr=subprocess.PIPE, text=True
     )
+    printed = []
     try:
-        join = next((shlex.split(line) for line in first.stderr if "transport.initial_peers=" in line), None)
-        assert join is not None, "the first peer printed no join command"
-        secret = [a.split("=", 1)[1] for a in join if a.startswith("transport.secret=")]
-        assert len(secret) == 1 and len(json.loads(secret[0])) >= 32, join
-        assert join[:2] == ["diloco", "train"], join
+        for line in first.stderr:
+            printed.append(line)
+            if "transport.initial_peers=" in line:
+                break
+        join = shlex.split(printed[-1])
+        assert join[:2] == ["diloco", "train"], printed
+        named = [json.loads(a.split("=", 1)[1]) for a in join if a.startswith("transport.secret_file=")]
+        assert named == [str(tmp_path / "p1" / "join.secret")], join
+        assert not any(a.startswith("transport.secret=") for a in join), join
         run = [*cli[:-1], *join[2:]]
         second = subprocess.run(run, check=False, cwd=tmp_path, capture_output=True, text=True, timeout=200)
         assert second.returncode == 0, second.stderr[-3000:]
-        assert first.wait(timeout=60) == 0
+        _, err = first.communicate(timeout=60)
+        assert first.returncode == 0
     finally:
         if first.poll() is None:
             first.kill()
             first.wait()
-    assert json.loads(secret[0]) not in (tmp_path / "p1" / "config.toml").read_text()
+    secret = (tmp_path / "p1" / "join.secret").read_text().strip()
+    assert len(secret) >= 32 and ((tmp_path / "p1" / "join.secret").stat().st_mode & 0o777) == 0o600
+    assert all(secret not in text for text in [*printed, err, second.stdout, second.stderr])
+    assert secret not in (tmp_path / "p1" / "config.toml").read_text()
     rounds = [json.loads(line) for line in (tmp_path / "p1" / "metrics.jsonl").read_text().splitlines()]
     assert [r["num_contributors"] for r in rounds if r["type"] == "round"] == [2, 2]

@@ -238,16 +238,17 @@ def test_the_join_command_runs_here_and_elsewhere_as_printed() -> None:
         "--set",
         'transport.initial_peers=["/ip4/203.0.113.7/tcp/31337/p2p/Qm"]',
     ]
-    # A secret the first peer generated (none given) travels in the join command, once.
+    # A secret never travels in the join command: a secret on this peer's command line is left out, and the
+    # file that print_join wrote it to is named instead, once.
     generated = join_command(
-        [*argv, "--set", 'transport.secret="old"'],
+        [*argv, "--set", 'transport.secret="old"', "--set", 'transport.secret_file="elsewhere"'],
         spec=spec,
         train=TrainConfig(shard=0, num_shards=4),
         run_name="wan",
         addresses=["/ip4/203.0.113.7/tcp/31337/p2p/Qm"],
-        settings={"secret": "Gen-3rated_secret"},
+        settings={"secret_file": "/runs/wan/join.secret"},
     )
-    assert generated == [*out[:-2], "--set", 'transport.secret="Gen-3rated_secret"', *out[-2:]]
+    assert generated == [*out[:-2], "--set", 'transport.secret_file="/runs/wan/join.secret"', *out[-2:]]
 
 
 @pytest.mark.timeout(60)

@@ -142,7 +142,7 @@ def train(
             if resume and spec.threads:  # every worker's checkpoint is on this disk
                 check_resume_workers(run_dir, world)
             if first is not None:
-                print_join(first, spec=spec, train=t, command=command, run_name=run_dir.name)
+                print_join(first, spec=spec, train=t, command=command, run_dir=run_dir)
         if len(transports) == 1:
             Worker(
                 job,

@@ -48,10 +48,12 @@ on joining and, by the caller's wait, when a round finds this peer behind its gr
 run state also holds the completed means in flight: a snapshot is then also taken after each completed
 reduce (its tag counts it), in a thread of its own, under ``RunState.lock``.
 
-Only peers that know the run's ``secret`` can take part (``auth``): a slow KDF (scrypt) derives the run's
-namespace and a MAC key from it; the run's DHT records, matchmaking requests and confirmations carry
-HMACs, and state is served only to peers whose presence record is MACed (docs/wan.md, "Authentication
-and threat model"). A first peer without a secret generates one (``join_settings``). Nothing received is unpickled (protobuf and msgpack only) and every
+Only peers that know the run's secret can take part (``auth``): a slow KDF (scrypt) derives the run's
+namespace and a MAC key from it; every DHT request and response (``dht_auth``: a non-member is neither
+served nor routed through), the run's DHT records, matchmaking requests and confirmations carry HMACs,
+and state is served only to peers whose presence record is MACed (docs/wan.md, "Authentication and
+threat model"). The secret comes from a file, an environment variable or the config (``secret``), never
+from argv where the trainer can help it; a first peer without one generates one (``join_settings``). Nothing received is unpickled (protobuf and msgpack only) and every
 received tensor is checked for shape, dtype and finite values before use (a block codec's payloads
 with ``codec.check``: shape, dtype, finite non-negative scales).
 
@@ -61,7 +63,9 @@ One concept per module: ``config`` (HivemindConfig), ``transport`` (HivemindTran
 ``state_tag`` (the state tag and the stale verdict), ``tracked_state`` (a peer's tag, re-sync),
 ``state_server`` (state for joiners), ``checks`` (received tensors), ``handle`` (what all_reduce
 returns), ``deadlines`` (every deadline of a reduce, from two settings), ``resources`` (processes, close), ``faults`` (HivemindFaults, for tests), ``requirement``
-(the install hint when hivemind is missing), ``auth`` (keys from the secret, the records' MACs).
+(the install hint when hivemind is missing), ``auth`` (keys from the secret, the records' MACs),
+``dht_auth`` (the DHT for members only), ``secret`` (where the secret comes from), ``throttle`` (warnings
+about requests anyone can repeat).
 """
 
 from .config import HivemindConfig

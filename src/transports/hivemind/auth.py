@@ -31,6 +31,9 @@ from typing import Any
 
 from hivemind.dht.routing import DHTID
 from hivemind.dht.validation import DHTRecord, RecordValidatorBase
+from hivemind.utils.auth import AuthorizerBase
+
+from .dht_auth import MemberAuthorizer
 
 __all__ = ["KDF", "RecordAuth", "RunKeys", "derive_keys", "generate_secret", "run_keys"]
 
@@ -74,6 +77,10 @@ class RunKeys:
     def record_validator(self, raw_keys: Iterable[str]) -> RecordValidatorBase:
         """The DHT validator of the run's records under ``raw_keys`` (a seam: tests model attackers with it)."""
         return RecordAuth(self, raw_keys)
+
+    def dht_authorizer(self) -> AuthorizerBase:
+        """The DHT's authorizer: its requests and responses MACed, members only (``dht_auth``; a seam too)."""
+        return MemberAuthorizer(self)
 
 
 @functools.lru_cache(maxsize=16)

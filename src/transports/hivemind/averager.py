@@ -39,6 +39,7 @@ from .block_runner import BlockRunner
 from .faults import HivemindFaults
 from .reducer import Runner
 from .state_tag import StaleStateError, stale_verdict, tag_or_none
+from .throttle import Throttle
 
 logger = logging.getLogger(__name__)
 
@@ -73,6 +74,8 @@ class Averager(DecentralizedAverager):
         self._presence: dict = {}
         self._confirms: OrderedDict[bytes, dict] = OrderedDict()
         self._groups: dict[bytes, dict] = {}  # per group id: its deadline, then its result's digest
+        self._turned_away = Throttle("turned away join requests without a valid token")  # anyone can send them
+        self._refused = Throttle("refused the state to peers without a presence record of the run (yet)")
         super().__init__(**kwargs)
 
     def run(self) -> None:
@@ -96,7 +99,7 @@ class Averager(DecentralizedAverager):
         """hivemind's, for peers of the run only: a follower without a valid join token is turned away."""
         token, _ = unwrap_gather(self.serializer, request.gather)
         if not self.keys.join_ok(self.prefix, context.remote_id.to_bytes(), token):
-            logger.warning("turned away a join request without a valid token from %s", context.remote_id)
+            self._turned_away.tick(f"from {context.remote_id}")
             yield averaging_pb2.MessageFromLeader(code=averaging_pb2.PROTOCOL_VIOLATION)
             return
         async for response in super().rpc_join_group(request, context):
@@ -108,7 +111,7 @@ class Averager(DecentralizedAverager):
         """hivemind's, for peers of the run only: the requester must have declared its presence (a record
         MACed with the run's key, under the peer id libp2p authenticated)."""
         if not await self._is_peer_of_the_run(context.remote_id):
-            logger.warning("refused the state to %s: no presence record of the run (yet)", context.remote_id)
+            self._refused.tick(f"to {context.remote_id}")
             return
         async for message in super().rpc_download_state(request, context):
             yield message

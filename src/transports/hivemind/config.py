@@ -5,11 +5,18 @@ from dataclasses import dataclass, field
 
 from diloco_core.config import check_field, check_fields, integer, number, rule, string
 
+from .secret import check_sources
+
 __all__ = ["HivemindConfig"]
 
 
 def _maddrs(value: object) -> bool:
     return isinstance(value, (list, tuple)) and all(isinstance(a, str) and a.startswith("/") for a in value)
+
+
+def _optional(valid: str) -> dict:
+    """Field metadata: a non-empty string or None."""
+    return rule(lambda v: v is None or (isinstance(v, str) and v != ""), valid)
 
 
 _MADDRS = rule(_maddrs, "a list of multiaddrs such as /ip4/1.2.3.4/tcp/31337/p2p/Qm...")
@@ -50,8 +57,15 @@ class HivemindConfig:
     peers: 92.8-94.4% utilization against 75.2-88.3% at 0; docs/overlap.md). A reduce runs slower beside it."""
     secret: str | None = field(default=None, repr=False)
     """Shared secret of the run: only peers that hold it can matchmake, average or download state (a slow
-    KDF makes guessing it offline cost 0.26 s or more per guess). None: the swarm's first peer generates one
-    (``HivemindTransport.join_settings``); a joiner needs it. Under 16 characters: a warning."""
+    KDF makes guessing it offline cost 0.26 s or more per guess). None (and no ``secret_file`` nor
+    ``secret_env``): the swarm's first peer generates one (``HivemindTransport.join_settings``); a joiner
+    needs it. Under 16 characters: a warning. On a command line it is visible to every local user (``ps``):
+    there, use ``secret_file`` or ``secret_env`` (``secret.py``)."""
+    secret_file: str | None = field(default=None, metadata=_optional("a path or none"))
+    """Path of a file holding the secret (surrounding whitespace dropped), readable by its owner only (mode
+    0600: a file its group or others may read is refused). At most one of secret, secret_file, secret_env."""
+    secret_env: str | None = field(default=None, metadata=_optional("the name of an environment variable or none"))
+    """Name of an environment variable holding the secret (e.g. ``DILOCO_SECRET``)."""
 
     def __post_init__(self) -> None:
         check_fields(self)
@@ -61,3 +75,4 @@ class HivemindConfig:
         s = self.secret
         ok = s is None or (isinstance(s, str) and s != "")
         check_field("secret", "<hidden>" if s else s, ok=ok, valid="a non-empty string or none")
+        check_sources(self)

@@ -116,10 +116,19 @@ class Resources:
                 host_maddrs=list(cfg.host_maddrs),
                 announce_maddrs=list(cfg.announce_maddrs) or None,
                 record_validators=[self.keys.record_validator([self.keys.presence_key])],
+                authorizer=self.keys.dht_authorizer(),  # members only (dht_auth.py)
             )
             self.dht.niceness = cfg.background_niceness
             self.dht.start()
-        _wait_until_ready(self.dht, "DHT")
+        try:
+            _wait_until_ready(self.dht, "DHT")
+        except RuntimeError as e:
+            if "bootstrap failed" not in str(e):
+                raise
+            raise TransportError(
+                f"hivemind: none of initial_peers={list(cfg.initial_peers)} answered as a peer of this run: are the "
+                "addresses right, is a peer there still running, and do all peers use the same run_id and secret?"
+            ) from None
         # hivemind's (private) query of the daemon's address, as its replicate_p2p does
         maddr = self.dht.run_coroutine(hivemind.DHT._get_p2p_daemon_listen_maddr)
         self.p2pd_socket = maddr.value_for_protocol("unix") if "/unix/" in str(maddr) else None

@@ -25,6 +25,7 @@ from .faults import HivemindFaults
 from .handle import Handle, Outcome
 from .requirement import import_hivemind
 from .resources import Resources
+from .secret import read_secret
 from .state_server import StateServer
 from .state_tag import Stale, StaleStateError
 from .swarm import Swarm, key_hash
@@ -53,7 +54,8 @@ class HivemindTransport(Transport, Membership):
         if not isinstance(part_size_bytes, int) or isinstance(part_size_bytes, bool) or part_size_bytes < 1:
             raise ValueError(f"part_size_bytes={part_size_bytes!r} is invalid: expected an integer >= 1")
         self.config = config
-        derived, self.join_settings = run_keys(config.run_id, config.secret, joining=bool(config.initial_peers))
+        secret = read_secret(config)  # config.secret, or the file or environment variable it names
+        derived, self.join_settings = run_keys(config.run_id, secret, joining=bool(config.initial_peers))
         """Settings a joiner needs besides ``join_addresses``: the secret, where this peer generated it."""
         keys = keys or derived
         self._ns = keys.namespace
