@@ -594,7 +594,7 @@ def test_averagers_started_at_once_can_each_be_joined_alone(swarm):
             [lambda t=t, size=size: t._averager("default", size, FP32) for t in swarm]
         )  # what all_reduce does first
         for t in swarm:
-            averager = t._averagers[("default", size, "fp32")]
+            averager = t._averager("default", size, FP32)  # the one just started (kept per key, size, codec)
             writers = procs.writers(procs.pipe_of(averager.sentinel))
             assert writers == {averager.pid}, (
                 f"the exit sentinel of averager {averager.pid} is also held by {writers - {averager.pid}}"

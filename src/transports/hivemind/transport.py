@@ -176,7 +176,7 @@ class HivemindTransport(Transport, Membership):
 
     # -- averaging -----------------------------------------------------------------------------------
 
-    def _averager(self, key: str, size: int, codec: Codec, merge: Merge) -> Averager:
+    def _averager(self, key: str, size: int, codec: Codec, merge: Merge = MEAN) -> Averager:
         """The averager of ``key`` (hivemind fixes an averager's tensors when it starts: one per size, codec and
         merge)."""
         wire = str(codec.identity)
