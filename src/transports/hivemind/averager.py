@@ -39,6 +39,7 @@ from .faults import HivemindFaults
 from .presence import Presence
 from .reducer import Runner
 from .state_tag import StaleStateError, stale_verdict, tag_or_none
+from .strikes import Strikes
 from .throttle import Throttle
 
 logger = logging.getLogger(__name__)
@@ -76,7 +77,9 @@ class Averager(Presence, DecentralizedAverager):
         self._groups: dict[bytes, dict] = {}  # per group id: its deadline, then its result's digest
         self._turned_away = Throttle("turned away join requests without a valid token")  # anyone can send them
         self._refused = Throttle("refused the state to peers without a presence record of the run (yet)")
+        self._benched = Throttle("turned away join requests of peers left out of matchmaking (strikes.py)")
         super().__init__(**kwargs)
+        self.strikes = Strikes(seconds=20 * self.matchmaking_kwargs["min_matchmaking_time"])
 
     def run(self) -> None:
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl+C is the parent's: it closes us cleanly
@@ -101,6 +104,10 @@ class Averager(Presence, DecentralizedAverager):
         if not self.keys.join_ok(self.prefix, context.remote_id.to_bytes(), token):
             self._turned_away.tick(f"from {context.remote_id}")
             yield averaging_pb2.MessageFromLeader(code=averaging_pb2.PROTOCOL_VIOLATION)
+            return
+        if self.strikes.benched(str(context.remote_id)):
+            self._benched.tick(f"from {context.remote_id}")
+            yield averaging_pb2.MessageFromLeader(code=averaging_pb2.GROUP_IS_FULL)
             return
         async for response in super().rpc_join_group(request, context):
             yield response
@@ -209,6 +216,8 @@ class Averager(Presence, DecentralizedAverager):
         digest = b"" if error else runner.digest()
         await self._confirm(group_info.peer_ids, group_id, error=error, digest=digest)
         left_out = [(o.who, o.ratio) for o in combined(runner.left_out)]  # plain values back to the transport
+        if not error:
+            self.strikes.round([str(p) for p in group_info.peer_ids if p != self.peer_id], [w for w, _ in left_out])
         self._groups[group_id].update(digest=digest, sent=runner.bytes_sent, received=runner.bytes_received)
         self._groups[group_id]["left_out"] = left_out
 

@@ -1,0 +1,66 @@
+"""Strikes (transports/hivemind/strikes.py): a peer left out of 3 rounds in a row is benched for a while."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from world import HivemindWorld
+
+from diloco_core import Merge, MergeRule, codec_for
+from transports.hivemind.strikes import Strikes
+
+pytest.importorskip("hivemind")
+
+
+def test_three_rounds_in_a_row_bench_a_peer_until_its_time_is_up():
+    now = [0.0]
+    strikes = Strikes(after=3, seconds=60.0, clock=lambda: now[0])
+    group = ["a", "b", "x"]
+    strikes.round(group, ["x"])
+    strikes.round(group, ["x"])
+    strikes.round(group, [])  # a round it was not left out of: the count starts again
+    strikes.round(group, ["x"])
+    strikes.round(group, ["x"])
+    assert not strikes.benched("x")
+    strikes.round(group, ["x"])
+    assert strikes.benched("x") and not strikes.benched("a")
+    now[0] = 59.0
+    assert strikes.benched("x")
+    now[0] = 60.0
+    assert not strikes.benched("x")  # its time is up: it counts from zero again
+    strikes.round(group, ["x"])
+    assert not strikes.benched("x")
+
+
+def test_a_peer_absent_from_a_round_keeps_its_count():
+    strikes = Strikes(after=2, seconds=10.0, clock=lambda: 0.0)
+    strikes.round(["a", "x"], ["x"])
+    strikes.round(["a", "b"], [])  # x was not in this group
+    strikes.round(["a", "x"], ["x"])
+    assert strikes.benched("x")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_an_insider_left_out_three_rounds_in_a_row_is_turned_away_by_the_honest_leaders():
+    """3 peers (int8: every peer merges every part); the third sends 1e4 times the first's values every round.
+    It is left out of rounds 1-3 and then benched: in the rounds after, a group that an honest peer leads forms
+    without it (2 contributors); one that it leads still leaves it out."""
+    world = HivemindWorld(3)
+    merge = Merge(rule=MergeRule.ROBUST)
+
+    def one_round(t):
+        x = torch.randn(4096, generator=torch.Generator().manual_seed(0)) + 0.1 * torch.randn(4096)
+        if t.rank == 2:
+            x = torch.randn(4096, generator=torch.Generator().manual_seed(0)) * 1e4
+        return t.all_reduce([x], codec=codec_for("int8"), merge=merge).wait(60)
+
+    try:
+        for _ in range(3):
+            results = world.run(one_round, timeout=120)
+            assert all(r.num_contributors == 3 and len(r.left_out) == 1 for r in results[:2]), results
+        later = [world.run(one_round, timeout=120)[:2] for _ in range(6)]
+        assert any(all(r.num_contributors == 2 and not r.left_out for r in honest) for honest in later), later
+        assert all(r.num_contributors == 2 or len(r.left_out) == 1 for honest in later for r in honest), later
+    finally:
+        world.close()
