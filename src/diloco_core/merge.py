@@ -4,10 +4,11 @@ part's reducer), so this is the one place a rule is written.
 
 - ``MergeRule.MEAN``: the fp32 mean of the decoded payloads, summed in contributor order (``Codec.mean_of``: the
   wire contract ``reference_mean`` writes plainly).
-- ``MergeRule.ROBUST`` (DiLoCo's default): a contribution far from the others is left out. Over the values the
-  rule judges, the centre is the coordinate-wise median of the decoded contributions and each contribution's
-  distance is its L2 distance to that centre; a contribution whose distance is more than ``outlier_ratio``
-  times the median distance is left out, and the judged values are the mean of the rest. With fewer than 3
+- ``MergeRule.ROBUST`` (DiLoCo's default): a contribution far from the others, or pointing away from them, is
+  left out. Over the values the rule judges, the centre is the coordinate-wise median of the decoded
+  contributions; a contribution whose L2 distance to it is more than ``outlier_ratio`` times the median
+  distance (a scaled update), or whose cosine with it is negative (a flipped one, whatever its norm), is left
+  out, and the judged values are the mean of the rest. With fewer than 3
   contributors there is no majority and nothing is left out. Where none is left out (every honest round) the
   result is ``MEAN``'s, bit for bit. A contribution left out can pull the result by nothing; one kept can pull
   it by at most ``outlier_ratio`` times the median distance divided by the contributors: bounded influence.
@@ -42,11 +43,12 @@ class MergeRule(enum.Enum):
 
 @dataclass(frozen=True)
 class LeftOut:
-    """A contribution the merge left out: who sent it (as the transport names its contributors), and its distance
-    to the centre over the median distance (``inf`` where the others agree exactly)."""
+    """A contribution the merge left out: who sent it (as the transport names its contributors), its distance to
+    the centre over the median distance (``inf`` where the others agree exactly), and its cosine with the centre."""
 
     who: str
     ratio: float
+    cosine: float = 1.0
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -88,25 +90,34 @@ class Merge:
                 body.add_(row[:judged])
             body.div_(len(kept))
         names = list(who) or [str(i) for i in range(len(payloads))]
-        return tuple(LeftOut(names[i], ratio) for i, ratio in gone.items())
+        return tuple(LeftOut(names[i], ratio, cosine) for i, (ratio, cosine) in gone.items())
 
-    def _outliers(self, values: torch.Tensor) -> dict[int, float]:
+    def _outliers(self, values: torch.Tensor) -> dict[int, tuple[float, float]]:
         """The rows of ``values`` (one per contribution) further than ``outlier_ratio`` times the median distance
-        from the coordinate-wise median: their index and that ratio."""
+        from the coordinate-wise median, or at a negative cosine with it: their index, (that ratio, cosine)."""
         k = values.shape[0]
         centre = _median(values)
         distances = [float(torch.linalg.vector_norm(row - centre)) for row in values]
         typical = sorted(distances)[k // 2]
-        limit = self.outlier_ratio * typical
-        return {i: d / typical if typical > 0 else float("inf") for i, d in enumerate(distances) if d > limit}
+        ratios = [d / typical if typical > 0 else (float("inf") if d > 0 else 1.0) for d in distances]
+        scale = float(torch.linalg.vector_norm(centre)) * torch.linalg.vector_norm(values, dim=1)
+        dots = (values @ centre).tolist()  # a zero row or centre: no direction to judge (cosine 1)
+        cosines = [dot / n if n > 0 else 1.0 for dot, n in zip(dots, scale.tolist())]
+        return {
+            i: (ratio, cosine)
+            for i, (ratio, cosine) in enumerate(zip(ratios, cosines))
+            if ratio > self.outlier_ratio or cosine < 0
+        }
 
 
 def combined(left_out: Sequence[LeftOut]) -> tuple[LeftOut, ...]:
-    """One entry per contributor left out of any slice (their largest ratio), in the order first seen."""
-    worst: dict[str, float] = {}
+    """One entry per contributor left out of any slice (their largest ratio, lowest cosine), in the order first
+    seen."""
+    worst: dict[str, LeftOut] = {}
     for o in left_out:
-        worst[o.who] = max(o.ratio, worst.get(o.who, 0.0))
-    return tuple(LeftOut(who, ratio) for who, ratio in worst.items())
+        seen = worst.get(o.who, o)
+        worst[o.who] = LeftOut(o.who, max(o.ratio, seen.ratio), min(o.cosine, seen.cosine))
+    return tuple(worst.values())
 
 
 def _median(values: torch.Tensor) -> torch.Tensor:

@@ -133,10 +133,10 @@ def log_round(report: RoundReport) -> RoundReport:
     if report.valid_contributors == 0 and report.num_contributors:  # 0 contributors: eager's first boundary
         logger.warning("round %d: no valid contribution: no outer step, the global params are unchanged", report.round)
     if report.outliers:
-        who = ", ".join(f"{o.who} ({o.ratio:.3g}x)" for o in report.outliers)
+        who = ", ".join(f"{o.who} ({o.ratio:.3g}x, cosine {o.cosine:.2f})" for o in report.outliers)
         logger.warning(
-            "round %d: the robust merge left out %d of %d contributions, each further from the others' median "
-            "than its outlier_ratio allows (in median distances): %s",
+            "round %d: the robust merge left out %d of %d contributions, too far from the others' median or "
+            "pointing away from it (in median distances, cosine with it): %s",
             report.round,
             len(report.outliers),
             report.num_contributors,

@@ -171,7 +171,7 @@ class Reporter:
                 "excluded": report.excluded,
                 "clipped": report.clipped,
                 "mean_clipped": report.mean_clipped,
-                "left_out": [{"who": o.who, "ratio": o.ratio} for o in report.outliers],
+                "left_out": [{"who": o.who, "ratio": o.ratio, "cosine": o.cosine} for o in report.outliers],
             }
         )
 

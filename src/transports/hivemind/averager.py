@@ -215,9 +215,9 @@ class Averager(Presence, DecentralizedAverager):
             error = f"{type(e).__name__}: {e}"
         digest = b"" if error else runner.digest()
         await self._confirm(group_info.peer_ids, group_id, error=error, digest=digest)
-        left_out = [(o.who, o.ratio) for o in combined(runner.left_out)]  # plain values back to the transport
+        left_out = [(o.who, o.ratio, o.cosine) for o in combined(runner.left_out)]  # plain values, to the transport
         if not error:
-            self.strikes.round([str(p) for p in group_info.peer_ids if p != self.peer_id], [w for w, _ in left_out])
+            self.strikes.round([str(p) for p in group_info.peer_ids if p != self.peer_id], [o[0] for o in left_out])
         self._groups[group_id].update(digest=digest, sent=runner.bytes_sent, received=runner.bytes_received)
         self._groups[group_id]["left_out"] = left_out
 
