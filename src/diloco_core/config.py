@@ -209,8 +209,8 @@ class DiLoCoConfig:
     merge: str = field(default="robust", metadata=choice(MERGE_RULES))
     """How a round's contributions become its update (``diloco_core.merge``): ``robust`` leaves out a
     contribution further than ``outlier_ratio`` times the median distance from the contributions' coordinate-wise
-    median (with 3 contributors or more: 2 have no majority), and averages the rest; where none is that far, the
-    plain mean bit for bit. ``mean``: the plain mean of every contribution (``MERGE_RULES``)."""
+    median, or at a negative cosine with it (with 3 contributors or more: 2 have no majority), and averages the
+    rest; where none is left out, the plain mean bit for bit. ``mean``: the plain mean (``MERGE_RULES``)."""
     outlier_ratio: float = field(default=3.0, metadata=number(gt=1, noun="a finite number"))
     """``merge = "robust"``: how many median distances from the centre a contribution may be before it is left out."""
     overlap: str = field(default="none", metadata=choice(OVERLAP_MODES))
