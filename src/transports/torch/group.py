@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from diloco_core.config import check_field, check_fields, choice, number, string
+from diloco_core.config import check_field, check_fields, choice, number, rule, string
 
 __all__ = ["BACKEND_DEVICE", "TorchDistConfig", "init_process_group"]
 
@@ -34,16 +34,15 @@ class TorchDistConfig:
     (``membership``; docs/lan.md, "Members only"). Never saved with the run. Prefer ``secret_file`` or the
     DILOCO_TORCH_SECRET environment variable (used when neither key is set): a ``--set`` value is in the
     command line, which every user of the machine can read. None: no secret, unless the variable is set."""
-    secret_file: str | None = None
+    secret_file: str | None = field(
+        default=None, metadata=rule(lambda v: v is None or (isinstance(v, str) and v != ""), "a path or none")
+    )
     """A file holding the run's secret (its content, stripped), readable by its owner only (chmod 600)."""
 
     def __post_init__(self) -> None:
         check_fields(self)
-        for name in ("secret", "secret_file"):
-            value = getattr(self, name)
-            ok = value is None or (isinstance(value, str) and value != "")
-            shown = "<hidden>" if name == "secret" and ok else value
-            check_field(name, shown, ok=ok, valid="a non-empty string or none")
+        ok = self.secret is None or (isinstance(self.secret, str) and self.secret != "")  # by hand: never shown
+        check_field("secret", "<hidden>" if ok else self.secret, ok=ok, valid="a non-empty string or none")
 
 
 def init_process_group(config: TorchDistConfig) -> None:
