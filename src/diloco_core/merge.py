@@ -5,13 +5,14 @@ part's reducer), so this is the one place a rule is written.
 - ``MergeRule.MEAN``: the fp32 mean of the decoded payloads, summed in contributor order (``Codec.mean_of``: the
   wire contract ``reference_mean`` writes plainly).
 - ``MergeRule.ROBUST`` (DiLoCo's default): a contribution far from the others, or pointing away from them, is
-  left out. Over the values the rule judges, the centre is the coordinate-wise median of the decoded
-  contributions; a contribution whose L2 distance to it is more than ``outlier_ratio`` times the median
-  distance (a scaled update), or whose cosine with it is negative (a flipped one, whatever its norm), is left
-  out, and the judged values are the mean of the rest. With fewer than 3
-  contributors there is no majority and nothing is left out. Where none is left out (every honest round) the
-  result is ``MEAN``'s, bit for bit. A contribution left out can pull the result by nothing; one kept can pull
-  it by at most ``outlier_ratio`` times the median distance divided by the contributors: bounded influence.
+  left out. Over the values the rule judges, each contribution's *spread* is its L2 distance to the farthest of
+  the ⌊K/2⌋ other contributions nearest to it (with it, a majority of the K); one whose spread is more than
+  ``outlier_ratio`` times the median spread (a scaled update), or whose cosine is negative with a majority of
+  the others (a flipped one, whatever its norm), is left out, and the judged values are the mean of the rest.
+  All of it comes from the contributions' Gram matrix, one pass over them. With fewer than 3 contributors there
+  is no majority and nothing is left out. Where none is left out (every honest round) the result is ``MEAN``'s,
+  bit for bit. A contribution left out moves the result by nothing; one kept is within ``outlier_ratio`` median
+  spreads of a majority and does not point away from it: bounded influence.
 
 A merge judges the values before ``judged`` (the pseudo-gradient); values from ``judged`` on (the contribution
 guard's tail: flags, digests) are always the plain mean over every contributor, as the guard's arithmetic needs.
@@ -34,6 +35,8 @@ __all__ = ["MEAN", "LeftOut", "Merge", "MergeRule", "combined"]
 
 MIN_JUDGED = 8
 """Values a slice needs before its contributions are judged: a distance over fewer says little."""
+CHUNK = 2**15
+"""Values per contribution in one piece of the Gram matrix's pass (3 contributions: 384 KB, in cache)."""
 
 
 class MergeRule(enum.Enum):
@@ -43,8 +46,8 @@ class MergeRule(enum.Enum):
 
 @dataclass(frozen=True)
 class LeftOut:
-    """A contribution the merge left out: who sent it (as the transport names its contributors), its distance to
-    the centre over the median distance (``inf`` where the others agree exactly), and its cosine with the centre."""
+    """A contribution the merge left out: who sent it (as the transport names its contributors), its spread over
+    the median spread (``inf`` where the others agree exactly), and its lowest cosine with another."""
 
     who: str
     ratio: float
@@ -57,7 +60,7 @@ class Merge:
     judged: int | None = None
     """Values (from the start of the reduced tensors) the rule judges; the rest are plain means. None: all."""
     outlier_ratio: float = 3.0
-    """``ROBUST``: a contribution further than this times the median distance from the centre is left out."""
+    """``ROBUST``: a contribution whose spread is more than this times the median spread is left out."""
 
     def of(
         self,
@@ -78,10 +81,13 @@ class Merge:
         if self.rule is MergeRule.MEAN or len(payloads) < 3 or judged < MIN_JUDGED:
             codec.mean_of(payloads, out, scratch)
             return ()
-        decoded = torch.empty(len(payloads), n, dtype=torch.float32, device=out.device)
-        for p, row in zip(payloads, decoded):
-            codec.decode(p, row)
-        gone = self._outliers(decoded[:, :judged])
+        if codec.elementwise_dtype == torch.float32:  # the payloads are the values
+            decoded = list(payloads)
+        else:
+            decoded = list(torch.empty(len(payloads), n, dtype=torch.float32, device=out.device))
+            for p, row in zip(payloads, decoded):
+                codec.decode(p, row)
+        gone = self._outliers([row[:judged] for row in decoded])
         codec.mean_of(payloads, out, scratch)
         if gone:
             kept = [row for i, row in enumerate(decoded) if i not in gone]
@@ -92,22 +98,30 @@ class Merge:
         names = list(who) or [str(i) for i in range(len(payloads))]
         return tuple(LeftOut(names[i], ratio, cosine) for i, (ratio, cosine) in gone.items())
 
-    def _outliers(self, values: torch.Tensor) -> dict[int, tuple[float, float]]:
-        """The rows of ``values`` (one per contribution) further than ``outlier_ratio`` times the median distance
-        from the coordinate-wise median, or at a negative cosine with it: their index, (that ratio, cosine)."""
-        k = values.shape[0]
-        centre = _median(values)
-        distances = [float(torch.linalg.vector_norm(row - centre)) for row in values]
-        typical = sorted(distances)[k // 2]
-        ratios = [d / typical if typical > 0 else (float("inf") if d > 0 else 1.0) for d in distances]
-        scale = float(torch.linalg.vector_norm(centre)) * torch.linalg.vector_norm(values, dim=1)
-        dots = (values @ centre).tolist()  # a zero row or centre: no direction to judge (cosine 1)
-        cosines = [dot / n if n > 0 else 1.0 for dot, n in zip(dots, scale.tolist())]
-        return {
-            i: (ratio, cosine)
-            for i, (ratio, cosine) in enumerate(zip(ratios, cosines))
-            if ratio > self.outlier_ratio or cosine < 0
-        }
+    def _outliers(self, rows: Sequence[torch.Tensor]) -> dict[int, tuple[float, float]]:
+        """The contributions (``rows``, fp32) far from the others or pointing away from them: their index, (ratio,
+        cosine). From their Gram matrix (one pass in chunks that stay in cache): each one's distance to the others
+        (its nearest half's farthest), and its cosines with them."""
+        k = len(rows)
+        gram = torch.zeros(k, k, dtype=torch.float64)
+        for start in range(0, rows[0].numel(), CHUNK):
+            chunk = torch.stack([r[start : start + CHUNK] for r in rows])
+            gram += (chunk @ chunk.T).double()
+        sq = gram.diagonal()
+        dist = (sq[:, None] + sq[None, :] - 2 * gram).clamp_(min=0).sqrt_()
+        norms = sq.sqrt()
+        cos = gram / (norms[:, None] * norms[None, :]).clamp_(min=1e-300)
+        nearest = k // 2 - 1  # with itself and this many more of the others nearest to it: a majority
+        spread = [float(dist[i, [j for j in range(k) if j != i]].sort().values[nearest]) for i in range(k)]
+        typical = sorted(spread)[k // 2]
+        against = [sum(1 for j in range(k) if j != i and float(cos[i, j]) < 0) for i in range(k)]
+        gone = {}
+        for i in range(k):
+            ratio = spread[i] / typical if typical > 0 else (float("inf") if spread[i] > 0 else 1.0)
+            cosine = min(float(cos[i, j]) for j in range(k) if j != i)
+            if ratio > self.outlier_ratio or against[i] > (k - 1) / 2:
+                gone[i] = (ratio, cosine)
+        return gone
 
 
 def combined(left_out: Sequence[LeftOut]) -> tuple[LeftOut, ...]:
@@ -118,17 +132,6 @@ def combined(left_out: Sequence[LeftOut]) -> tuple[LeftOut, ...]:
         seen = worst.get(o.who, o)
         worst[o.who] = LeftOut(o.who, max(o.ratio, seen.ratio), min(o.cosine, seen.cosine))
     return tuple(worst.values())
-
-
-def _median(values: torch.Tensor) -> torch.Tensor:
-    """The coordinate-wise median of the rows (the mean of the middle two for an even number): for 3 and 4 rows
-    without a sort, which would allocate an int64 index per value."""
-    k = values.shape[0]
-    if k in (3, 4):
-        rest = values.sum(dim=0).sub_(values.amax(dim=0)).sub_(values.amin(dim=0))
-        return rest if k == 3 else rest.div_(2)
-    ordered = values.sort(dim=0).values
-    return (ordered[(k - 1) // 2] + ordered[k // 2]) / 2
 
 
 MEAN = Merge()
