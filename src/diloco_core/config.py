@@ -208,11 +208,11 @@ class DiLoCoConfig:
     this many times their norms in the last round it did not clip. Unset: off. A number > 1 (e.g. 4)."""
     merge: str = field(default="robust", metadata=choice(MERGE_RULES))
     """How a round's contributions become its update (``diloco_core.merge``): ``robust`` leaves out a
-    contribution further than ``outlier_ratio`` times the median distance from the contributions' coordinate-wise
-    median, or at a negative cosine with it (with 3 contributors or more: 2 have no majority), and averages the
+    contribution whose distance to its nearest majority is more than ``outlier_ratio`` times the median such
+    distance, or at a negative cosine with a majority of the others (3 contributors or more), and averages the
     rest; where none is left out, the plain mean bit for bit. ``mean``: the plain mean (``MERGE_RULES``)."""
     outlier_ratio: float = field(default=3.0, metadata=number(gt=1, noun="a finite number"))
-    """``merge = "robust"``: how many median distances from the centre a contribution may be before it is left out."""
+    """``merge = "robust"``: how many times the median spread a contribution's spread may be (``diloco_core.merge``)."""
     overlap: str = field(default="none", metadata=choice(OVERLAP_MODES))
     """``none`` (every worker waits for the round's mean), ``streaming`` (the model's fragments one after another,
     each reduce behind ``overlap_steps`` inner steps) or ``eager`` (the round's reduce behind the next

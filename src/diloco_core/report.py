@@ -78,8 +78,8 @@ class RoundReport:
     """The fragment this round synchronized (streaming; 0 otherwise)."""
     outliers: tuple[LeftOut, ...] = ()
     """Contributions the robust merge left out (``DiLoCoConfig.merge``), and by how much: who sent each (as the
-    transport names contributors) and its distance from the centre in median distances. As far as this worker
-    saw: all of them where it merged every payload, those of its own parts where members merge parts."""
+    transport names contributors), its spread in median spreads and its lowest cosine with another. As far as
+    this worker saw: all of them where it merged every payload, those of its own parts where members merge parts."""
 
 
 def report_of(pending: PendingRound, *, round: int, mean_norm: float, mean_clipped: bool) -> RoundReport:
@@ -135,8 +135,8 @@ def log_round(report: RoundReport) -> RoundReport:
     if report.outliers:
         who = ", ".join(f"{o.who} ({o.ratio:.3g}x, cosine {o.cosine:.2f})" for o in report.outliers)
         logger.warning(
-            "round %d: the robust merge left out %d of %d contributions, too far from the others' median or "
-            "pointing away from it (in median distances, cosine with it): %s",
+            "round %d: the robust merge left out %d of %d contributions, too far from a majority of the others or "
+            "pointing away from them (spread in median spreads, lowest cosine): %s",
             report.round,
             len(report.outliers),
             report.num_contributors,
