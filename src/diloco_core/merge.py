@@ -7,8 +7,8 @@ part's reducer), so this is the one place a rule is written.
 - ``MergeRule.ROBUST`` (DiLoCo's default): a contribution far from the others, or pointing away from them, is
   left out. Over the values the rule judges, each contribution's *spread* is its L2 distance to the farthest of
   the ⌊K/2⌋ other contributions nearest to it (with it, a majority of the K); one whose spread is more than
-  ``outlier_ratio`` times the median spread (a scaled update), or whose cosine is negative with a majority of
-  the others (a flipped one, whatever its norm), is left out, and the judged values are the mean of the rest.
+  ``outlier_ratio`` times the median spread (a scaled update), or then whose cosine is negative with a majority
+  of those left (a flipped one, whatever its norm), is left out, and the judged values are the mean of the rest.
   All of it comes from the contributions' Gram matrix, one pass over them. With fewer than 3 contributors there
   is no majority and nothing is left out. Where none is left out (every honest round) the result is ``MEAN``'s,
   bit for bit. A contribution left out moves the result by nothing; one kept is within ``outlier_ratio`` median
@@ -114,14 +114,17 @@ class Merge:
         nearest = k // 2 - 1  # with itself and this many more of the others nearest to it: a majority
         spread = [float(dist[i, [j for j in range(k) if j != i]].sort().values[nearest]) for i in range(k)]
         typical = sorted(spread)[k // 2]
-        against = [sum(1 for j in range(k) if j != i and float(cos[i, j]) < 0) for i in range(k)]
-        gone = {}
-        for i in range(k):
-            ratio = spread[i] / typical if typical > 0 else (float("inf") if spread[i] > 0 else 1.0)
-            cosine = min(float(cos[i, j]) for j in range(k) if j != i)
-            if ratio > self.outlier_ratio or against[i] > (k - 1) / 2:
-                gone[i] = (ratio, cosine)
-        return gone
+        ratios = [s / typical if typical > 0 else (float("inf") if s > 0 else 1.0) for s in spread]
+        cosines = [min(float(cos[i, j]) for j in range(k) if j != i) for i in range(k)]
+        near = [i for i in range(k) if ratios[i] <= self.outlier_ratio]
+        # Then the direction, among those near (a scaled copy of one would vote against the others): pointing
+        # away from a majority of them. Fewer than 3 near: no majority.
+        away = [
+            i
+            for i in near
+            if len(near) >= 3 and sum(1 for j in near if j != i and float(cos[i, j]) < 0) > (len(near) - 1) / 2
+        ]
+        return {i: (ratios[i], cosines[i]) for i in range(k) if i not in near or i in away}
 
 
 def combined(left_out: Sequence[LeftOut]) -> tuple[LeftOut, ...]:
