@@ -76,6 +76,40 @@ def test_narrower_wires_send_fewer_bytes(world):
         assert [sent[w] for w in wires] == sorted(sent.values(), reverse=True) and len(set(sent.values())) == len(wires)
 
 
+def _attacked(transport, codec: str, scale: float):
+    """Every rank sends an honest contribution but the last, which sends rank 0's scaled by ``scale``."""
+    tensors = _contribution(transport.rank)
+    if transport.rank == 2:
+        tensors = [t * scale for t in _contribution(0)]
+    merge = Merge(rule=MergeRule.ROBUST)
+    return tensors, transport.all_reduce(tensors, codec=codec_for(codec, block=16), merge=merge).wait(30)
+
+
+@pytest.mark.parametrize("codec", ["fp32", "int8"])
+def test_the_robust_merge_leaves_an_outlier_out_on_every_transport(world, codec):
+    """With 3 members, the third's contribution 1e4 times another's is left out: the result is the mean of the
+    other two on every member, and the members that merged it name it; with 2 there is no majority: the mean."""
+    results = _ok(world.run(_attacked, codec, 1e4))
+    n = world.world_size
+    c = codec_for(codec, block=16)
+    honest = [torch.cat([t.reshape(-1) for t in _contribution(r)]) for r in range(2)]
+    want = reference_mean(honest, c)
+    if not world.capabilities.exact_mean and c.elementwise_dtype is not None:
+        want = want.to(c.elementwise_dtype).float()  # hivemind rounds a cast's mean to the wire once more
+    for tensors, result in results:
+        got = torch.cat([t.reshape(-1) for t in tensors])
+        assert result.num_contributors == n
+        if n == 2:
+            assert result.left_out == ()
+            continue
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+        assert all(o.ratio > 100 for o in result.left_out)
+        if world.capabilities.fixed_ranks:
+            assert [o.who for o in result.left_out] == ["rank 2"]
+    if n > 2:  # hivemind: the part's reducer saw it (38 values: one part)
+        assert any(result.left_out for _, result in results)
+
+
 def _broadcast(transport, src: int):
     values = [torch.arange(6).view(2, 3) * (transport.rank + 1), torch.randn(4, dtype=torch.float64)]
     if transport.rank == src:
@@ -277,37 +311,3 @@ def test_a_wrapper_is_a_membership_exactly_when_what_it_wraps_is_one():
         assert wrapper.all_reduce(x).wait(5).num_contributors == 1
     assert inner.calls == [("attach", "state", 5.0), ("load", {"tag": 8})] * 2
     assert isinstance(SimulatedLink(SimulatedLink(inner, bandwidth=1e9), bandwidth=1e9), Membership)
-
-
-def _attacked(transport, codec: str, scale: float):
-    """Every rank sends an honest contribution but the last, which sends rank 0's scaled by ``scale``."""
-    tensors = _contribution(transport.rank)
-    if transport.rank == 2:
-        tensors = [t * scale for t in _contribution(0)]
-    merge = Merge(rule=MergeRule.ROBUST)
-    return tensors, transport.all_reduce(tensors, codec=codec_for(codec, block=16), merge=merge).wait(30)
-
-
-@pytest.mark.parametrize("codec", ["fp32", "int8"])
-def test_the_robust_merge_leaves_an_outlier_out_on_every_transport(world, codec):
-    """With 3 members, the third's contribution 1e4 times another's is left out: the result is the mean of the
-    other two on every member, and the members that merged it name it; with 2 there is no majority: the mean."""
-    results = _ok(world.run(_attacked, codec, 1e4))
-    n = world.world_size
-    c = codec_for(codec, block=16)
-    honest = [torch.cat([t.reshape(-1) for t in _contribution(r)]) for r in range(2)]
-    want = reference_mean(honest, c)
-    if not world.capabilities.exact_mean and c.elementwise_dtype is not None:
-        want = want.to(c.elementwise_dtype).float()  # hivemind rounds a cast's mean to the wire once more
-    for tensors, result in results:
-        got = torch.cat([t.reshape(-1) for t in tensors])
-        assert result.num_contributors == n
-        if n == 2:
-            assert result.left_out == ()
-            continue
-        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
-        assert all(o.ratio > 100 for o in result.left_out)
-        if world.capabilities.fixed_ranks:
-            assert [o.who for o in result.left_out] == ["rank 2"]
-    if n > 2:  # hivemind: the part's reducer saw it (38 values: one part)
-        assert any(result.left_out for _, result in results)

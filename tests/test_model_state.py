@@ -10,7 +10,7 @@ import pytest
 import torch
 from world import RankError, make_world
 
-from diloco_core import FP32, DiLoCo, DiLoCoConfig, Transport, reference_mean
+from diloco_core import FP32, MEAN, DiLoCo, DiLoCoConfig, Transport, reference_mean
 from transports import InProcessGroup
 
 pytestmark = pytest.mark.timeout(120)
@@ -192,8 +192,8 @@ def test_a_model_without_buffers_or_frozen_params_reduces_once_per_round():
     keys: list[str] = []
     t = InProcessGroup(1).transport(0)
     reduce = t.all_reduce
-    t.all_reduce = lambda tensors, *, codec=FP32, key="default": (
-        keys.append(key) or reduce(tensors, codec=codec, key=key)
+    t.all_reduce = lambda tensors, *, codec=FP32, key="default", merge=MEAN: (
+        keys.append(key) or reduce(tensors, codec=codec, key=key, merge=merge)
     )
     plain = torch.nn.Linear(3, 2)
     dl = DiLoCo(plain, torch.optim.SGD(plain.parameters(), lr=0.1), t, DiLoCoConfig(inner_steps=1))

@@ -182,7 +182,8 @@ class HivemindTransport(Transport, Membership):
         wire = str(codec.identity)
         ident = (key, size, wire, merge)  # peers meet only with the same codec identity (block size, layout)
         if ident not in self._averagers:
-            prefix = f"{self._ns}_{key_hash(key)}_{wire}_{size}"  # any key, in names the DHT and p2p accept
+            rule = "" if merge == MEAN else f"_{merge.rule.value}_{key_hash(repr(merge))}"  # p2p handlers of its own
+            prefix = f"{self._ns}_{key_hash(key)}_{wire}_{size}{rule}"  # any key, in names the DHT and p2p accept
             self._averagers[ident] = self._res.start_averager(size, codec, prefix=prefix, merge=merge)
         return self._averagers[ident]
 
