@@ -46,12 +46,19 @@ class OrderedReducer(TensorPartReducer):
     """Keeps every sender's part; once all arrived, they are merged (``Merge.of``) in group order (not arrival
     order): the same arithmetic as the transport contract's reference."""
 
-    codec: Codec = FP32  # these four set by the Runner
+    codec: Codec = FP32  # these set by the Runner (merge_with)
     merge: Merge = MEAN
     starts: Sequence[int] = ()
     """Where each of the parts this reducer merges begins in the averaged values."""
     who: Sequence[str] = ()
     left_out: list[LeftOut]
+
+    def merge_with(
+        self, *, codec: Codec, merge: Merge, starts: Sequence[int], who: Sequence[str], left_out: list[LeftOut]
+    ) -> None:
+        """How this reducer's parts are merged: ``codec``'s payloads by ``merge``, each part starting at ``starts``
+        in the averaged values, contributors named by ``who``; what it leaves out is added to ``left_out``."""
+        self.codec, self.merge, self.starts, self.who, self.left_out = codec, merge, starts, who, left_out
 
     def reset_accumulators(self) -> None:
         self.received: dict[int, torch.Tensor] = {}
@@ -111,9 +118,8 @@ class Runner(AllReduceRunner):
         offsets = itertools.accumulate((p.numel() for parts in self.inputs for p in parts), initial=0)
         flat = iter(offsets)  # hivemind cuts the values into consecutive parts, peer after peer
         self.starts = [[next(flat) for _ in parts] for parts in self.inputs]
-        reducer = self.tensor_part_reducer
-        reducer.codec, reducer.merge, reducer.who, reducer.left_out = codec, merge, self.who, self.left_out
-        reducer.starts = self.starts[self.ordered_peer_ids.index(self.peer_id)]
+        mine = self.starts[self.ordered_peer_ids.index(self.peer_id)]
+        self.tensor_part_reducer.merge_with(codec=codec, merge=merge, starts=mine, who=self.who, left_out=self.left_out)
         self.expected = [[p.shape for p in parts] for parts in self.inputs]
         self.part_sums: dict[tuple[int, int], int] = {}
         self.bytes_sent = self.bytes_received = 0  # the values' payloads this peer sent and received
