@@ -100,8 +100,8 @@ def test_contribution_guard_25m(benchmark):
 @pytest.mark.parametrize("rule", ["mean-baseline", "robust"])
 def test_merge_of_3_contributions_25m(benchmark, codec, rule):
     """The merge a member runs on 3 received payloads of 25M values, one thread: the plain mean (baseline) and
-    the robust rule on honest contributions (it decodes each, takes the coordinate-wise median and 3 distances,
-    then the same mean). Issue 29's budget is on a round's time: this is its worst case, the merge alone."""
+    the robust rule on honest contributions (the contributions' Gram matrix, from their values decoded piece by
+    piece, then the same mean). Issue 29's budget is on a round's time: this is its worst case, the merge alone."""
     benchmark.group = f"merge of 3 contributions, 25M values, {codec}"
     c = codec_for(codec)
     shared = torch.randn(N)

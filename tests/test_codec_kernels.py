@@ -65,6 +65,10 @@ def test_fused_kernels_equal_the_eager_code_bit_for_bit(bits, block, n):
     got, want = torch.empty(n), torch.empty(n)
     assert torch.equal(_bits(fused.decode(payloads[0], got)), _bits(eager.decode(payloads[0], want)))
     assert torch.equal(_bits(reference_mean(xs, fused)), _bits(reference_mean(xs, eager)))
+    stop = n - block - 5  # what the robust merge judges: pieces to a stop inside a block, kernel-decoded
+    got = torch.cat([p.clone() for p in fused.pieces(payloads, n, stop=stop, size=2**15)], dim=1)
+    want = torch.cat([p.clone() for p in eager.pieces(payloads, n, stop=stop, size=2**15)], dim=1)
+    assert got.shape == (3, stop) and torch.equal(_bits(got), _bits(want))
 
 
 def test_a_slice_encodes_and_averages_as_its_part_of_the_whole_with_kernels():

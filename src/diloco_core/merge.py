@@ -24,7 +24,7 @@ ranks) an outlier is left out of the parts where it is one.
 from __future__ import annotations
 
 import enum
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -81,32 +81,21 @@ class Merge:
         if self.rule is MergeRule.MEAN or len(payloads) < 3 or judged < MIN_JUDGED:
             codec.mean_of(payloads, out, scratch)
             return ()
-        if codec.elementwise_dtype == torch.float32:  # the payloads are the values
-            decoded = list(payloads)
-        else:
-            decoded = list(torch.empty(len(payloads), n, dtype=torch.float32, device=out.device))
-            for p, row in zip(payloads, decoded):
-                codec.decode(p, row)
-        gone = self._outliers([row[:judged] for row in decoded])
+        gone = self._outliers(codec.pieces(payloads, n, stop=judged, size=CHUNK), k=len(payloads))
         codec.mean_of(payloads, out, scratch)
-        if gone:
-            kept = [row for i, row in enumerate(decoded) if i not in gone]
-            body = out[:judged].copy_(kept[0][:judged])
-            for row in kept[1:]:
-                body.add_(row[:judged])
-            body.div_(len(kept))
+        if gone:  # the judged values: the mean of those kept (an attacked round; the tail stays everyone's)
+            kept = [p for i, p in enumerate(payloads) if i not in gone]
+            out[:judged] = codec.mean_of(kept, torch.empty_like(out), scratch)[:judged]
         names = list(who) or [str(i) for i in range(len(payloads))]
         return tuple(LeftOut(names[i], ratio, cosine) for i, (ratio, cosine) in gone.items())
 
-    def _outliers(self, rows: Sequence[torch.Tensor]) -> dict[int, tuple[float, float]]:
-        """The contributions (``rows``, fp32) far from the others or pointing away from them: their index, (ratio,
-        cosine). From their Gram matrix (one pass in chunks that stay in cache): each one's distance to the others
-        (its nearest half's farthest), and its cosines with them."""
-        k = len(rows)
+    def _outliers(self, pieces: Iterable[torch.Tensor], *, k: int) -> dict[int, tuple[float, float]]:
+        """The ``k`` contributions far from the others or pointing away from them: their index, (ratio, cosine).
+        From their Gram matrix, summed over their decoded ``pieces`` (``Codec.pieces``: one pass in cache-sized
+        pieces): each one's distance to the others (its nearest half's farthest), and its cosines with them."""
         gram = torch.zeros(k, k, dtype=torch.float64)
-        for start in range(0, rows[0].numel(), CHUNK):
-            chunk = torch.stack([r[start : start + CHUNK] for r in rows])
-            gram += (chunk @ chunk.T).double()
+        for piece in pieces:
+            gram += (piece @ piece.T).double()
         sq = gram.diagonal()
         dist = (sq[:, None] + sq[None, :] - 2 * gram).clamp_(min=0).sqrt_()
         norms = sq.sqrt()

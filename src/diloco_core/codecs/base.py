@@ -8,7 +8,7 @@ shape (``payload_spec``), has every contribution encoded (``encode``) and averag
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -85,6 +85,15 @@ class Codec(ABC):
     def decode(self, payload: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         """``out = decode(payload)`` in fp32: the mean of one payload (its values divided by 1: exact)."""
         return self.mean_of([payload], out)
+
+    def pieces(self, payloads: Sequence[torch.Tensor], numel: int, *, stop: int, size: int) -> Iterator[torch.Tensor]:
+        """The decoded values ``[0, stop)`` of ``payloads`` (of ``numel`` values each), a piece at a time: one
+        (payloads, about ``size``) fp32 tensor per consecutive slice, valid until the next is asked for, so a judge
+        of contributions reads them in cache-sized pieces, never decoded whole. Here, for codecs whose payload is
+        the values cast; the others (block codecs) decode a piece of each payload on its own."""
+        assert self.elementwise_dtype is not None, f"{self.name} must say how its payloads decode piece by piece"
+        for start in range(0, stop, size):
+            yield torch.stack([p[start : min(stop, start + size)] for p in payloads]).float()
 
     def prepare(self, like: torch.Tensor, *, payloads: Sequence[int] = (2,)) -> None:
         """Get ready to encode, decode, and average ``payloads`` payloads of up to ``like.numel()`` values on
