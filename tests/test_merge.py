@@ -75,6 +75,58 @@ def test_values_past_judged_are_the_plain_mean_of_everyone():
     assert torch.equal(part, whole[50:])
 
 
+def _guarded(contributions: list[torch.Tensor], excluded: list[bool]) -> tuple[torch.Tensor, tuple, int]:
+    """The contributions as the guard sends them (an excluded one: zeros, valid flag 0), merged by the robust
+    rule and settled by the guard (rescaled to the valid contributors): (the pseudo-gradient, left out, valid)."""
+    from diloco_core.codecs.base import FP32
+    from diloco_core.guard import ContributionGuard
+
+    n = contributions[0].numel()
+    guard = ContributionGuard(FP32, norm_clip=None, numel=n)
+    flats = []
+    for x, ex in zip(contributions, excluded):
+        flat = torch.zeros(n + guard.tail_size)
+        flat[:n] = x
+        guard.mark(flat, excluded=ex, norm=float(x.norm()), global_flat=torch.zeros(n))
+        flats.append(flat)
+    out = torch.empty_like(flats[0])
+    left_out = Merge(rule=MergeRule.ROBUST, judged=n).of(flats, codec=FP32, out=out)
+    valid, _ = guard.settle(out, len(flats))
+    return out[:n], left_out, valid
+
+
+@pytest.mark.parametrize("k", [3, 4, 5])
+def test_an_excluded_workers_zeros_abstain_and_the_round_is_the_valid_ones_mean(k):
+    """An excluded worker sends zeros (the guard): not judged (close contributions would put zeros far from
+    them), so the guard's rescale to the valid contributors gives their mean; also with an insider left out."""
+    honest = [x + 0.05 * torch.randn(1000) for x in _honest(1) * (k - 1)]
+    got, left_out, valid = _guarded([*honest, torch.zeros(1000)], [False] * (k - 1) + [True])
+    assert left_out == () and valid == k - 1
+    assert torch.allclose(got, torch.stack(honest).mean(0), rtol=1e-5, atol=1e-6)
+    if k >= 4:  # one of the honest ones an insider, left out beside the excluded one
+        rows = [*honest[:-1], honest[-1] * 1e3, torch.zeros(1000)]
+        got, left_out, valid = _guarded(rows, [False] * (k - 1) + [True])
+        assert [o.who for o in left_out] == [str(k - 2)] and valid == k - 1
+        assert torch.allclose(got, torch.stack(honest[:-1]).mean(0), rtol=1e-5, atol=1e-6)
+
+
+def test_two_excluded_and_one_valid_leave_no_one_out():
+    """Fewer than 3 that sent anything: no majority to judge by (the valid one is the round's step)."""
+    x = _honest(1)[0]
+    got, left_out, valid = _guarded([x, torch.zeros(1000), torch.zeros(1000)], [False, True, True])
+    assert left_out == () and valid == 1 and torch.allclose(got, x)
+
+
+@pytest.mark.parametrize("k", [3, 4, 5, 8])
+def test_unrelated_contributions_leave_no_majority_out_and_never_fail(k):
+    """Contributions with no consensus (mutually opposed, or independent noise) are not judged by direction
+    beyond a minority: a merge never leaves out a majority, nor all (once a crash: the mean of none)."""
+    opposed = [torch.tensor([1.0, 0.0] * 8), torch.tensor([-0.5, 0.866] * 8), torch.tensor([-0.5, -0.866] * 8)]
+    for rows in [opposed, *[[torch.randn(4096) for _ in range(k)] for _ in range(20)]]:
+        _, left_out = _merge(ROBUST, rows, "fp32")
+        assert len(left_out) <= (len(rows) - 1) // 2
+
+
 def test_a_slice_too_small_to_judge_is_the_plain_mean():
     rows = [torch.ones(4), torch.ones(4), torch.full((4,), 1e6)]
     got, left_out = _merge(ROBUST, rows, "fp32")

@@ -9,9 +9,11 @@ part's reducer), so this is the one place a rule is written.
   the ⌊K/2⌋ other contributions nearest to it (with it, a majority of the K); one whose spread is more than
   ``outlier_ratio`` times the median spread (a scaled update), or then whose cosine is negative with a majority
   of those left (a flipped one, whatever its norm), is left out, and the judged values are the mean of the rest.
-  All of it comes from the contributions' Gram matrix, one pass over them. With fewer than 3 contributors there
-  is no majority and nothing is left out. Where none is left out (every honest round) the result is ``MEAN``'s,
-  bit for bit. A contribution left out moves the result by nothing; one kept is within ``outlier_ratio`` median
+  All of it comes from the contributions' Gram matrix, one pass over them. A contribution of zeros abstains (the
+  guard's exclusion): it is not judged, and the mean of those kept counts it as the plain mean does, so the
+  guard's rescale to the valid contributors gives the kept ones' mean. With fewer than 3 that sent values there
+  is no majority and nothing is left out; a majority is never left out. Where none is left out (every honest
+  round) the result is ``MEAN``'s, bit for bit. A contribution left out moves the result by nothing; one kept is within ``outlier_ratio`` median
   spreads of a majority and does not point away from it: bounded influence.
 
 A merge judges the values before ``judged`` (the pseudo-gradient); values from ``judged`` on (the contribution
@@ -76,44 +78,49 @@ class Merge:
         value ``start`` of the reduced tensors), in the given order. Returns the contributions left out, named by
         ``who`` (one name per payload; their index where not given)."""
         assert payloads, "a merge needs at least one contribution"
-        n = out.numel()
+        n, k = out.numel(), len(payloads)
         judged = n if self.judged is None else max(0, min(n, self.judged - start))
-        if self.rule is MergeRule.MEAN or len(payloads) < 3 or judged < MIN_JUDGED:
+        if self.rule is MergeRule.MEAN or k < 3 or judged < MIN_JUDGED:
             codec.mean_of(payloads, out, scratch)
             return ()
-        gone = self._outliers(codec.pieces(payloads, n, stop=judged, size=CHUNK), k=len(payloads))
+        gone, sent = self._outliers(codec.pieces(payloads, n, stop=judged, size=CHUNK), k=k)
         codec.mean_of(payloads, out, scratch)
         if gone:  # the judged values: the mean of those kept (an attacked round; the tail stays everyone's)
             kept = [p for i, p in enumerate(payloads) if i not in gone]
-            out[:judged] = codec.mean_of(kept, torch.empty_like(out), scratch)[:judged]
-        names = list(who) or [str(i) for i in range(len(payloads))]
+            body = codec.mean_of(kept, torch.empty_like(out), scratch)[:judged]
+            if sent < k:  # as the plain mean would count those kept that sent anything: the guard's rescale
+                body.mul_(len(kept) * sent / ((sent - len(gone)) * k))  # (contributors / valid) gives their mean
+            out[:judged] = body
+        names = list(who) or [str(i) for i in range(k)]
         return tuple(LeftOut(names[i], ratio, cosine) for i, (ratio, cosine) in gone.items())
 
-    def _outliers(self, pieces: Iterable[torch.Tensor], *, k: int) -> dict[int, tuple[float, float]]:
-        """The ``k`` contributions far from the others or pointing away from them: their index, (ratio, cosine).
-        From their Gram matrix, summed over their decoded ``pieces`` (``Codec.pieces``: one pass in cache-sized
-        pieces): each one's distance to the others (its nearest half's farthest), and its cosines with them."""
+    def _outliers(self, pieces: Iterable[torch.Tensor], *, k: int) -> tuple[dict[int, tuple[float, float]], int]:
+        """The ``k`` contributions far from the others or pointing away from them (their index: (ratio, cosine)),
+        and how many sent values at all (the others, all zeros, abstain: the guard's exclusions). From their Gram
+        matrix, summed over their decoded ``pieces`` (``Codec.pieces``: one pass in cache-sized pieces): each
+        one's distance to the others (its nearest half's farthest), and its cosines with them."""
         gram = torch.zeros(k, k, dtype=torch.float64)
         for piece in pieces:
             gram += (piece @ piece.T).double()
+        sent = [i for i in range(k) if gram[i, i] > 0]
+        m, gram = len(sent), gram[sent][:, sent]
+        if m < 3:  # no majority among those that sent anything
+            return {}, m
         sq = gram.diagonal()
         dist = (sq[:, None] + sq[None, :] - 2 * gram).clamp_(min=0).sqrt_()
-        norms = sq.sqrt()
-        cos = gram / (norms[:, None] * norms[None, :]).clamp_(min=1e-300)
-        nearest = k // 2 - 1  # with itself and this many more of the others nearest to it: a majority
-        spread = [float(dist[i, [j for j in range(k) if j != i]].sort().values[nearest]) for i in range(k)]
-        typical = sorted(spread)[k // 2]
+        cos = gram / (sq.sqrt()[:, None] * sq.sqrt()[None, :])
+        nearest = m // 2 - 1  # with itself and this many more of the others nearest to it: a majority
+        spread = [float(dist[i, [j for j in range(m) if j != i]].sort().values[nearest]) for i in range(m)]
+        typical = sorted(spread)[m // 2]  # fewer than half are above it: at most a minority is far
         ratios = [s / typical if typical > 0 else (float("inf") if s > 0 else 1.0) for s in spread]
-        cosines = [min(float(cos[i, j]) for j in range(k) if j != i) for i in range(k)]
-        near = [i for i in range(k) if ratios[i] <= self.outlier_ratio]
+        cosines = [min(float(cos[i, j]) for j in range(m) if j != i) for i in range(m)]
+        far = [i for i in range(m) if ratios[i] > self.outlier_ratio]
         # Then the direction, among those near (a scaled copy of one would vote against the others): pointing
-        # away from a majority of them. Fewer than 3 near: no majority.
-        away = [
-            i
-            for i in near
-            if len(near) >= 3 and sum(1 for j in near if j != i and float(cos[i, j]) < 0) > (len(near) - 1) / 2
-        ]
-        return {i: (ratios[i], cosines[i]) for i in range(k) if i not in near or i in away}
+        # away from a majority of them; never a majority of all (unrelated contributions, no consensus to judge by).
+        near = [i for i in range(m) if i not in far]
+        away = [i for i in near if sum(float(cos[i, j]) < 0 for j in near if j != i) > (len(near) - 1) / 2]
+        gone = far + away if len(far) + len(away) <= (m - 1) // 2 else far
+        return {sent[i]: (ratios[i], cosines[i]) for i in sorted(gone)}, m
 
 
 def combined(left_out: Sequence[LeftOut]) -> tuple[LeftOut, ...]:

@@ -171,7 +171,10 @@ class Reporter:
                 "excluded": report.excluded,
                 "clipped": report.clipped,
                 "mean_clipped": report.mean_clipped,
-                "left_out": [{"who": o.who, "ratio": o.ratio, "cosine": o.cosine} for o in report.outliers],
+                "left_out": [
+                    {"who": o.who, "ratio": o.ratio if math.isfinite(o.ratio) else None, "cosine": o.cosine}
+                    for o in report.outliers
+                ],
             }
         )
 
