@@ -350,6 +350,17 @@ def test_stale_verdict_is_the_same_on_every_peer_and_names_who_is_behind():
     pair = [stale_verdict([group, alone], i) for i in range(2)]
     winner = max(group, alone)
     assert sorted((v.kind.value, v.group_tag) for v in pair) == [("behind", winner), ("groupmate", winner)]
+    # a peer that committed rounds alone (an insider benched by the others: its own scaled updates) does not
+    # pull a majority of its group onto its state; with no majority, the most rounds win
+    ahead_alone = next_tag(next_tag(alone, b"alone:d"), b"alone:e")
+    trio = [stale_verdict([behind, ahead_alone, behind], i) for i in range(3)]
+    assert [v.kind for v in trio] == [Stale.GROUPMATE, Stale.BEHIND, Stale.GROUPMATE]
+    assert all(v.group_tag == behind for v in trio)
+    assert stale_verdict([behind, ahead_alone], 0).group_tag == ahead_alone
+    # a groupmate this peer benched (strikes.py) is stale whatever it holds: never averaged with, never followed
+    for tags in ([behind, ahead_alone], [behind, behind], [None, behind]):
+        v = stale_verdict(tags, 0, distrusted=[1])
+        assert v.kind is Stale.GROUPMATE and v.stale >= 1 and v.group_tag != ahead_alone, v
 
 
 @pytest.mark.timeout(60)

@@ -170,7 +170,8 @@ class Averager(Presence, DecentralizedAverager):
         if strangers:
             raise AllreduceException(f"{len(strangers)} groupmate(s) without a valid join token: nothing sent")
         tags = [tag_or_none(data) for _, data in gathered]
-        verdict = stale_verdict(tags, group_info.peer_ids.index(self.peer_id))
+        benched = [i for i, p in enumerate(group_info.peer_ids) if p != self.peer_id and self.strikes.benched(str(p))]
+        verdict = stale_verdict(tags, group_info.peer_ids.index(self.peer_id), distrusted=benched)
         if verdict is not None:  # every groupmate reaches the same verdict: nobody sends anything
             raise StaleStateError(verdict)
         # Per group (a cancelled step may still be confirming while the next one starts).

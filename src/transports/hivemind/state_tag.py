@@ -10,7 +10,7 @@ anything and every groupmate reaches the same verdict (``stale_verdict``), raise
 import enum
 import hashlib
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -54,7 +54,9 @@ class StaleVerdict:
 
     kind: Stale
     group_tag: Tag
-    """The group's state: the tag with the most rounds, then the most holders, then the larger hash."""
+    """The group's state: the tag with the most holders, then the most rounds, then the larger hash. Holders
+    first: a peer that committed rounds alone (cut off, or an insider left out of every group: benched, it
+    averages its own scaled updates) is not the state a majority of its group takes."""
     own_tag: Tag | None
     """This peer's tag (None: it sent none)."""
     stale: int
@@ -80,12 +82,15 @@ class StaleStateError(AllreduceException):
         return str(self.verdict)
 
 
-def stale_verdict(tags: Sequence[Tag | None], me: int) -> StaleVerdict | None:
+def stale_verdict(tags: Sequence[Tag | None], me: int, distrusted: Collection[int] = ()) -> StaleVerdict | None:
     """None if every groupmate holds the same state tag; otherwise the verdict for groupmate ``me``, the
-    same group state on every groupmate: ``me`` is behind (it must re-sync) or a groupmate is."""
-    if all(t == tags[0] for t in tags):
+    same group state on every groupmate: ``me`` is behind (it must re-sync) or a groupmate is. ``distrusted``:
+    groupmates ``me`` benched (``strikes``): their tags count for nothing and they are stale whatever they hold,
+    so ``me`` neither averages with them nor takes their state (they may reach another verdict: none sends)."""
+    if not distrusted and all(t == tags[0] for t in tags):
         return None
-    held = Counter(t for t in tags if t is not None)
-    group = max(held, key=lambda t: (t[0], held[t], t[1]))
-    kind = Stale.GROUPMATE if tags[me] == group else Stale.BEHIND
-    return StaleVerdict(kind=kind, group_tag=group, own_tag=tags[me], stale=sum(t != group for t in tags))
+    held = Counter(t for i, t in enumerate(tags) if t is not None and i not in distrusted)
+    group = max(held, key=lambda t: (held[t], t[0], t[1])) if held else INITIAL_TAG
+    kind = Stale.GROUPMATE if tags[me] == group or not held else Stale.BEHIND
+    stale = sum(t != group or i in distrusted for i, t in enumerate(tags))
+    return StaleVerdict(kind=kind, group_tag=group, own_tag=tags[me], stale=stale)

@@ -3,10 +3,11 @@
 The merge (``diloco_core.merge``) already keeps such a peer's contribution out of each round it is far in; this
 saves the swarm the peer's traffic and time too. Each averager counts, per groupmate, the rounds in a row in which
 a part it merged left that groupmate out; after ``after`` of them the peer is benched for ``seconds``: as a
-leader, this averager turns its join requests away. Where a benched peer leads a group itself (hivemind's
-followers choose their leader) it is still in that group, and the merge still leaves its contribution out. With
-the block codecs every peer merges every part, so every peer benches the same peers; with the casts, the peers
-that reduced its parts do.
+leader, this averager turns its join requests away; in a group a benched peer leads (hivemind's followers choose
+their leader) this averager sends nothing and takes nothing from it (``state_tag.stale_verdict``'s ``distrusted``:
+the attempt is retried without it). With the block codecs every peer merges every part, so every peer benches the
+same peers; with the casts, the peers that reduced its parts do (a groupmate that did not bench it waits out the
+attempt's timeout).
 """
 
 from __future__ import annotations
