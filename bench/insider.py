@@ -137,7 +137,13 @@ def run(args: argparse.Namespace, *, name: str, workers: int, scale: float | Non
                 train(build_config(overrides=overrides), run_dir, show_progress=False, wrap=_wrap(scale, workers - 1))
             except ValueError as e:  # the trainer stopped it (a diverged run: the plain mean's fate)
                 print(f"{name}: {e}", file=sys.stderr)
-                return {"name": name, "eval_after": float("nan"), "rounds": 0, "rounds_with_left_out": 0}
+                return {
+                    "name": name,
+                    "eval_after": float("nan"),
+                    "rounds": 0,
+                    "rounds_with_left_out": 0,
+                    "rounds_without_all": 0,
+                }
     records = read_metrics(run_dir)
     summary = next(r for r in records if r["type"] == "summary")
     rounds = [r for r in records if r["type"] == "round"]
@@ -146,6 +152,7 @@ def run(args: argparse.Namespace, *, name: str, workers: int, scale: float | Non
         "eval_after": summary["eval_after"],
         "rounds": len(rounds),
         "rounds_with_left_out": sum(1 for r in rounds if r.get("left_out")),
+        "rounds_without_all": sum(1 for r in rounds if r["num_contributors"] < workers),
     }
 
 
@@ -183,11 +190,14 @@ def main(argv: list[str] | None = None) -> int:
     scales = [float(x) for x in args.scales.split(",")]
     rows += [run(args, name=f"{tag}-insider{s:g}", workers=args.workers, scale=s) for s in scales]
     base = rows[0]["eval_after"]
-    print(f"| run | eval loss | vs the {honest} honest alone | rounds with a contribution left out |")
-    print("|---|---|---|---|")
-    for r in rows:
+    print(
+        f"| run | eval loss | vs the {honest} honest alone | rounds with a contribution left out | with fewer contributors |"
+    )
+    print("|---|---|---|---|---|")
+    for r in rows:  # fewer contributors: someone missing from the group (on hivemind: the insider, once benched)
         print(
-            f"| {r['name']} | {r['eval_after']:.4f} | {r['eval_after'] / base - 1:+.2%} | {r['rounds_with_left_out']}/{r['rounds']} |"
+            f"| {r['name']} | {r['eval_after']:.4f} | {r['eval_after'] / base - 1:+.2%} "
+            f"| {r['rounds_with_left_out']}/{r['rounds']} | {r['rounds_without_all']}/{r['rounds']} |"
         )
     worst = max(r["eval_after"] / base - 1 if r["eval_after"] == r["eval_after"] else float("inf") for r in rows[1:])
     print(f"worst insider run: {worst:+.2%} against the honest workers alone (target: <= +2%)")
