@@ -55,7 +55,8 @@ def _ours(benchmark, wire: str, *, group: str, peers: int = 2, merge: Merge = ME
     first = HivemindTransport(HivemindConfig(**cfg))
     members = [first] + [HivemindTransport(HivemindConfig(**cfg, initial_peers=first.join_addresses))]
     members += [HivemindTransport(HivemindConfig(**cfg, initial_peers=first.join_addresses)) for _ in range(peers - 2)]
-    xs = [torch.randn(NUM_VALUES) for _ in members]
+    shared = torch.randn(NUM_VALUES)  # as workers' pseudo-gradients: a common direction, each one's own noise
+    xs = [shared + torch.randn(NUM_VALUES) for _ in members]
     try:
 
         def one_round():
