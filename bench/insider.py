@@ -95,11 +95,17 @@ def _hivemind(args: argparse.Namespace, *, name: str, workers: int, scale: float
             procs.append(subprocess.Popen(cmd, stderr=err, stdout=subprocess.DEVNULL, start_new_session=True))
             if i == 0:
                 joined = [f"transport.initial_peers={_first_addresses(out / f'{name}-p0.err', procs[0])}"]
-        for i, p in enumerate(procs):  # the insider may end its own run: benched, it averages its updates alone
-            if p.wait(timeout=3600) != 0 and (scale is None or i < workers - 1):
+        honest = procs if scale is None else procs[:-1]
+        for i, p in enumerate(honest):
+            if p.wait(timeout=3600) != 0:
                 raise RuntimeError(f"an honest peer of {name} exited with {p.returncode} (see {out}/{name}-p{i}.err)")
-            if p.returncode != 0:
-                print(f"{name}: the insider's own run ended with exit code {p.returncode} ({out}/{name}-p{i}.err)")
+        if scale is not None:  # benched, the insider averages its own updates alone: its run may end or crawl on
+            try:
+                procs[-1].wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(procs[-1].pid, 15)
+                procs[-1].wait(timeout=30)
+            print(f"{name}: the insider's own run ended with exit code {procs[-1].returncode} (after the honest peers)")
     finally:
         for p in procs:
             if p.poll() is None:
