@@ -28,7 +28,8 @@ def test_every_insider_is_left_out_of_every_round_and_the_run_ends_as_the_honest
         "| inprocess-robust-honest2",
         *(f"| inprocess-robust-insider{s}" for s in ("1e+06", "-1e+06", "-10")),
     ]
-    assert [r[3] for r in rows[1:]] == ["6/6 |"] * 3, table
+    assert [r[3] for r in rows[1:]] == ["6/6"] * 3, table
+    assert [r[4] for r in rows] == ["0/6 |"] * 4, table  # nobody missing from a round (no one benched in-process)
     assert len({r[1] for r in rows[1:]}) == 1, table  # the insider's scale changes nothing: it is left out
     records = [json.loads(line) for line in (tmp_path / "inprocess-robust-insider-10" / "metrics.jsonl").open()]
     left_out = [r["left_out"] for r in records if r["type"] == "round"]
