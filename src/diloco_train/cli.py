@@ -257,7 +257,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                 return _train(args, argv[1:])
         return _plot(args)
     except (ValueError, TransportError, OSError) as e:
-        print(f"diloco: error: {e}", file=sys.stderr)
+        # One write, line and newline together: stderr writes through, and print's two writes from two ranks of a
+        # torchrun job interleaved into one line of both messages and an empty one.
+        sys.stderr.write(f"diloco: error: {e}\n")
         return 2
     except KeyboardInterrupt:
         print(
