@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import glob
 import logging
 import os
 import signal
@@ -16,6 +17,7 @@ import time
 
 import pytest
 import torch
+from procs import stale_sockets
 from threads import together
 from world import FAST, LOCAL
 
@@ -42,6 +44,20 @@ while True:
     dht.get("anything", latest=True)
     time.sleep(0.5)
 """
+
+
+SOCKETS = "/tmp/hivemind-p2p*.sock"
+
+
+@pytest.fixture(autouse=True)
+def _no_socket_files_left():
+    """The outsider nodes here are plain hivemind DHTs that are killed (or fail to bootstrap): their p2pd and
+    client socket files stay behind. Those nobody listens on once a test is over are removed."""
+    before = set(glob.glob(SOCKETS))
+    yield
+    for path in stale_sockets(set(glob.glob(SOCKETS)) - before):
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
 
 
 def _diloco_peer(transport: HivemindTransport, seed: int):
