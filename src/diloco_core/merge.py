@@ -13,8 +13,8 @@ part's reducer), so this is the one place a rule is written.
   guard's exclusion): it is not judged, and the mean of those kept counts it as the plain mean does, so the
   guard's rescale to the valid contributors gives the kept ones' mean. With fewer than 3 that sent values there
   is no majority and nothing is left out; a majority is never left out. Where none is left out (every honest
-  round) the result is ``MEAN``'s, bit for bit. A contribution left out moves the result by nothing; one kept is within ``outlier_ratio`` median
-  spreads of a majority and does not point away from it: bounded influence.
+  round) the result is ``MEAN``'s, bit for bit. A contribution left out moves the result by nothing; one kept
+  is within ``outlier_ratio`` median spreads of a majority and does not point away from it: bounded influence.
 
 A merge judges the values before ``judged`` (the pseudo-gradient); values from ``judged`` on (the contribution
 guard's tail: flags, digests) are always the plain mean over every contributor, as the guard's arithmetic needs.
