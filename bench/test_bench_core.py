@@ -90,7 +90,7 @@ def test_contribution_guard_25m(benchmark):
         guard.ref_norm, guard.means = 10.0, [10.0]
         excluded, _, sent = guard.admit(flat[:N], 1.0)
         guard.mark(flat, excluded=excluded, norm=sent, global_flat=flat[:N])
-        _, norm = guard.settle(flat, 2)
+        norm = guard.settle(flat, 2).norm
         guard.clip_mean(flat[:N], mean_norm=1.0, contributors_norm=norm)
 
     benchmark.pedantic(lambda: _in_threads([lambda g=g, b=b: one(g, b) for g, b in zip(guards, bufs)]), rounds=8)

@@ -635,8 +635,8 @@ def test_the_diagnostic_rms_travels_in_a_block_of_its_own_and_is_not_fed():
     model = Scalar([0.0] * 300)
     opt, t = torch.optim.SGD(model.parameters(), lr=1.0), InProcessGroup(1).transport(0)
     dl = DiLoCo(model, opt, transport=t, config=DiLoCoConfig(codec="int8", codec_block=256))
-    # 300 values, zeros up to a block, the blocks of the valid flag, the digest and its square, the RMS
-    assert dl.reduce_numel == 512 + 3 * 256 + 1 and dl.state_dict()["residual"].shape == (300,)
+    # 300 values, zeros up to a block, the blocks of the valid flag, the work, the digest and its square, the RMS
+    assert dl.reduce_numel == 512 + 4 * 256 + 1 and dl.state_dict()["residual"].shape == (300,)
 
 
 def test_a_failed_round_leaves_the_residual_for_its_retry():

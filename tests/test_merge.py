@@ -91,7 +91,7 @@ def _guarded(contributions: list[torch.Tensor], excluded: list[bool]) -> tuple[t
         flats.append(flat)
     out = torch.empty_like(flats[0])
     left_out = Merge(rule=MergeRule.ROBUST, judged=n).of(flats, codec=FP32, out=out)
-    valid, _ = guard.settle(out, len(flats))
+    valid = guard.settle(out, len(flats)).valid
     return out[:n], left_out, valid
 
 

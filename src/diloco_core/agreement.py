@@ -68,6 +68,7 @@ def settings_of(c: DiLoCoConfig, *, codec: Codec, outer_lr: float, fragments: Se
     pseudo-gradients travel (``codec``, error feedback as used), the guard and the overlap (``fragments``)."""
     return {
         "inner_steps": c.inner_steps,
+        "round_seconds": c.round_seconds,
         "outer_lr": outer_lr,
         "outer_momentum": c.outer_momentum,
         "nesterov": c.nesterov,

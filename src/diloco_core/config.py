@@ -178,6 +178,13 @@ def outer_lr_for(num_workers: int, momentum: float) -> float:
 class DiLoCoConfig:
     inner_steps: int = field(default=500, metadata=integer(low=1))
     """H: inner optimizer steps between two outer rounds (the paper's 500)."""
+    round_seconds: float | None = field(
+        default=None, metadata=number(gt=0, noun="a finite number of seconds", unset=True)
+    )
+    """Elastic rounds (docs/elastic.md): a round ends at the first inner step at which this many seconds have
+    passed since the last one ended on this worker, whatever its number of steps; each worker's pseudo-gradient
+    then weighs its steps / ``inner_steps`` (the guard's work weight, at most ``MAX_WORK``), so a worker twice
+    as fast counts twice. Unset: every ``inner_steps``-th step (lock-step). Needs ``overlap = "none"``."""
     outer_lr: float | None = field(default=None, metadata=number(gt=0, noun="a finite number", unset=True))
     """Learning rate of the outer SGD (1.0 with momentum 0 is plain averaging). Unset: chosen by the number
     of workers M at construction, ``outer_lr_for(M, outer_momentum)`` (docs/results.md has the sweep
@@ -257,6 +264,11 @@ class DiLoCoConfig:
             raise ValueError(
                 f"fragments={p}, overlap_steps={tau}, merge_alpha={alpha:g} are streaming's settings: "
                 f"set overlap='streaming' or leave them at 1, 0, 0 (overlap={mode!r})"
+            )
+        if self.round_seconds is not None and mode != "none":
+            raise ValueError(
+                f"round_seconds={self.round_seconds:g} ends rounds by time, but overlap={mode!r} schedules them by "
+                "steps: set overlap='none' or leave round_seconds unset"
             )
         try:
             import torch

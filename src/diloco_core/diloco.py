@@ -31,7 +31,8 @@ logger = logging.getLogger(__name__)
 
 
 class DiLoCo:
-    """Wraps a model and its inner optimizer; every ``inner_steps``-th ``step()`` runs an outer round.
+    """Wraps a model and its inner optimizer; every ``inner_steps``-th ``step()`` runs an outer round (with
+    ``config.round_seconds``: the first ``step()`` that many seconds after the last round, docs/elastic.md).
 
     All ranks construct it collectively: it checks that every rank's model has the same entries (names,
     shapes, dtypes), then makes every rank start from rank 0's weights, frozen parameters and buffers
@@ -73,8 +74,10 @@ class DiLoCo:
         config: DiLoCoConfig,
         *,
         fragments: Sequence[Sequence[str]] | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        """``fragments`` (streaming): each fragment's trainable parameter names, instead of strided blocks."""
+        """``fragments`` (streaming): each fragment's trainable parameter names, instead of strided blocks.
+        ``clock``: the seconds that ``config.round_seconds`` ends rounds by (tests give their own)."""
         self.model = model
         self.inner_optimizer = inner_optimizer
         self.transport = transport
@@ -137,6 +140,7 @@ class DiLoCo:
             model_state=self.model_state,
             transport=transport,
             config=config,
+            clock=clock,
         )
         self.outer_seconds = 0.0
         """Seconds the last ``step()`` spent on outer rounds (what training waited for; 0: none due)."""
@@ -192,6 +196,9 @@ class DiLoCo:
         return report
 
     def _outer(self, s: int, c: DiLoCoConfig) -> RoundReport | None:
+        if c.round_seconds is not None:  # elastic: by this worker's clock, whatever its steps (overlap is none)
+            due = self.rounds.due()
+            return self._with_retries(lambda retry: self.rounds.finish(self.rounds.begin(0))) if due else None
         if self.eager is not None:
             eager, w = self.eager, c.eager_fresh_weight
             return None if s % c.inner_steps else self._with_retries(lambda retry: eager.boundary(retry, w))

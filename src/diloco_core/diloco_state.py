@@ -60,7 +60,8 @@ def in_flight_entry(p: PendingRound, *, mean: torch.Tensor, settled: Settled | N
     s = settled or p.settled
     assert s is not None
     kept = {k: getattr(p, k) for k in _IN_FLIGHT}
-    return {**kept, **asdict(s.result), "valid": s.valid, "contributors_norm": s.contributors_norm, "mean": mean}
+    tally = {"valid": s.valid, "contributors_norm": s.contributors_norm, "work": s.work}
+    return {**kept, **asdict(s.result), **tally, "mean": mean}
 
 
 _KEYS = [
@@ -123,6 +124,7 @@ def restored(fragments: Sequence[Fragment], saved: dict[str, Any], *, copy: bool
     result = ReduceResult(
         int(saved["num_contributors"]), int(saved["bytes_sent"]), int(saved["bytes_received"]), float(saved["seconds"])
     )
-    settled = Settled(result=result, valid=int(saved["valid"]), contributors_norm=float(saved["contributors_norm"]))
+    valid, norm = int(saved["valid"]), float(saved["contributors_norm"])
+    settled = Settled(result=result, valid=valid, contributors_norm=norm, work=float(saved.get("work", valid)))
     kept = {k: saved[k] for k in _IN_FLIGHT}
     return PendingRound(handle=None, started=time.perf_counter(), settled=settled, **kept)

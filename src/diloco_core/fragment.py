@@ -27,7 +27,9 @@ class Settled:
     valid: int
     """Contributions averaged (``ContributionGuard.settle``); 0: no outer step."""
     contributors_norm: float
-    """The contributors' mean pseudo-gradient norm (rode in the reduce)."""
+    """The contributors' work-weighted mean pseudo-gradient norm (rode in the reduce)."""
+    work: float = 0.0
+    """The valid contributions' summed work, in rounds of ``inner_steps`` steps (rode in the reduce)."""
 
 
 class Fragment:
@@ -68,26 +70,31 @@ class Fragment:
         excluded, clipped, sent_norm = self.guard.admit(pg, norm)
         return norm, excluded, clipped, sent_norm
 
-    def send(self, transport: Transport, *, excluded: bool, norm: float) -> tuple[ReduceHandle, bool]:
-        """Start the reduce of the body (error feedback added, the guard's tail written): (its handle,
-        excluded, now also when the residual took a value past what the wire carries)."""
+    def send(
+        self, transport: Transport, *, excluded: bool, norm: float, work: float = 1.0
+    ) -> tuple[ReduceHandle, bool]:
+        """Start the reduce of the body times ``work`` (this worker's, in rounds of ``inner_steps`` steps: the
+        guard's weighted mean), error feedback added, the guard's tail written: (its handle, excluded, now also
+        when the residual took a value past what the wire carries)."""
         flat = self.reduce.flat
+        if work != 1.0 and not excluded:
+            self.reduce.body.mul_(work)
         # the tail first: the residual is what the codec drops of the very values sent (its blocks at the pad)
-        self.guard.mark(flat, excluded=excluded, norm=norm, global_flat=self.flat)
+        self.guard.mark(flat, excluded=excluded, norm=norm, global_flat=self.flat, work=work)
         if not excluded:
             try:
                 self.feedback.feed(flat)  # the norm is the pseudo-gradient's own, without the residual
             except ValueError:  # with the residual, past what the wire carries (fp16)
                 excluded = True
-                self.guard.mark(flat, excluded=True, norm=norm, global_flat=self.flat)
+                self.guard.mark(flat, excluded=True, norm=norm, global_flat=self.flat, work=work)
         return transport.all_reduce([flat], codec=self.codec, key=self.key, merge=self.merge), excluded
 
     def settle(self, result: ReduceResult, *, excluded: bool) -> Settled:
         """After the reduce: the mean rescaled to the valid contributions, the residual committed."""
-        valid, contributors_norm = self.guard.settle(self.reduce.flat, result.num_contributors)
+        tally = self.guard.settle(self.reduce.flat, result.num_contributors)
         if not excluded:  # an excluded worker still owes the residual it had
             self.feedback.commit()
-        return Settled(result=result, valid=valid, contributors_norm=contributors_norm)
+        return Settled(result=result, valid=tally.valid, contributors_norm=tally.norm, work=tally.work)
 
     def clip_mean(self, settled: Settled) -> tuple[bool, float]:
         """The norm guard on the mean (when any contribution was valid): (clipped, the mean's norm)."""

@@ -15,6 +15,12 @@
   own limit. Where there is a majority the robust merge (``merge.py``) leaves such an insider out first.
   The references come from reduced values, the same on every worker; they are in ``DiLoCo.state_dict()`` and
   the state served to joiners. Before the first unclipped round there is no reference: nothing is clipped.
+- **Work** (``DiLoCoConfig.round_seconds``): a worker whose round held more or fewer inner steps than
+  ``inner_steps`` sends its pseudo-gradient times its work w (its steps / ``inner_steps``, at most
+  ``MAX_WORK``) and w - 1 in a block of the tail, so the reduce's sum over the valid contributions gives
+  Σ w Δ and Σ w, and every worker divides one by the other: the token-weighted mean, in the same reduce.
+  Where every worker did ``inner_steps`` steps, w - 1 is 0 on every wire and the arithmetic is the unit
+  weights' (the mean over the valid contributions), bit for bit.
 - **Replicas compared** (where ranks are fixed): each worker also sends a 4-bit digest h of its global
   params (a strided sample of 4,096 values, CRC-32) and h², each in a block of its own; all digests are
   equal exactly when M·Σh² = (Σh)² (integers every wire carries exactly, bf16 included), so every worker
@@ -28,6 +34,7 @@ from __future__ import annotations
 import logging
 import math
 import zlib
+from dataclasses import dataclass
 
 import torch
 
@@ -45,14 +52,30 @@ def reset_if_nonfinite(optimizer: torch.optim.Optimizer, round: int) -> None:
         optimizer.state.clear()
 
 
-__all__ = ["WINDOW", "ContributionGuard", "reset_if_nonfinite"]
+__all__ = ["MAX_WORK", "WINDOW", "ContributionGuard", "Tally", "reset_if_nonfinite"]
 
 WINDOW = 9
 """Rounds whose mean norms the norm guard's reference is the median of."""
+MAX_WORK = 4.0
+"""The most work one contribution may weigh, in rounds of ``inner_steps`` steps: what a worker claims is
+summed unseen (the tail is not judged), so one claim can shift the others' weights by this much at most."""
+
+
+@dataclass(frozen=True)
+class Tally:
+    """What a round's reduce says of its contributions (``ContributionGuard.settle``)."""
+
+    valid: int
+    """Contributions averaged (0: no outer step)."""
+    work: float
+    """Their summed work, in rounds of ``inner_steps`` steps (``valid`` where each did that many)."""
+    norm: float
+    """Their work-weighted mean pseudo-gradient norm."""
 
 
 class ContributionGuard:
-    """One worker's guard over the flat reduce buffer ``[pseudo-gradient | pad | valid ... | rms]``."""
+    """One worker's guard over the flat reduce buffer ``[pseudo-gradient | pad | valid | work - 1 | digest |
+    digest² | rms]``, each of the tail's values but the RMS a codec block of its own."""
 
     def __init__(self, codec: Codec, *, norm_clip: float | None, numel: int, compare: bool = True) -> None:
         self.codec, self.norm_clip, self.numel, self.compare = codec, norm_clip, numel, compare
@@ -60,9 +83,11 @@ class ContributionGuard:
         self.valid_at = numel + pad
         """Where the valid flag sits: a codec block of its own, filled with it (the pseudo-gradient's last block
         padded as ``Codec.pad`` asks), which every codec carries as it is (the sign codec too: all values of
-        one magnitude); the digest and its square follow, a block each, as is the RMS (a block of one)."""
-        self.tail_size = pad + 3 * codec.block + 1
-        """Values after the pseudo-gradient: padding, the blocks of the valid flag, the digest and its
+        one magnitude); the work, the digest and its square follow, a block each, then the RMS (a block of one)."""
+        self.work_at = self.valid_at + codec.block
+        self.digest_at = self.work_at + codec.block
+        self.tail_size = pad + 4 * codec.block + 1
+        """Values after the pseudo-gradient: padding, the blocks of the valid flag, the work, the digest and its
         square, the RMS (a block of one)."""
         self.ref_norm = 0.0
         """Contributors' mean pseudo-gradient norm in the last round the guard did not clip (0: none yet)."""
@@ -87,28 +112,31 @@ class ContributionGuard:
             return True
         return bool(torch.maximum(values.amax(), values.amin().neg()).to(dtype).isfinite())
 
-    def mark(self, flat: torch.Tensor, *, excluded: bool, norm: float, global_flat: torch.Tensor) -> None:
-        """Write the tail: valid flag, digest of ``global_flat`` and its square, RMS; an excluded worker's
-        pseudo-gradient, flag and RMS are zeros (its digest still counts)."""
+    def mark(
+        self, flat: torch.Tensor, *, excluded: bool, norm: float, global_flat: torch.Tensor, work: float = 1.0
+    ) -> None:
+        """Write the tail: valid flag, ``work`` - 1, digest of ``global_flat`` and its square, RMS (of the values
+        sent: ``norm`` times ``work``, the pseudo-gradient being sent times its work); an excluded worker's
+        pseudo-gradient, flag, work and RMS are zeros (its digest still counts)."""
         block = self.codec.block
         if excluded:
             flat.zero_()
         else:  # the pad written again: the last mean left its decoded values there
             self.codec.pad(flat, self.numel)
             flat[self.valid_at : self.valid_at + block] = 1.0  # whole blocks of one value: every codec's exact
-            flat[-1] = norm / math.sqrt(self.numel) if self.numel else 0.0
+            flat[self.work_at : self.work_at + block] = work - 1.0
+            flat[-1] = norm * work / math.sqrt(self.numel) if self.numel else 0.0
         sample = global_flat[:: max(1, global_flat.numel() // 4096)][:4096].detach().cpu()
         h = float(zlib.crc32(sample.numpy().tobytes()) % 16)
-        flat[self.valid_at + block : self.valid_at + 2 * block] = h
-        flat[self.valid_at + 2 * block : self.valid_at + 3 * block] = h * h
+        flat[self.digest_at : self.digest_at + block] = h
+        flat[self.digest_at + block : self.digest_at + 2 * block] = h * h
 
-    def settle(self, flat: torch.Tensor, contributors: int) -> tuple[int, float]:
+    def settle(self, flat: torch.Tensor, contributors: int) -> Tally:
         """After the reduce: check that the replicas agree (``ValueError`` if not, nothing changed), rescale
-        the mean to the valid contributors. Returns (valid contributors, their mean pseudo-gradient norm);
-        with none valid the buffer is left as it came (zeros)."""
-        block = self.codec.block
-        s1 = round(flat[self.valid_at + block].item() * contributors)  # the digests' sum, and their squares'
-        s2 = round(flat[self.valid_at + 2 * block].item() * contributors)
+        the mean to the valid contributors' work (the mean over them where each did a round's). With none
+        valid the buffer is left as it came (zeros)."""
+        s1 = round(flat[self.digest_at].item() * contributors)  # the digests' sum, and their squares'
+        s2 = round(flat[self.digest_at + self.codec.block].item() * contributors)
         if self.compare and contributors * s2 != s1 * s1:
             raise ValueError(
                 f"the workers' global params differ (the round's digest check: {contributors} digests summing to "
@@ -116,9 +144,12 @@ class ContributionGuard:
                 "the same checkpoint"
             )
         valid = min(contributors, max(0, round(flat[self.valid_at].item() * contributors)))
-        if valid and valid != contributors:
-            flat.mul_(contributors / valid)
-        return valid, flat[-1].item() * math.sqrt(self.numel)
+        work = valid + flat[self.work_at].item() * contributors  # exactly ``valid`` where every w - 1 is 0
+        if work <= 0:  # only claims below a round's work, summed past the valid contributions: nothing to weigh
+            valid = work = 0
+        if valid and work != contributors:
+            flat.mul_(contributors / work)
+        return Tally(valid=valid, work=work, norm=flat[-1].item() * math.sqrt(self.numel))
 
     def clip_mean(self, mean: torch.Tensor, *, mean_norm: float, contributors_norm: float) -> tuple[bool, float]:
         """The norm guard on the mean (in place): (clipped, its norm now). An unclipped round becomes the

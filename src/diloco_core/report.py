@@ -39,6 +39,10 @@ class PendingRound:
     """The inner step after which its outer step is applied (overlap: ``overlap_steps`` after it began)."""
     sent_norm: float = 0.0
     """The norm of what was sent (the guard may have clipped it), for a retry that sends it again."""
+    work: float = 1.0
+    """What this worker's contribution weighs (``Rounds.work``): 1 unless rounds end by time."""
+    steps: int = 0
+    """This worker's inner steps in the round."""
     settled: Settled | None = None
     """Its mean once in place, before the outer step (a checkpoint taken meanwhile settles it)."""
 
@@ -76,6 +80,14 @@ class RoundReport:
     """The norm guard scaled the round's mean down (the same on every worker)."""
     fragment: int = 0
     """The fragment this round synchronized (streaming; 0 otherwise)."""
+    work: float = 1.0
+    """What this worker's contribution weighed, in rounds of ``inner_steps`` steps (1 unless ``round_seconds``
+    ends rounds by time: its steps / ``inner_steps``)."""
+    total_work: float = 0.0
+    """The valid contributions' summed work (``valid_contributors`` where every worker did ``inner_steps``
+    steps): the mean is the work-weighted mean over them."""
+    inner_steps: int = 0
+    """This worker's inner steps in the round."""
     outliers: tuple[LeftOut, ...] = ()
     """Contributions the robust merge left out (``DiLoCoConfig.merge``), and by how much: who sent each (as the
     transport names contributors), its spread in median spreads and its lowest cosine with another. As far as
@@ -101,6 +113,9 @@ def report_of(pending: PendingRound, *, round: int, mean_norm: float, mean_clipp
         clipped=pending.clipped,
         mean_clipped=mean_clipped,
         fragment=pending.fragment,
+        work=pending.work,
+        total_work=settled.work,
+        inner_steps=pending.steps,
         outliers=result.left_out,
     )
 
@@ -109,7 +124,7 @@ def log_round(report: RoundReport) -> RoundReport:
     """The round's line at INFO, and a WARNING where the guard left a contribution out or clipped one."""
     logger.info(
         "round %d: %d contributors, %.1f MB sent, %.1f MB received, %.3fs comm, %.3fs round, "
-        "|delta| %.4g, |mean delta| %.4g, agreement %.3f",
+        "|delta| %.4g, |mean delta| %.4g, agreement %.3f, %d steps (work %.3g of %.3g)",
         report.round,
         report.num_contributors,
         report.bytes_sent / 1e6,
@@ -119,6 +134,9 @@ def log_round(report: RoundReport) -> RoundReport:
         report.pseudo_grad_norm,
         report.mean_pseudo_grad_norm,
         report.agreement,
+        report.inner_steps,
+        report.work,
+        report.total_work,
     )
     left_out = report.num_contributors - report.valid_contributors
     if report.excluded:

@@ -16,7 +16,7 @@ import torch
 from .config import DiLoCoConfig
 from .flat import FlatBuffer
 from .fragment import Fragment
-from .guard import reset_if_nonfinite
+from .guard import MAX_WORK, reset_if_nonfinite
 from .model_state import ModelState
 from .report import PendingRound, RoundReport, log_round, report_of
 from .transport import Transport
@@ -28,7 +28,8 @@ class Rounds:
     """The global copy (``global_copy``: the trainable tensors ``local[i]`` for i in ``order``, cut into
     ``fragments``), its outer optimizer, the counters ``round`` and ``inner_step``, and the rounds whose reduce
     is in flight (``in_flight``, in the order they began). ``model_state``'s buffers travel with the rounds,
-    through ``transport``; an excluded round restarts ``inner_optimizer`` if its state is not finite."""
+    through ``transport``; an excluded round restarts ``inner_optimizer`` if its state is not finite. ``clock``
+    (seconds) times the rounds that ``config.round_seconds`` ends by time."""
 
     def __init__(
         self,
@@ -42,6 +43,7 @@ class Rounds:
         model_state: ModelState,
         transport: Transport,
         config: DiLoCoConfig,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.fragments = list(fragments)
         self.global_copy = global_copy
@@ -55,8 +57,11 @@ class Rounds:
         self.transport = transport
         self.timeout = config.reduce_timeout
         self.merge_alpha = config.merge_alpha
+        self.inner_steps, self.round_seconds, self.clock = config.inner_steps, config.round_seconds, clock
         self._round = 0
         self._inner_step = 0
+        self._steps_in_round = 0  # inner steps since this worker's last round ended
+        self._round_began = clock()
         self._in_flight: list[PendingRound] = []
         self._listeners: list[Callable[[], None]] = []
 
@@ -83,9 +88,28 @@ class Rounds:
             views[i] = self.global_copy.views[pos]
         return views
 
+    @property
+    def steps_in_round(self) -> int:
+        """Inner steps since this worker's last round ended (or since it started, or loaded a state)."""
+        return self._steps_in_round
+
+    @property
+    def work(self) -> float:
+        """What this worker's next contribution weighs: its steps in the round over ``inner_steps`` where rounds
+        end by time (at most ``MAX_WORK``), else 1 (every worker takes ``inner_steps`` steps per round)."""
+        if self.round_seconds is None:
+            return 1.0
+        return min(MAX_WORK, self._steps_in_round / self.inner_steps)
+
+    def due(self) -> bool:
+        """Rounds by time: whether ``round_seconds`` have passed since this worker's last round ended."""
+        assert self.round_seconds is not None
+        return self.clock() - self._round_began >= self.round_seconds
+
     def stepped(self) -> int:
         """Count an inner step; the number taken."""
         self._inner_step += 1
+        self._steps_in_round += 1
         return self._inner_step
 
     @torch.no_grad()
@@ -96,7 +120,8 @@ class Rounds:
         self.model_state.check_trainable()
         f = self.fragments[fragment]
         local_norm, excluded, clipped, sent_norm = f.pseudo_gradient()
-        handle, excluded = f.send(self.transport, excluded=excluded, norm=sent_norm)
+        work = self.work
+        handle, excluded = f.send(self.transport, excluded=excluded, norm=sent_norm, work=work)
         last = fragment == len(self.fragments) - 1
         return PendingRound(
             round=self._round + 1,
@@ -108,6 +133,8 @@ class Rounds:
             clipped=clipped,
             fragment=fragment,
             sent_norm=sent_norm,
+            work=work,
+            steps=self._steps_in_round,
         )
 
     @torch.no_grad()
@@ -161,6 +188,7 @@ class Rounds:
     def advance(self, pending: PendingRound, *, mean_norm: float, mean_clipped: bool) -> RoundReport:
         """Count the round ``pending`` applied, tell the listeners, and log its report."""
         self._round += 1
+        self._steps_in_round, self._round_began = 0, self.clock()
         for listener in self._listeners:
             listener()
         return log_round(report_of(pending, round=self._round, mean_norm=mean_norm, mean_clipped=mean_clipped))
@@ -174,6 +202,7 @@ class Rounds:
         self._round = round
         self._inner_step = inner_step
         self._in_flight = list(in_flight)
+        self._steps_in_round, self._round_began = 0, self.clock()  # a round's work counts from the state loaded
 
     def to_model(self) -> None:
         """The model's trainable tensors become the global copy."""

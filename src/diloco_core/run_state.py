@@ -101,8 +101,8 @@ class RunState:
         if (result := p.handle.completed() if p.handle is not None else None) is None:
             return None
         mean = f.reduce.flat.detach().clone()  # what the fragment's settle will make of it, on a copy
-        valid, contributors_norm = f.guard.settle(mean, result.num_contributors)
-        settled = Settled(result=result, valid=valid, contributors_norm=contributors_norm)
+        tally = f.guard.settle(mean, result.num_contributors)
+        settled = Settled(result=result, valid=tally.valid, contributors_norm=tally.norm, work=tally.work)
         return in_flight_entry(p, mean=mean, settled=settled)
 
     def loader(self, meta: Any, tensors: list[torch.Tensor]) -> Callable[[], None]:
