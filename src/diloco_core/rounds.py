@@ -61,7 +61,8 @@ class Rounds:
         self._round = 0
         self._inner_step = 0
         self._steps_in_round = 0  # inner steps since this worker's last round ended
-        self._round_began = clock()
+        self._round_began = self._last_step = clock()
+        self._step_seconds = 0.0  # this worker's last inner step, on ``clock``
         self._in_flight: list[PendingRound] = []
         self._listeners: list[Callable[[], None]] = []
 
@@ -102,14 +103,18 @@ class Rounds:
         return min(MAX_WORK, self._steps_in_round / self.inner_steps)
 
     def due(self) -> bool:
-        """Rounds by time: whether ``round_seconds`` have passed since this worker's last round ended."""
+        """Rounds by time: whether this worker's round ends at this step, the one that ends nearest to
+        ``round_seconds`` after its last round ended (its steps taken as long as its last one): a worker
+        whose steps are long arrives half a step early as often as late, and others wait a third as long."""
         assert self.round_seconds is not None
-        return self.clock() - self._round_began >= self.round_seconds
+        return self._last_step - self._round_began + self._step_seconds / 2 >= self.round_seconds
 
     def stepped(self) -> int:
         """Count an inner step; the number taken."""
         self._inner_step += 1
         self._steps_in_round += 1
+        now = self.clock()
+        self._step_seconds, self._last_step = now - self._last_step, now
         return self._inner_step
 
     @torch.no_grad()
@@ -189,6 +194,7 @@ class Rounds:
         """Count the round ``pending`` applied, tell the listeners, and log its report."""
         self._round += 1
         self._steps_in_round, self._round_began = 0, self.clock()
+        self._last_step = self._round_began
         for listener in self._listeners:
             listener()
         return log_round(report_of(pending, round=self._round, mean_norm=mean_norm, mean_clipped=mean_clipped))
@@ -203,6 +209,7 @@ class Rounds:
         self._inner_step = inner_step
         self._in_flight = list(in_flight)
         self._steps_in_round, self._round_began = 0, self.clock()  # a round's work counts from the state loaded
+        self._last_step = self._round_began
 
     def to_model(self) -> None:
         """The model's trainable tensors become the global copy."""

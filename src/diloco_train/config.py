@@ -49,6 +49,10 @@ MODES = ("diloco", "ddp", "single")
 WARM_START_SYNCS = ("gradients", "updates")
 
 
+def _is_speed(v: object) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and 0 < v <= 1
+
+
 def _is_device(v: object) -> bool:
     return isinstance(v, str) and (v in ("auto", "cpu", "cuda") or v.startswith("cuda:"))
 
@@ -119,6 +123,14 @@ class TrainConfig:
     """cpu, cuda, cuda:N or auto (cuda if available). In-process workers on cuda spread over the visible GPUs."""
     bf16: bool = field(default=True, metadata=boolean())
     """bf16 autocast for the forward pass on cuda (ignored on cpu)."""
+    speeds: tuple[float, ...] = field(
+        default=(),
+        metadata=rule(
+            lambda v: isinstance(v, (list, tuple)) and all(_is_speed(s) for s in v), "a list of numbers in (0, 1]"
+        ),
+    )
+    """Simulated worker speeds (docs/elastic.md): worker r (its data shard where peers come and go) runs at
+    ``speeds[r % len(speeds)]``, waiting (1/speed - 1) times each step's compute. Empty: every worker at 1."""
     threads: int = field(default=0, metadata=integer(low=0))
     """torch intra-op threads for this process (0: CPU cores // in-process workers, at least 1)."""
     runs_dir: str = field(default="runs", metadata=string(empty=False, valid="a non-empty path"))
@@ -126,6 +138,7 @@ class TrainConfig:
 
     def __post_init__(self) -> None:
         check_fields(self)
+        object.__setattr__(self, "speeds", tuple(float(s) for s in self.speeds))
         ok = self.fsdp_shards == 1 or (self.mode == "diloco" and not self.ddp_warm_start)
         check_field("fsdp_shards", self.fsdp_shards, ok, "1, or in diloco mode without ddp_warm_start any N >= 1")
         # None: the default, a twelfth of the steps where ranks are fixed (modes.warm_start_steps)

@@ -11,11 +11,14 @@ import math
 import os
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
 
 from diloco_core import RoundReport
+
+from .pace import Pace
 
 __all__ = ["METRICS", "Reporter", "TrainResult", "perplexity", "read_metrics", "truncate_metrics"]
 
@@ -171,6 +174,9 @@ class Reporter:
                 "excluded": report.excluded,
                 "clipped": report.clipped,
                 "mean_clipped": report.mean_clipped,
+                "inner_steps": report.inner_steps,
+                "work": report.work,
+                "total_work": report.total_work,
                 "left_out": [
                     {"who": o.who, "ratio": o.ratio if math.isfinite(o.ratio) else None, "cosine": o.cosine}
                     for o in report.outliers
@@ -183,9 +189,10 @@ class Reporter:
         if self.bar is not None:
             self.bar.write(f"step {step}: eval loss {loss:.4f} (perplexity {perplexity(loss):.2f})")
 
-    def finish(self, *, step: int, eval_after: float) -> TrainResult:
+    def finish(self, *, step: int, eval_after: float, busy: Sequence[float] = ()) -> TrainResult:
         """Write the summary record of the whole run (its wall: ``clock()``, earlier invocations' included), and
-        return the run's result (its first eval, of a resumed run too, is read back)."""
+        return the run's result (its first eval, of a resumed run too, is read back). ``busy``: the busy seconds
+        of this process's workers (``pace.Pace``), whose goodput the summary gives."""
         history = [r for r in read_metrics(self.run_dir) if r.get("type") == "eval"]
         before = history[0]["loss"] if history else math.nan
         wall = self.clock()
@@ -197,6 +204,7 @@ class Reporter:
                 "compute_s": self.compute,
                 "comm_s": self.comm,
                 "utilization": self.compute / wall if wall else 0.0,
+                "goodput": Pace.goodput(busy, wall),
                 "bytes_sent": self.bytes_sent,
                 "eval_before": before,
                 "eval_after": eval_after,

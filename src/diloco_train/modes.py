@@ -89,6 +89,29 @@ class Sync:
         """DiLoCo's outer round (0 before it starts, and in the other modes)."""
         return self.diloco.round if self.diloco is not None else 0
 
+    @property
+    def elastic(self) -> bool:
+        """DiLoCo runs (past any warm start) with rounds that end by time (``diloco.round_seconds``)."""
+        return self.diloco is not None and not self._warm_diloco and self.diloco.config.round_seconds is not None
+
+    def advanced(self, step: int) -> int:
+        """The trainer's step once this worker took one more inner step from ``step``: ``step + 1``; with rounds
+        by time, the run's progress instead, the same on every worker: the warm start's steps, then
+        ``inner_steps`` per round done (it moves only when a round ends)."""
+        if not self.elastic:
+            return step + 1
+        assert self.diloco is not None
+        return self.warm + self.diloco.round * self.diloco.config.inner_steps
+
+    def position(self, step: int) -> int:
+        """Where the learning-rate schedule is at ``step`` (``advanced``'s): ``step``; with rounds by time, the
+        steps into this round counted up to a round's ``inner_steps`` (a fast worker holds the round's last
+        rate, a slow one jumps to the next round's)."""
+        if not self.elastic:
+            return step
+        assert self.diloco is not None
+        return step + min(self.diloco.rounds.steps_in_round, self.diloco.config.inner_steps - 1)
+
     def resumed_at(self, step: int) -> None:
         """A checkpoint past the warm start holds DiLoCo's state: DiLoCo takes over before it is loaded."""
         if self.warm and step > self.warm:

@@ -28,6 +28,7 @@ from .log_tag import set_worker
 from .metrics import Reporter, TrainResult
 from .model import Llama
 from .modes import Sync
+from .pace import Pace, speed_of
 from .resume import checkpoint_due, commit_resume, confirm_loaded, load_worker, save_worker
 from .resume_from import resume_step, set_aside
 from .schedule import lr_at
@@ -59,6 +60,8 @@ class Job:
     """What the worker threads raised, for the launching thread to re-raise."""
     reporter: Reporter | None = None
     """Rank 0's, once it has started (the launcher closes it)."""
+    busy: dict[int, float] = field(default_factory=dict)
+    """Each worker's busy seconds so far (``Pace``), for rank 0's goodput when every worker is in this process."""
     result: TrainResult | None = None
     """Rank 0's, once it has finished."""
     warned_nonfinite: bool = False
@@ -122,6 +125,7 @@ class Worker:
             what=f"shard {shard} of {num_shards} of the training data",
         )
         sync = Sync(config=c, model=model, optimizer=optimizer, transport=between, device=self.device)
+        pace = Pace(speed_of(t.speeds, shard))
         step = self._resume(sync, sampler) if job.resume else 0
 
         end = min(t.stop_after, t.steps) if t.stop_after else t.steps
@@ -148,17 +152,21 @@ class Worker:
         while step < end and not job.stop.is_set() and not job.stop_here(self.rank, step):
             sync.before(step)
             t0 = time.perf_counter()
-            lr = lr_at(step, t)
+            lr = lr_at(sync.position(step), t)
             for group in optimizer.param_groups:
                 group["lr"] = lr
             x, y = sampler.next()
             with autocast(self.device, t.bf16):
                 loss = loss_of(model, x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True))
             loss.backward()
+            pace.slow_down(time.perf_counter() - t0)
             comm, report = sync.step(t.grad_clip)
-            step += 1
+            after = sync.advanced(step)  # rounds by time: the run's progress, which moves only as rounds end
+            moved, step = after != step, after
             loss_value = loss.item()  # the one host sync per step
             elapsed = time.perf_counter() - t0
+            pace.count(elapsed - comm.seconds)
+            job.busy[self.rank] = pace.busy
             if reporter is not None:
                 if report is not None:
                     reporter.round(step, report)
@@ -177,6 +185,9 @@ class Worker:
                         "time_s": reporter.clock(),
                     }
                 )
+            if not moved:
+                watch.see(step, loss_value)
+                continue
             if step == t.steps:  # the end of training (not a stop_after): apply the rounds still in flight
                 sync.flush()  # after the step's record: waiting for the last reduce is not compute
             if evaluating and (step % eval_every == 0 or step == end):
@@ -194,7 +205,7 @@ class Worker:
         if math.isnan(last_eval):  # resumed at the very end: nothing trained, still report where it stands
             last_eval = evaluate(model, val=job.corpus.val, config=c, device=self.device)
         if reporter is not None:
-            job.result = reporter.finish(step=step, eval_after=last_eval)
+            job.result = reporter.finish(step=step, eval_after=last_eval, busy=list(job.busy.values()))
 
     def _resume(self, sync: Sync, sampler: BatchSampler) -> int:
         """Load this worker's checkpoint of the step all ranks resume from; that step (0: none yet). Rank 0
