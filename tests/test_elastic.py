@@ -7,13 +7,17 @@ a worker twice as fast takes twice the steps in a round, whatever the machine's 
 from __future__ import annotations
 
 import math
+import time
 
 import pytest
 import torch
+from threads import in_threads
 from world import RankError
 
 from diloco_core import DiLoCo, DiLoCoConfig
 from diloco_core.guard import MAX_WORK
+from transports import InProcessConfig, InProcessGroup, transport_spec
+from transports.quorum import MIN_GRACE, SLACK_FACTOR, Grace, Quorum
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -116,3 +120,92 @@ def test_work_is_capped_and_round_seconds_needs_blocking_rounds():
     with pytest.raises(ValueError, match=r"round_seconds=-1.0 is invalid: expected a finite number of seconds > 0"):
         DiLoCoConfig(round_seconds=-1.0)
     assert math.isfinite(done[0].total_work)
+
+
+# -- quorum and grace window (in-process) ---------------------------------------------------------------------
+
+
+def test_the_grace_window_follows_the_measured_slack_up_to_its_bound():
+    grace = Grace(Quorum(members=2, grace_seconds=2.0))
+    assert grace.window("k") == 2.0  # nothing measured yet: the bound
+    for slack in (0.01, 0.02, 0.01):
+        grace.full_round("k", slack)
+    assert grace.window("k") == pytest.approx(max(MIN_GRACE, SLACK_FACTOR * 0.01))
+    grace.full_round("other", 5.0)
+    assert grace.window("other") == 2.0 and grace.window("k") < 0.1
+
+
+def _stalled_rounds(group, rank: int, stall: dict[int, float], rounds: int):
+    """DiLoCo on ``group``'s transport ``rank`` (SGD to a constant target per rank); before round r, rank sleeps
+    ``stall.get((rank, r))`` seconds: (global params, each round's (contributors, absent))."""
+    transport = group.transport(rank)
+    model = torch.nn.Linear(1, N, bias=False)
+    with torch.no_grad():
+        model.weight.fill_(1.0)
+    opt = torch.optim.SGD(model.parameters(), lr=1.0)
+    config = DiLoCoConfig(inner_steps=1, outer_lr=1.0, outer_momentum=0.0, merge="mean", reduce_timeout=30.0)
+    dl = DiLoCo(model, opt, transport, config)
+    out = []
+    for r in range(1, rounds + 1):
+        time.sleep(stall.get((rank, r), 0.0))
+        model.weight.grad = _grad(rank).view(N, 1)
+        report = dl.step()
+        out.append((report.num_contributors, report.absent))
+    transport.close()
+    return dl.global_params[0].clone(), out
+
+
+def test_a_round_closes_without_a_stalled_worker_which_takes_its_result_and_stays_in_phase():
+    group = InProcessGroup(3, quorum=Quorum(members=2, grace_seconds=0.5))
+    results: list = [None] * 3
+
+    def body(rank: int) -> None:
+        # rank 2 stalls before round 2 and misses it; the others then pause before round 3, where it meets them
+        results[rank] = _stalled_rounds(group, rank, {(2, 2): 2.0, (0, 3): 3.0, (1, 3): 3.0}, 4)
+
+    in_threads(body, 3, timeout=60)
+    params = [p for p, _ in results]
+    assert all(torch.equal(params[0], p) for p in params[1:])  # the late worker applied the same rounds
+    for rank, (_, out) in enumerate(results):
+        assert out[0] == (3, ()) and out[2:] == [(3, ()), (3, ())], out
+        assert out[1] == (2, ("rank 2",)), out  # round 2 closed without it; its own report names it too
+    # the result is the mean of ranks 0 and 1 in round 2: the stalled worker's pseudo-gradient was dropped
+    moves = [sum(_grad(r) for r in range(3)) / 3, (_grad(0) + _grad(1)) / 2]
+    want = 1.0 - (3 * moves[0] + moves[1])
+    torch.testing.assert_close(params[0].view(-1), want, rtol=1e-6, atol=1e-6)
+
+
+def test_quorum_settings_are_checked_with_their_names():
+    with pytest.raises(ValueError, match=r"quorum=-1 is invalid: expected an integer >= 0"):
+        InProcessConfig(quorum=-1)
+    with pytest.raises(ValueError, match=r"\[transport\] quorum=-2 is invalid"):
+        transport_spec({"kind": "inprocess", "quorum": -2})
+    with pytest.raises(ValueError, match=r"grace_seconds=0 is invalid: expected a finite number of seconds > 0"):
+        transport_spec({"kind": "inprocess", "grace_seconds": 0})
+    assert transport_spec({"kind": "inprocess", "quorum": 3, "grace_seconds": 2.0}).threads
+
+
+# -- the trainer: rounds by time keep its steps, evals, checkpoints and resume keyed by the run's progress ------
+
+
+@pytest.mark.timeout(180)
+def test_a_timed_run_stops_checkpoints_and_resumes_by_rounds(tmp_path):
+    from runs import FAST
+
+    from diloco_train.cli import main
+    from diloco_train.plot import read_metrics
+
+    common = ["--set", f"train.runs_dir={tmp_path!s}", *FAST, "--set", "train.checkpoint_every=1"]
+    timed = ["--set", "diloco.round_seconds=0.3", "--set", "train.speeds=[1, 0.5]", "--set", "train.ddp_warm_start=0"]
+    assert main(["train", "--name", "r", "-q", *common, *timed, "--set", "train.stop_after=6"]) == 0
+    first = read_metrics(tmp_path / "r")
+    assert [r["round"] for r in first if r["type"] == "round"] == [1, 2]
+    assert main(["train", "--name", "r", "--resume", "-q", "--set", f"train.runs_dir={tmp_path!s}"]) == 0
+    records = read_metrics(tmp_path / "r")
+    rounds = [r for r in records if r["type"] == "round"]
+    assert [r["round"] for r in rounds] == [1, 2, 3, 4]  # 12 nominal steps of 3 per round, resumed after round 2
+    assert [r["step"] for r in records if r["type"] == "eval"] == [0, 3, 6, 9, 12]  # once per round, not per step
+    assert all(r["work"] == pytest.approx(min(MAX_WORK, r["inner_steps"] / 3)) for r in rounds)
+    assert all(r["total_work"] > r["work"] for r in rounds)  # the slower worker's work counts too
+    summary = records[-1]
+    assert summary["type"] == "summary" and summary["step"] == 12 and 0 < summary["goodput"] <= 1

@@ -701,18 +701,32 @@ def test_diloco_peers_agree_after_every_round_through_a_kill_and_a_restart(tmp_p
         assert took < REDUCE_TIMEOUT / 2, took
         print(f"round with a peer killed mid-all-reduce: {took:.1f}s")
 
-        out = round_on(peers[:2])  # the survivors keep training
-        assert [o.get("round") for o in out] == [4, 4] and out[0]["digest"] == out[1]["digest"], out
+        times = []
+        for rnd in (4, 5):  # the survivors keep training
+            start = time.monotonic()
+            out = round_on(peers[:2])
+            times.append(time.monotonic() - start)
+            assert [o.get("round") for o in out] == [rnd, rnd] and out[0]["digest"] == out[1]["digest"], out
         survivors = out[0]["digest"]
+        # The dead peer missed round 3 and stopped refreshing its presence: the survivors stop waiting for it
+        # (target_group_size=3 shrinks to the 2 left) and each says so once.
+        for i in (0, 1):
+            said = [
+                line
+                for line in (tmp_path / f"peer{i}.log").read_text().splitlines()
+                if "left the swarm's rounds" in line
+            ]
+            assert len(said) == 1 and "it missed round 3" in said[0] and "wait for 2 peer(s)" in said[0], said
+        print(f"the survivors' next rounds: {', '.join(f'{t:.1f}s' for t in times)}")
 
         os.remove(flag)
         # It restarts and loads the run's state from the survivors.
         peers[2] = _Peer(2, joined, str(tmp_path / "peer2b.log"))
         assert "addr" in peers[2].next()
         back = peers[2].next()
-        assert back.get("loaded") is True and back["round"] == 4 and back["digest"] == survivors, back
+        assert back.get("loaded") is True and back["round"] == 5 and back["digest"] == survivors, back
         out = round_on(peers)
-        assert [o.get("round") for o in out] == [5] * 3 and {o["contributors"] for o in out} == {3}, out
+        assert [o.get("round") for o in out] == [6] * 3 and {o["contributors"] for o in out} == {3}, out
         assert len({o["digest"] for o in out}) == 1
         assert exit_all(peers)
     finally:

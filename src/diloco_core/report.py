@@ -88,6 +88,10 @@ class RoundReport:
     steps): the mean is the work-weighted mean over them."""
     inner_steps: int = 0
     """This worker's inner steps in the round."""
+    absent: tuple[str, ...] = ()
+    """Members the round closed without (``ReduceResult.absent``: late, stalled or gone)."""
+    grace_seconds: float = 0.0
+    """Seconds the round waited, once it had its quorum, for the members still to come."""
     outliers: tuple[LeftOut, ...] = ()
     """Contributions the robust merge left out (``DiLoCoConfig.merge``), and by how much: who sent each (as the
     transport names contributors), its spread in median spreads and its lowest cosine with another. As far as
@@ -116,6 +120,8 @@ def report_of(pending: PendingRound, *, round: int, mean_norm: float, mean_clipp
         work=pending.work,
         total_work=settled.work,
         inner_steps=pending.steps,
+        absent=result.absent,
+        grace_seconds=result.grace_seconds,
         outliers=result.left_out,
     )
 
@@ -159,6 +165,14 @@ def log_round(report: RoundReport) -> RoundReport:
             len(report.outliers),
             report.num_contributors,
             who,
+        )
+    if report.absent:
+        logger.warning(
+            "round %d: closed without %s (late or gone: a contribution that comes later is dropped) after a %.2fs "
+            "grace window",
+            report.round,
+            ", ".join(report.absent),
+            report.grace_seconds,
         )
     if report.clipped or report.mean_clipped:
         what = " and ".join(w for w, on in (("this worker's", report.clipped), ("the mean", report.mean_clipped)) if on)

@@ -70,6 +70,11 @@ class ReduceResult:
     left_out: tuple[LeftOut, ...] = ()
     """Contributions the merge left out (``Merge``), as far as this member saw: every one where a member merges
     every payload (in-process, torch with up to 3 ranks), those of the parts it merged where members merge parts."""
+    absent: tuple[str, ...] = ()
+    """Members the round closed without (a quorum and grace window: late, stalled or gone; as the transport names
+    them). A late member's own result names it too: its contribution was dropped, it takes the round's result."""
+    grace_seconds: float = 0.0
+    """Seconds the round waited, once it had its quorum, for the members still to come."""
 
 
 class ReduceHandle(ABC):

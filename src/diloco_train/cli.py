@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import NoReturn
 
-from diloco_core import FP32, TransportError, codec_for
+from diloco_core import FP32, DiLoCoConfig, TransportError, codec_for
 
 from .interrupts import INTERRUPTS
 from .log_tag import configure_logging
@@ -156,7 +156,7 @@ def _train(args: argparse.Namespace, argv: list[str]) -> int:
     if os.environ.get("RANK", "0") == "0":  # under torchrun, rank 0 speaks for the run
         print(
             f"run {run_dir}: {t.mode}, {describe_workers(config)}, model {config.model.preset}, {t.steps} steps"
-            + (f", outer round every {config.diloco.inner_steps}" if t.mode == "diloco" else ""),
+            + (f", {rounds_in_words(config.diloco)}" if t.mode == "diloco" else ""),
             file=sys.stderr,
         )
     command = ["diloco", "train", *argv]
@@ -229,6 +229,13 @@ def _plot(args: argparse.Namespace) -> int:
     out = args.out or (first / "plot.png" if len(args.runs) == 1 else first.parent / "runs.png")
     print(plot_runs(args.runs, out))
     return 0
+
+
+def rounds_in_words(c: DiLoCoConfig) -> str:
+    """When the run's outer rounds come, in words."""
+    if c.round_seconds is None:
+        return f"outer round every {c.inner_steps}"
+    return f"outer rounds of {c.round_seconds:g}s (elastic: {c.inner_steps} steps a round's work)"
 
 
 def main(argv: Sequence[str] | None = None) -> int:

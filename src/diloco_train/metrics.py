@@ -177,6 +177,8 @@ class Reporter:
                 "inner_steps": report.inner_steps,
                 "work": report.work,
                 "total_work": report.total_work,
+                "absent": list(report.absent),
+                "grace_s": report.grace_seconds,
                 "left_out": [
                     {"who": o.who, "ratio": o.ratio if math.isfinite(o.ratio) else None, "cosine": o.cosine}
                     for o in report.outliers

@@ -15,6 +15,7 @@ from diloco_core.config import from_mapping
 from diloco_core.transport import Transport
 
 from .inprocess import InProcessConfig, InProcessGroup, InProcessTransport
+from .quorum import QUORUM_KEYS, quorum_from
 from .simulated_link import LINK_KEYS, LinkConfig, SimulatedLink, link_from_section
 
 __all__ = ["DEFAULT_KIND", "TRANSPORT_KINDS", "TransportSpec", "create_transport", "transport_spec"]
@@ -43,12 +44,13 @@ def _inprocess(section: Mapping[str, Any]) -> Transport:
 def _inprocess_spec(
     *, kind: str, section: dict[str, Any], own: Mapping[str, Any], link: LinkConfig | None
 ) -> TransportSpec:
-    extra = sorted(set(own) - {"kind"})
+    extra = sorted(set(own) - {"kind", *QUORUM_KEYS})
     if extra:
         raise ValueError(
             f"unknown key(s) {extra} in [transport] for kind 'inprocess'; valid keys: "
-            f"{['kind', *sorted(LINK_KEYS)]} (the trainer sets world size and ranks from train.workers)"
+            f"{['kind', *QUORUM_KEYS, *sorted(LINK_KEYS)]} (the trainer sets world size and ranks from train.workers)"
         )
+    quorum_from(own)  # checked now: a bad value is the launch's error
     return TransportSpec(kind=kind, section=section, threads=True, fixed_ranks=True, link=link)
 
 
@@ -167,7 +169,7 @@ class TransportSpec:
         threads, else this process's one member of the run's group (``reduce_timeout``: as in
         ``create_transport``)."""
         if self.threads:
-            group = InProcessGroup(workers)
+            group = InProcessGroup(workers, quorum=quorum_from(self.section))
             return [_behind(self.link, group.transport(rank)) for rank in range(workers)]
         return [create_transport(self.section, reduce_timeout=reduce_timeout)]
 

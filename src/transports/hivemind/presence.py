@@ -14,7 +14,12 @@ from hivemind.utils import get_dht_time
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["Presence"]
+__all__ = ["Presence", "presence_period"]
+
+
+def presence_period(matchmaking_time: float) -> float:
+    """Seconds a presence record lives (the averager's ``declare_state_period``); refreshed every third of it."""
+    return max(5.0, matchmaking_time)
 
 
 class Presence:

@@ -26,6 +26,7 @@ from .auth import RunKeys, averager_keys
 from .averager import Averager
 from .config import HivemindConfig
 from .faults import HivemindFaults
+from .presence import presence_period
 
 logger = logging.getLogger(__name__)
 
@@ -167,7 +168,7 @@ class Resources:
             next_chunk_timeout=cfg.averaging_timeout / 4,
             part_size_bytes=self.part_size_bytes,
             allow_state_sharing=share,
-            declare_state_period=max(5.0, cfg.matchmaking_time),
+            declare_state_period=presence_period(cfg.matchmaking_time),
         )
         # Started by hand: hivemind's run_in_background would make *this* process ignore Ctrl+C
         # (and fails outside the main thread); the child ignores SIGINT itself (Averager.run).

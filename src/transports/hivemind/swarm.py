@@ -11,6 +11,11 @@ long its last round took. From that a peer knows, without waiting:
   (unless the config sets one): matchmaking ends as soon as they are in, ``matchmaking_time`` only bounds
   the wait for a late or lost one. Expecting only itself, a peer averages alone at once (a lone first
   peer, a joiner's start-up check that the swarm made long ago);
+- which peers left (``departed``): a peer a round expected that was not in the group that committed it, and
+  whose presence record then went unrefreshed for longer than a live peer refreshes it (dead, or hung). It is
+  not expected again until its record is refreshed, so a dead peer costs one round's matchmaking window, not
+  one every round until its record expires (or, with ``target_group_size``, every round); one log line names
+  it and the round size now. A live peer that sat a round out refreshes its record: it stays expected;
 - when the swarm commits its next round (``wait_for_round``): a joiner waits for it, bounded, and starts
   training from that round's state, in phase with the swarm (else its rounds and the swarm's never meet).
 """
@@ -24,6 +29,7 @@ import torch
 from hivemind.utils import get_dht_time
 
 from .deadlines import deadlines
+from .presence import presence_period
 from .resources import Resources
 from .state_server import StateServer, broadcast_values
 from .state_tag import valid_tag
@@ -44,41 +50,88 @@ class Swarm:
         self.averager: Any = None  # the state averager, which declares the presence (set once it runs)
         self._mine: dict = {"key": None, "busy": False, "round": None, "joining": False}
         self._mine.update(committed_at=None, period=None)
+        self._counted: dict[bytes, tuple] = {}  # the peers the last round expected: (round, record's expiration)
+        self._suspects: dict[bytes, int] = {}  # of those, the ones that missed a round: the first one they missed
+        self._departed: dict[bytes, float | None] = {}  # suspects whose presence went unrefreshed (its expiration
+        # then) or expired (None): kept until it is refreshed again, so a configured target stays capped
+        self._ttl = presence_period(resources.config.matchmaking_time)
+        """Seconds a presence record lives: stored again every third of it, so one older than that and a second
+        missed its refresh."""
 
     def declare(self, **fields: Any) -> None:
         self._mine.update(fields)
         if self.averager is not None and not self._res.closed:
             self.averager.declare_presence(dict(self._mine))
 
-    def committed(self, rounds: int) -> None:
-        """This peer committed a round of the run state (its presence says when, and how long the last took)."""
+    def committed(self, rounds: int, group: list[bytes]) -> None:
+        """This peer committed a round of the run state with ``group`` (peer ids; empty: alone): its presence
+        says when, and how long the last took; a peer the round expected and ``group`` lacks is a suspect."""
         now, last = get_dht_time(), self._mine["committed_at"]
         self.declare(round=rounds, committed_at=now, period=None if last is None else now - last)
+        for p in self._counted if group else ():
+            if p not in group:
+                self._suspects.setdefault(p, rounds)  # the first round it missed
 
-    def others(self, timeout: float) -> list[dict]:
-        """The presence of every other live peer of the run ([] if the DHT did not answer within ``timeout``)."""
+    @property
+    def departed(self) -> int:
+        """Peers this peer no longer waits for (``expected``): they missed a round and their presence went
+        unrefreshed for longer than a live peer's refresh period (dead or hung)."""
+        return len(self._departed)
+
+    def others(self, timeout: float) -> dict[bytes, Any]:
+        """The presence record (``.value``, ``.expiration_time``) of every other live peer of the run, by peer id
+        ({} if the DHT did not answer within ``timeout``)."""
         me = self._res.dht.peer_id.to_bytes()
         try:
             got = self._res.dht.get(self._key, latest=True, return_future=True).result(timeout)
         except Exception as e:  # noqa: BLE001 - unknown: nobody is expected, matchmaking still meets whoever comes
             logger.debug("presence not read: %r", e)
-            return []
+            return {}
         if got is None or not isinstance(got.value, dict):
-            return []
+            return {}
         now = get_dht_time()
-        return [
-            v.value
+        return {
+            peer: v
             for peer, v in got.value.items()
             if peer != me and v.expiration_time > now and isinstance(v.value, dict)
-        ]
+        }
 
     def expected(self, key: str, *, tracked: bool, timeout: float) -> int | None:
-        """Peers (this one included) that a round (``tracked``) should wait for. None for any other reduce:
-        not known (peers reduce key after key, in any order), so the configured ``target_group_size`` and
-        ``matchmaking_time`` decide, as before."""
+        """Peers (this one included) that a round (``tracked``) should wait for: the live peers that run rounds,
+        less those departed. None for any other reduce: not known (peers reduce key after key, in any order),
+        so the configured ``target_group_size`` and ``matchmaking_time`` decide, as before."""
         if not tracked:  # presence is declared by peers that serve a run state: others may be unseen here
             return None
-        return 1 + sum(o.get("round") is not None and not o.get("joining") for o in self.others(timeout))
+        running = {
+            p: (r.value.get("round"), r.expiration_time)
+            for p, r in self.others(timeout).items()
+            if r.value.get("round") is not None and not r.value.get("joining")
+        }
+        for p, missed in list(self._suspects.items()):
+            seen = running.get(p)
+            if seen is not None and seen[0] >= missed:  # it has committed the round it missed, or a later one
+                del self._suspects[p]
+            elif seen is None or get_dht_time() - (seen[1] - self._ttl) > self._ttl / 3 + 1.0:  # a refresh missed
+                del self._suspects[p]
+                self._departed[p] = None if seen is None else seen[1]
+                left = 1 + sum(q not in self._departed for q in running)
+                logger.warning("peer %s left the swarm's rounds (it missed round %d; its presence %s): rounds now "
+                               "wait for %d peer(s)", p.hex()[-8:], missed, "expired" if seen is None else
+                               "is no longer refreshed", left)  # fmt: skip
+        for p, expires in list(self._departed.items()):
+            if p in running and running[p][1] != expires:  # refreshed again (a restart is a new peer id)
+                logger.info("peer %s is back in the swarm's rounds (at round %s)", p.hex()[-8:], running[p][0])
+                del self._departed[p]
+        self._counted = {p: seen for p, seen in running.items() if p not in self._departed}
+        return 1 + len(self._counted)
+
+    def target(self, expected: int | None, *, configured: int | None) -> int | None:
+        """The group size a reduce waits for: ``configured`` (``target_group_size``), capped by the peers
+        ``expected`` once one has departed (no round waits out its window for a group that cannot form), else
+        the peers expected (at least 2); None: not known."""
+        if configured and expected and self._departed:
+            return min(configured, expected)
+        return configured or (max(2, expected) if expected else None)
 
     def wait_for_round(self, rounds: int, *, timeout: float, stop: Any) -> bool:
         """Wait until a live peer has committed more than ``rounds`` rounds (True): at most ``timeout``
@@ -89,7 +142,8 @@ class Swarm:
         self.declare(joining=True)
         try:
             while not stop():
-                running = [o for o in self.others(2.0) if isinstance(o.get("round"), int) and not o.get("joining")]
+                values = [r.value for r in self.others(2.0).values()]
+                running = [o for o in values if isinstance(o.get("round"), int) and not o.get("joining")]
                 if any(o["round"] > rounds for o in running):
                     return True
                 just = [o.get("committed_at") for o in running if o["round"] == rounds]

@@ -222,7 +222,7 @@ class HivemindTransport(Transport, Membership):
         tracked = key in self._state.keys  # DiLoCo's rounds: groupmates compare state tags
         # The peers this reduce waits for (swarm.py); nobody: alone at once, without matchmaking.
         expected = self._swarm.expected(key, tracked=tracked, timeout=limits.presence)
-        target = cfg.target_group_size or (max(2, expected) if expected else None)
+        target = self._swarm.target(expected, configured=cfg.target_group_size)
         deadline = time.monotonic() + limits.retries  # room for one failed attempt and a regroup (deadlines)
         tries = 0
         failed: Exception | None = None  # set once a group attempt failed
@@ -232,7 +232,7 @@ class HivemindTransport(Transport, Membership):
                 raise TransportError("hivemind all_reduce: the transport was closed (or its averager died)")
             try:
                 # No other peer is at this reduce: my own values (a round with target_group_size waits for it).
-                if expected == 1 and tries == 1 and not (tracked and cfg.target_group_size):
+                if expected == 1 and tries == 1 and not (tracked and cfg.target_group_size and target != 1):
                     fill(averager, tensors)
                     logger.info("hivemind all_reduce: no other peer of the run is at %r; averaging alone", key)
                     out = None
@@ -279,7 +279,7 @@ class HivemindTransport(Transport, Membership):
         with self._lock:
             result, self._last_group = commit(averager, tensors, state=self._state, me=self._me, **kwargs)
         if kwargs["tracked"]:
-            self._swarm.committed(self._state.tag[0])
+            self._swarm.committed(self._state.tag[0], self._last_group)
             if self._snapshot_on_commit:  # joiners get this mean with the state, and the tag that counts it
                 self._server.snapshot_soon()
         return result
