@@ -97,6 +97,14 @@ def test_the_in_process_commands_of_the_trainer_doc_run(tmp_path: Path) -> None:
     assert (tmp_path / "runs" / "compare.png").is_file() and (tmp_path / "runs" / "long" / "plot.png").is_file()
 
 
+@pytest.mark.timeout(300)
+def test_the_commands_of_the_elastic_doc_run(tmp_path: Path) -> None:
+    picked = [c for c in commands("elastic.md") if not _skipped(c) and not _slow(c)]
+    assert len(picked) == 4
+    _run(tmp_path, "elastic.md", picked, timeout=120)
+    assert (tmp_path / "runs" / "elastic.png").is_file()
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(1800)
 @pytest.mark.parametrize("doc", ["trainer.md", "lan.md", "wan.md"])
