@@ -504,6 +504,21 @@ def _checkpointed(state: dict) -> dict:
     return torch.load(buf, weights_only=True)
 
 
+@pytest.mark.timeout(90)
+def test_a_sigkilled_peer_leaves_no_process_behind(tmp_path):
+    """Its DHT, averagers and p2pd lived on as orphans: the state averager kept the dead peer's presence fresh,
+    and the survivors waited out every round's matchmaking for it (17 s rounds instead of 4, bench/swarm_faults.py)."""
+    peer = _Peer(0, dict(run_id="orphans", secret="o", **FAST), str(tmp_path / "peer.log"))
+    try:
+        assert "addr" in peer.next()
+        assert len(procs.live_in_session(peer.proc.pid)) >= 4  # the peer, its DHT, p2pd and averagers
+        os.kill(peer.proc.pid, signal.SIGKILL)  # the trainer alone, as the OOM killer would
+        peer.proc.wait(10)
+        assert procs.left_in_session(peer.proc.pid, within=30) == []  # each child notices within a second
+    finally:
+        peer.kill()
+
+
 @pytest.mark.timeout(150)
 def test_a_resumed_first_peer_serves_its_checkpoint_and_an_older_checkpoint_is_caught():
     cfg = dict(run_id="resume", secret="r", target_group_size=2, **FAST)

@@ -36,6 +36,7 @@ from diloco_core.merge import combined
 from .auth import MAC_BYTES, RunKeys, unwrap_gather, wrap_gather
 from .block_runner import BlockRunner
 from .faults import HivemindFaults
+from .orphan import leave_with_parent
 from .presence import Presence
 from .reducer import Runner
 from .state_tag import StaleStateError, stale_verdict, tag_or_none
@@ -83,6 +84,7 @@ class Averager(Presence, DecentralizedAverager):
 
     def run(self) -> None:
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl+C is the parent's: it closes us cleanly
+        leave_with_parent()  # a SIGKILLed trainer's presence is not refreshed by its orphan (orphan.py)
         logging.getLogger("hivemind.averaging.averager").addFilter(_not_a_missed_group)
         # The process's torch work is per-part (512 KB): one thread runs it faster than a pool whose
         # threads wait for each other (the checks' wall time in a 25M-value round was about twice as long).

@@ -26,6 +26,7 @@ from .auth import RunKeys, averager_keys
 from .averager import Averager
 from .config import HivemindConfig
 from .faults import HivemindFaults
+from .orphan import leave_with_parent
 from .presence import presence_period
 
 logger = logging.getLogger(__name__)
@@ -50,6 +51,7 @@ class DHT(hivemind.DHT):
     """Added to this process's niceness as it starts (p2pd, its child, inherits it)."""
 
     def run(self) -> None:
+        leave_with_parent()  # a SIGKILLed trainer leaves no DHT or p2pd behind (orphan.py)
         os.nice(self.niceness)
         spawn = asyncio.subprocess.create_subprocess_exec  # patched in this (the DHT's) process only
 
