@@ -7,13 +7,15 @@ Not part of the test run. Two scenarios:
   swarm has committed ``--kill-round`` rounds and is not restarted. Reported: the survivors' round times (rank
   0's ``round_s`` plus the inner steps' wall between rounds: the time from one round's end to the next's) before
   the kill and in each round after it, and whether the survivors' log names the peer that left.
-- ``schedule``: 4 peers, elastic rounds (``diloco.round_seconds``), a fault-free run and a run under a seeded
+- ``schedule``: 4 peers (``transport.target_group_size=4``), elastic rounds (``diloco.round_seconds``), a
+  fault-free run and a run under a seeded
   schedule: every peer but the first (the swarm's bootstrap address) is interrupted at times drawn from an
   exponential distribution of mean ``--mtbi-rounds`` rounds, each time either killed and restarted
   ``--restart-delay`` seconds later (a new process, a joiner of the run), or stalled (SIGSTOP) for
   ``--stall`` seconds. Goodput = the busy seconds of every peer process's steps up to its last committed round
-  (work after it is lost) over 4 x the swarm's wall time; the final eval loss of the first peer against the
-  fault-free run's.
+  (work after it is lost) over 4 x the swarm's wall time, from when every peer has begun training until the
+  first peer ends (evaluations only at the end: each peer evaluates, and the time would count as idle); the
+  final eval loss of the first peer against the fault-free run's.
 
     PYTHONPATH=src python bench/swarm_faults.py kill --out runs/faults-kill          # about 3 minutes
     PYTHONPATH=src python bench/swarm_faults.py schedule --out runs/faults --seed 0  # about 10 minutes
@@ -147,8 +149,8 @@ def _schedule(seed: int, *, peers: int, mean: float, horizon: float) -> list[tup
 
 
 def schedule(args: argparse.Namespace) -> str:
-    sets = [*HIVEMIND, "train.num_shards=4", "train.threads=1", f"train.steps={args.steps}",
-            "train.checkpoint_every=0", f"diloco.round_seconds={args.round_seconds}"]  # fmt: skip
+    sets = [*HIVEMIND, "transport.target_group_size=4", "train.num_shards=4", "train.threads=1", f"train.steps={args.steps}",
+            "train.checkpoint_every=0", f"train.eval_every={args.steps}", f"diloco.round_seconds={args.round_seconds}"]  # fmt: skip
     results = []
     for faulty in (False, True):
         out = args.out / ("faults" if faulty else "fault-free")
@@ -161,6 +163,11 @@ def schedule(args: argparse.Namespace) -> str:
         try:
             for p in range(4):
                 swarm.start(names[p], p)
+            while not all(_metrics(out / f"peer{p}") for p in range(4)):  # every peer up and training
+                if time.monotonic() - start > args.timeout:
+                    raise RuntimeError("the peers did not all start training")
+                time.sleep(0.2)
+            start = time.monotonic()  # the schedule and the wall count from here (start-up is no training)
             while swarm.procs["peer0"].poll() is None and time.monotonic() - start < args.timeout:
                 now = time.monotonic() - start
                 while faulty and events and events[0][0] <= now:
