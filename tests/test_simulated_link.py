@@ -158,7 +158,9 @@ def test_any_kind_takes_the_link_keys_and_is_wrapped():
     assert isinstance(wrapped, SimulatedLink) and wrapped.bandwidth == 1.5e6
     spec = transport_spec({"kind": "torch", "link_mbit": 100, "timeout": 5})
     assert spec.link is not None and spec.link.link_mbit == 100 and spec.section["link_mbit"] == 100
-    with pytest.raises(ValueError, match="valid keys: \\['kind', 'link_latency_ms', 'link_mbit'\\]"):
+    with pytest.raises(
+        ValueError, match="valid keys: \\['kind', 'quorum', 'grace_seconds', 'link_latency_ms', 'link_mbit'\\]"
+    ):
         transport_spec({"kind": "inprocess", "bandwidth": 1})
 
 

@@ -120,7 +120,9 @@ def test_unknown_key_lists_the_valid_ones(tmp_path: Path) -> None:
     f.write_text("[optimizer]\nlr = 5\n")
     with pytest.raises(ValueError, match="unknown section"):
         build_config([f])
-    with pytest.raises(ValueError, match="valid keys: \\['kind', 'link_latency_ms', 'link_mbit'\\]"):
+    with pytest.raises(
+        ValueError, match="valid keys: \\['kind', 'quorum', 'grace_seconds', 'link_latency_ms', 'link_mbit'\\]"
+    ):
         build_config(overrides=["transport.world_size=2"])
 
 

@@ -63,8 +63,8 @@ def test_torchrun_islands_of_two_fsdp_ranks_restart_a_killed_rank_and_resume_to_
     rounds = [r for r in rows if r["type"] == "round"]
     numel = sum(c["global"].numel() for c in cores[:2])  # the whole model, over the island's 2 ranks
     assert [r["bytes_sent"] for r in rounds] == [
-        4 * (cores[0]["global"].numel() + 4)
-    ] * 4  # a shard's (+ flag, digest, its square, RMS)
+        4 * (cores[0]["global"].numel() + 5)
+    ] * 4  # a shard's (+ flag, work, digest, its square, RMS)
     assert cores[0]["global"].numel() < numel
 
 
