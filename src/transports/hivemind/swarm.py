@@ -51,6 +51,7 @@ class Swarm:
         self._mine: dict = {"key": None, "busy": False, "round": None, "joining": False}
         self._mine.update(committed_at=None, period=None)
         self._counted: dict[bytes, tuple] = {}  # the peers the last round expected: (round, record's expiration)
+        self._alive = 1  # this peer and the others with a live record, not departed, at the last read
         self._suspects: dict[bytes, int] = {}  # of those, the ones that missed a round: the first one they missed
         self._departed: dict[bytes, float | None] = {}  # suspects whose presence went unrefreshed (its expiration
         # then) or expired (None): kept until it is refreshed again, so a configured target stays capped
@@ -102,9 +103,10 @@ class Swarm:
         so the configured ``target_group_size`` and ``matchmaking_time`` decide, as before."""
         if not tracked:  # presence is declared by peers that serve a run state: others may be unseen here
             return None
+        others = self.others(timeout)
         running = {
             p: (r.value.get("round"), r.expiration_time)
-            for p, r in self.others(timeout).items()
+            for p, r in others.items()
             if r.value.get("round") is not None and not r.value.get("joining")
         }
         for p, missed in list(self._suspects.items()):
@@ -123,14 +125,14 @@ class Swarm:
                 logger.info("peer %s is back in the swarm's rounds (at round %s)", p.hex()[-8:], running[p][0])
                 del self._departed[p]
         self._counted = {p: seen for p, seen in running.items() if p not in self._departed}
+        self._alive = 1 + sum(p not in self._departed for p in others)  # whatever they do: a joiner may meet us
         return 1 + len(self._counted)
 
     def target(self, expected: int | None, *, configured: int | None) -> int | None:
-        """The group size a reduce waits for: ``configured`` (``target_group_size``), capped by the peers
-        ``expected`` once one has departed (no round waits out its window for a group that cannot form), else
-        the peers expected (at least 2); None: not known."""
+        """The group size a reduce waits for: ``configured`` (``target_group_size``), capped once a peer has
+        departed by the live peers not departed (joiners too: a restarted peer may meet this round), else the peers expected (at least 2); None: not known."""
         if configured and expected and self._departed:
-            return min(configured, expected)
+            return min(configured, self._alive)
         return configured or (max(2, expected) if expected else None)
 
     def wait_for_round(self, rounds: int, *, timeout: float, stop: Any) -> bool:
