@@ -50,7 +50,7 @@ class Swarm:
         self.averager: Any = None  # the state averager, which declares the presence (set once it runs)
         self._mine: dict = {"key": None, "busy": False, "round": None, "joining": False}
         self._mine.update(committed_at=None, period=None)
-        self._counted: dict[bytes, tuple] = {}  # the peers the last round expected: (round, record's expiration)
+        self._counted: set[bytes] = set()  # the peers the last round expected
         self._alive = 1  # this peer and the others with a live record, not departed, at the last read
         self._suspects: dict[bytes, int] = {}  # of those, the ones that missed a round: the first one they missed
         self._departed: dict[bytes, float | None] = {}  # suspects whose presence went unrefreshed (its expiration
@@ -124,7 +124,7 @@ class Swarm:
             if p in running and running[p][1] != expires:  # refreshed again (a restart is a new peer id)
                 logger.info("peer %s is back in the swarm's rounds (at round %s)", p.hex()[-8:], running[p][0])
                 del self._departed[p]
-        self._counted = {p: seen for p, seen in running.items() if p not in self._departed}
+        self._counted = {p for p in running if p not in self._departed}
         self._alive = 1 + sum(p not in self._departed for p in others)  # whatever they do: a joiner may meet us
         return 1 + len(self._counted)
 
