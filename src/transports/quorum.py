@@ -52,8 +52,9 @@ def quorum_from(section: Mapping[str, Any]) -> Quorum:
 class Grace:
     """The grace window of each reduce key, from the slack its full rounds showed (``Quorum``)."""
 
-    def __init__(self, quorum: Quorum) -> None:
-        self.quorum = quorum
+    def __init__(self, quorum: Quorum, *, floor: float = MIN_GRACE) -> None:
+        """``floor``: the shortest window (``MIN_GRACE``; longer where meeting takes time: hivemind's DHT)."""
+        self.quorum, self.floor = quorum, floor
         self._slack: dict[str, deque[float]] = {}
 
     def window(self, key: str) -> float:
@@ -61,7 +62,11 @@ class Grace:
         seen = self._slack.get(key)
         if not seen:
             return self.quorum.grace_seconds
-        return min(self.quorum.grace_seconds, max(MIN_GRACE, SLACK_FACTOR * statistics.median(seen)))
+        return min(self.quorum.grace_seconds, max(self.floor, SLACK_FACTOR * statistics.median(seen)))
+
+    def measured(self, key: str) -> bool:
+        """Whether a full round of ``key`` has been measured (``window`` is then adaptive, not the bound)."""
+        return bool(self._slack.get(key))
 
     def full_round(self, key: str, slack: float) -> None:
         """A round of ``key`` that every member made, its last ``slack`` seconds after its quorum."""

@@ -16,6 +16,7 @@ from diloco_core.transport import ReduceResult, TransportError
 
 from .averager import Averager
 from .deadlines import deadlines
+from .grace import MIN_WINDOW, Window
 from .handle import Outcome
 from .resources import Resources
 from .tracked_state import TrackedState
@@ -32,20 +33,29 @@ RETRYABLE = (
 
 
 def attempt(
-    averager: Averager, tensors: list[torch.Tensor], *, gather: Any, target: int | None, resources: Resources
+    averager: Averager,
+    tensors: list[torch.Tensor],
+    *,
+    gather: Any,
+    target: int | None,
+    window: Window | None,
+    resources: Resources,
 ) -> dict[str, Any]:
-    """One matchmaking and group all-reduce of ``tensors`` that waits for ``target`` peers, sending ``gather``
-    (the state tag, for rounds): the group's result, not yet in ``tensors``. Matchmaking starts first and
-    the contribution is copied in while it runs (a group that forms sooner waits for the trigger). Bounded
-    even if the averager's process dies mid-step."""
+    """One matchmaking and group all-reduce of ``tensors`` that waits for ``target`` peers (with a grace
+    ``window``: for at most that long, ``grace.py``), sending ``gather`` (the state tag, for rounds): the group's
+    result, not yet in ``tensors``. Matchmaking starts first and the contribution is copied in while it runs (a
+    group that forms sooner waits for the trigger). Bounded even if the averager's process dies mid-step."""
     limits = deadlines(resources.config)
+    # With a window, a follower waits for its leader's window (which ends first) and the leader's word.
+    timeout = limits.matchmaking if window is None else window.seconds + max(MIN_WINDOW, window.seconds)
     control = averager.step(
         gather=gather,
-        timeout=limits.matchmaking,
+        timeout=timeout,
         allow_retries=False,
         wait=False,
         require_trigger=True,
         target_group_size=target,
+        window=window,
     )
     try:
         fill(averager, tensors)

@@ -24,10 +24,11 @@ import functools
 import hashlib
 import hmac
 import logging
+import math
 import secrets
 import struct
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, NamedTuple
 
 from hivemind.dht.routing import DHTID
 from hivemind.dht.validation import DHTRecord, RecordValidatorBase
@@ -120,18 +121,32 @@ def run_keys(run_id: str, secret: str | None, *, joining: bool) -> tuple[RunKeys
     return derive_keys(run_id, secret), generated
 
 
-def wrap_gather(token: bytes, data: Any) -> list:
-    """What a peer sends with its matchmaking request: its join token and its data (the state tag or None)."""
-    return [token, data]
+class Gathered(NamedTuple):
+    """A groupmate's matchmaking data, as ``unwrap_gather`` read it (None where malformed)."""
+
+    token: bytes | None
+    data: Any
+    """Its state tag (rounds) or None."""
+    arrived: float | None
+    """When it began matchmaking, on its clock (DHT time): the group's arrival spread sets the grace window."""
 
 
-def unwrap_gather(serializer: Any, gathered: bytes) -> tuple[bytes | None, Any]:
-    """(join token, data) of a groupmate's matchmaking data (msgpack, checked); (None, None) if malformed."""
+def wrap_gather(token: bytes, data: Any, *, arrived: float) -> list:
+    """What a peer sends with its matchmaking request: its join token, its data (the state tag or None) and when
+    it arrived."""
+    return [token, data, arrived]
+
+
+def unwrap_gather(serializer: Any, gathered: bytes) -> Gathered:
+    """A groupmate's matchmaking data (msgpack, checked); all None if malformed."""
     try:
-        token, data = serializer.loads(serializer.loads(gathered)[2])
+        token, data, arrived = serializer.loads(serializer.loads(gathered)[2])
     except Exception:  # noqa: BLE001 - malformed: no token, so not a peer of the run
-        return None, None
-    return (token, data) if isinstance(token, bytes) else (None, None)
+        return Gathered(None, None, None)
+    if not isinstance(token, bytes):
+        return Gathered(None, None, None)
+    ok = isinstance(arrived, float) and math.isfinite(arrived)
+    return Gathered(token, data, arrived if ok else None)
 
 
 def averager_keys(prefix: str) -> list[str]:

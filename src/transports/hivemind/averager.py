@@ -9,7 +9,7 @@ It overrides hivemind's private ``DecentralizedAverager._aggregate_with_group``,
 ``DecentralizedAverager._run_allreduce_inplace_``, ``DecentralizedAverager._shutdown`` and
 ``DecentralizedAverager._declare_for_download_periodically`` (to declare the peer's presence too: ``presence``), and uses
 private attributes (``_p2p``, ``_allreduce_timeout``, ``_running_groups``, ``_outer_pipe``, ``_matchmaking``:
-a step's own ``target_group_size``): this is why pyproject.toml pins
+a step's own ``target_group_size``, wait, request timeout and smallest group): this is why pyproject.toml pins
 hivemind to the versions tested (``>=1.1.10,<1.2``). Check these overrides against hivemind's before
 widening the pin.
 """
@@ -29,6 +29,7 @@ from hivemind.averaging import DecentralizedAverager
 from hivemind.averaging.allreduce import AllreduceException, AveragingMode
 from hivemind.p2p import P2PContext
 from hivemind.proto import averaging_pb2, runtime_pb2
+from hivemind.utils import get_dht_time
 
 from diloco_core import Codec, Merge
 from diloco_core.merge import combined
@@ -36,6 +37,7 @@ from diloco_core.merge import combined
 from .auth import MAC_BYTES, RunKeys, unwrap_gather, wrap_gather
 from .block_runner import BlockRunner
 from .faults import HivemindFaults
+from .grace import Window
 from .orphan import leave_with_parent
 from .presence import Presence
 from .reducer import Runner
@@ -92,17 +94,24 @@ class Averager(Presence, DecentralizedAverager):
         os.nice(self.niceness)
         super().run()
 
-    def step(self, *args: Any, target_group_size: int | None = None, **kwargs: Any) -> Any:
-        """hivemind's step, with this step's ``target_group_size`` (None: the averager's own)."""
-        self._outer_pipe.send(("_set_target", [target_group_size], {}))  # handled before the step (one pipe)
+    def step(
+        self, *args: Any, target_group_size: int | None = None, window: Window | None = None, **kwargs: Any
+    ) -> Any:
+        """hivemind's step, with this step's ``target_group_size`` (None: the averager's own) and grace ``window``
+        (None: ``min_matchmaking_time`` and ``min_group_size`` as configured; ``grace.py``)."""
+        self._outer_pipe.send(("_set_step", [target_group_size, window], {}))  # handled before the step (one pipe)
         token = self.keys.join_token(self.prefix, self.peer_id.to_bytes())  # a leader admits only peers of the run
-        return super().step(*args, gather=wrap_gather(token, kwargs.pop("gather", None)), **kwargs)
+        arrived = get_dht_time()
+        if window is not None:
+            kwargs["scheduled_time"] = arrived + window.seconds
+        gather = wrap_gather(token, kwargs.pop("gather", None), arrived=arrived)
+        return super().step(*args, gather=gather, **kwargs)
 
     async def rpc_join_group(
         self, request: averaging_pb2.JoinRequest, context: P2PContext
     ) -> AsyncIterator[averaging_pb2.MessageFromLeader]:
         """hivemind's, for peers of the run only: a follower without a valid join token is turned away."""
-        token, _ = unwrap_gather(self.serializer, request.gather)
+        token = unwrap_gather(self.serializer, request.gather).token
         if not self.keys.join_ok(self.prefix, context.remote_id.to_bytes(), token):
             self._turned_away.tick(f"from {context.remote_id}")
             yield averaging_pb2.MessageFromLeader(code=averaging_pb2.PROTOCOL_VIOLATION)
@@ -125,9 +134,14 @@ class Averager(Presence, DecentralizedAverager):
         async for message in super().rpc_download_state(request, context):
             yield message
 
-    async def _set_target(self, target: int | None) -> None:
-        size = self.matchmaking_kwargs["target_group_size"] if target is None else target
-        self._matchmaking.target_group_size = self._matchmaking.potential_leaders.target_group_size = size
+    async def _set_step(self, target: int | None, window: Window | None) -> None:
+        mm, own = self._matchmaking, self.matchmaking_kwargs
+        size = own["target_group_size"] if target is None else target
+        mm.target_group_size = mm.potential_leaders.target_group_size = size
+        wait = own["min_matchmaking_time"] if window is None else window.seconds
+        mm.min_matchmaking_time = mm.potential_leaders.min_matchmaking_time = wait
+        mm.request_timeout = min(own["request_timeout"], wait / 3)  # below the wait (hivemind's Matchmaking)
+        mm.min_group_size = own["min_group_size"] if window is None else window.quorum
 
     def get_current_state(self) -> tuple[Any, list[torch.Tensor], None]:
         fn = self.state_fn
@@ -166,12 +180,14 @@ class Averager(Presence, DecentralizedAverager):
         # Every groupmate checks every member's token (its leader did already): all reach the same verdict.
         strangers = [
             p
-            for p, (token, _) in zip(group_info.peer_ids, gathered)
-            if not self.keys.join_ok(self.prefix, p.to_bytes(), token)
+            for p, g in zip(group_info.peer_ids, gathered)
+            if not self.keys.join_ok(self.prefix, p.to_bytes(), g.token)
         ]
         if strangers:
             raise AllreduceException(f"{len(strangers)} groupmate(s) without a valid join token: nothing sent")
-        tags = [tag_or_none(data) for _, data in gathered]
+        tags = [tag_or_none(g.data) for g in gathered]
+        arrivals = [g.arrived for g in gathered]
+        spread = None if None in arrivals else max(arrivals) - min(arrivals)  # the same on every member
         benched = [i for i, p in enumerate(group_info.peer_ids) if p != self.peer_id and self.strikes.benched(str(p))]
         verdict = stale_verdict(tags, group_info.peer_ids.index(self.peer_id), distrusted=benched)
         if verdict is not None:  # every groupmate reaches the same verdict: nobody sends anything
@@ -183,7 +199,7 @@ class Averager(Presence, DecentralizedAverager):
             await super()._aggregate_with_group(group_info, min_vector_size, **kwargs)
             peers = [p.to_bytes() for p in group_info.peer_ids]
             done = self._groups[group_id]
-            return {k: done[k] for k in ("digest", "sent", "received", "left_out")} | {"peers": peers}
+            return {k: done[k] for k in ("digest", "sent", "received", "left_out")} | {"peers": peers, "spread": spread}
         finally:
             self._groups.pop(group_id, None)
 

@@ -5,6 +5,7 @@ from dataclasses import dataclass, field
 
 from diloco_core.config import check_field, check_fields, integer, number, rule, string
 
+from ..quorum import Quorum
 from .secret import check_sources
 
 __all__ = ["HivemindConfig"]
@@ -51,6 +52,12 @@ class HivemindConfig:
     ``matchmaking_time``. Never below the number of peers: more peers than this form a second group,
     and one group's round is dropped when their members next meet. None: every round waits
     ``matchmaking_time`` for whoever comes."""
+    quorum: int = field(default=0, metadata=integer(low=0))
+    """Peers a round needs to close without the others it expects, once a grace window from its first arrival
+    has passed (adaptive to the arrival spread: ``grace.py``); a peer that arrives after its round closed takes
+    the round's result. 0: every round waits up to ``matchmaking_time`` for every expected peer."""
+    grace_seconds: float = field(default=5.0, metadata=number(gt=0, noun="a number of seconds"))
+    """The longest grace window (and never more than ``matchmaking_time``)."""
     background_niceness: int = field(default=0, metadata=integer(low=0, high=19))
     """Added to the niceness of this peer's background processes (its averagers, its DHT and p2p daemon),
     0 to 19: where training shares their cores, 10 lets it have them first (eager on 2 cores shared by 2
@@ -66,6 +73,10 @@ class HivemindConfig:
     0600: a file its group or others may read is refused). At most one of secret, secret_file, secret_env."""
     secret_env: str | None = field(default=None, metadata=_optional("the name of an environment variable or none"))
     """Name of an environment variable holding the secret (e.g. ``DILOCO_SECRET``)."""
+
+    @property
+    def quorum_rule(self) -> Quorum:
+        return Quorum(members=self.quorum, grace_seconds=self.grace_seconds)
 
     def __post_init__(self) -> None:
         check_fields(self)

@@ -135,6 +135,15 @@ class Swarm:
             return min(configured, self._alive)
         return configured or (max(2, expected) if expected else None)
 
+    def ahead(self, rounds: int, *, timeout: float) -> bool:
+        """Whether a live peer that runs rounds has committed more than ``rounds`` rounds (read now)."""
+        values = [r.value for r in self.others(timeout).values()]
+        return any(isinstance(o.get("round"), int) and o["round"] > rounds for o in values if not o.get("joining"))
+
+    def absent(self, group: list[bytes]) -> tuple[str, ...]:
+        """The peers the last round expected that ``group`` lacks (the ends of their ids, as logs name them)."""
+        return tuple(sorted(p.hex()[-8:] for p in self._counted if p not in group))
+
     def wait_for_round(self, rounds: int, *, timeout: float, stop: Any) -> bool:
         """Wait until a live peer has committed more than ``rounds`` rounds (True): at most ``timeout``
         seconds, or twice the swarm's last round time if that is longer, or until ``stop()`` (False). A

@@ -76,14 +76,15 @@ class TrackedState:
             if meta.get("tag") is not None:
                 self.tag, self.prev_tag = _tag_of(meta, "tag"), _tag_of(meta, "prev_tag")
 
-    def resync(self, group_tag: Tag, outcome: Outcome) -> NoReturn:
+    def resync(self, group_tag: Tag, outcome: Outcome, *, timeout: float | None = None) -> NoReturn:
         """Replace this peer's state with its group's, then raise ``StateReplaced``. The group is retrying
         this round without us, so wait (within one round's time) for the state it commits, whose previous
         tag is ``group_tag``: taking the group's current one would leave us a round behind again. A state
-        with any other history (a peer that is stale or diverged itself) is never taken."""
+        with any other history (a peer that is stale or diverged itself) is never taken. ``timeout``: how long
+        to look for it (None: a reduce's retries)."""
         if self.on_resync is None:
             raise TransportError("hivemind: this peer's state is older than its group's and nothing can reload it")
-        timeout = deadlines(self._res.config).retries
+        timeout = deadlines(self._res.config).retries if timeout is None else timeout
         best = self._server.download_successor(group_tag, timeout, stop=lambda: self._res.closed or outcome.abandoned)
         if best is None:
             raise TransportError(

@@ -1,6 +1,7 @@
 """``HivemindTransport``: one peer of a hivemind swarm (the phases of a round: the package docstring)."""
 
 import concurrent.futures
+import dataclasses
 import logging
 import threading
 import time
@@ -16,18 +17,19 @@ from diloco_core.membership import Membership
 from diloco_core.run_state import RunState
 from diloco_core.transport import Capabilities, ReduceHandle, ReduceResult, Transport, TransportError, reduce_inputs
 
-from .attempt import RETRYABLE, attempt, commit, fill
+from .attempt import commit
+from .attempts import Attempts
 from .auth import RunKeys, run_keys
 from .averager import Averager
 from .config import HivemindConfig
 from .deadlines import deadlines
 from .faults import HivemindFaults
+from .grace import RoundWindows
 from .handle import Handle, Outcome
 from .requirement import import_hivemind
 from .resources import Resources
 from .secret import read_secret
 from .state_server import StateServer
-from .state_tag import Stale, StaleStateError
 from .swarm import Swarm, key_hash
 from .tracked_state import TrackedState
 
@@ -74,6 +76,14 @@ class HivemindTransport(Transport, Membership):
         )
         self._state = TrackedState(server=self._server, resources=self._res, lock=self._lock)
         self._swarm = Swarm(resources=self._res, key=keys.presence_key)
+        windows = RoundWindows(quorum=config.quorum_rule, matchmaking_time=config.matchmaking_time)
+        self._attempts = Attempts(
+            resources=self._res,
+            swarm=self._swarm,
+            state=self._state,
+            lock=self._lock,
+            windows=windows if config.quorum else None,
+        )
         try:
             self._res.start_dht()
             # A 1-value averager that never averages: it serves this peer's state to joiners (a joiner
@@ -218,62 +228,15 @@ class HivemindTransport(Transport, Membership):
     def _reduce_with(
         self, averager: Averager, tensors: list[torch.Tensor], *, codec: Codec, key: str, outcome: Outcome, start: float
     ) -> ReduceResult:
-        cfg, limits = self.config, deadlines(self.config)
-        tracked = key in self._state.keys  # DiLoCo's rounds: groupmates compare state tags
-        # The peers this reduce waits for (swarm.py); nobody: alone at once, without matchmaking.
-        expected = self._swarm.expected(key, tracked=tracked, timeout=limits.presence)
-        target = self._swarm.target(expected, configured=cfg.target_group_size)
-        deadline = time.monotonic() + limits.retries  # room for one failed attempt and a regroup (deadlines)
-        tries = 0
-        failed: Exception | None = None  # set once a group attempt failed
-        while True:
-            tries += 1
-            if self._res.closed or not averager.is_alive():  # step() would wait for a dead process forever
-                raise TransportError("hivemind all_reduce: the transport was closed (or its averager died)")
-            try:
-                # No other peer is at this reduce: my own values (a round with target_group_size waits for it).
-                if expected == 1 and tries == 1 and not (tracked and cfg.target_group_size and target != 1):
-                    fill(averager, tensors)
-                    logger.info("hivemind all_reduce: no other peer of the run is at %r; averaging alone", key)
-                    out = None
-                else:
-                    out = attempt(
-                        averager,
-                        tensors,
-                        gather=list(self._state.tag) if tracked else None,
-                        target=target,
-                        resources=self._res,
-                    )
-            except Exception as e:
-                if self._res.closed:
-                    raise TransportError("hivemind transport was closed during an all_reduce") from e
-                if not isinstance(e, RETRYABLE):  # a bug or a setup error: retrying would only delay it
-                    raise TransportError(f"hivemind all_reduce failed: {type(e).__name__}: {e}") from e
-                out = None
-                if isinstance(e, StaleStateError):  # nothing moved: the group's state tags differ
-                    if e.verdict.kind is Stale.BEHIND:  # my state is older than my group's: take theirs
-                        self._state.resync(e.verdict.group_tag, outcome)
-                    # A groupmate is stale: retry without the stale peer(s), alone if need be.
-                    if deadline - time.monotonic() < cfg.matchmaking_time:
-                        raise TransportError(f"hivemind all_reduce: {e}") from e
-                    logger.warning("hivemind all_reduce attempt %d: %s; retrying without them", tries, e)
-                    continue
-                if "could not find a group" not in str(e):
-                    failed = e
-                else:
-                    logger.warning(
-                        "hivemind all_reduce: no group formed within %.1fs; averaging alone", limits.matchmaking
-                    )
-            if out is None and failed is not None:
-                # After a failed group attempt a survivor never commits alone: another survivor may be
-                # retrying or giving up, and only a new group (or a failure on all of them) stays consistent.
-                if deadline - time.monotonic() < cfg.matchmaking_time:
-                    raise TransportError(f"hivemind all_reduce failed after {tries} attempt(s): {failed}") from failed
-                logger.warning(
-                    "hivemind all_reduce attempt %d failed (%s); retrying among the survivors", tries, failed
-                )
-                continue
-            return self._commit(averager, tensors, out=out, codec=codec, tracked=tracked, outcome=outcome, start=start)
+        got = self._attempts.run(averager, tensors, key=key, outcome=outcome)
+        tracked = key in self._state.keys
+        result = self._commit(
+            averager, tensors, out=got.out, codec=codec, tracked=tracked, outcome=outcome, start=start
+        )
+        if got.window is None:
+            return result
+        absent = self._swarm.absent(self._last_group)  # the quorum's round closed without them
+        return dataclasses.replace(result, absent=absent, grace_seconds=got.window.seconds)
 
     def _commit(self, averager: Averager, tensors: list[torch.Tensor], **kwargs: Any) -> ReduceResult:
         with self._lock:
