@@ -388,7 +388,8 @@ def test_the_transport_is_attached_once_the_global_params_are_in_place():
     [(params, (meta, momentum), timeout)] = seen
     assert timeout == 7 and torch.equal(params, torch.tensor([1.0, 5.0]))  # rank 0's weights, broadcast first
     assert (
-        meta == {"round": 0, "num_momentum": 0, "guard": {"ref_norm": 0.0, "ref_mean": 0.0, "means": []}}
+        meta
+        == {"round": 0, "num_momentum": 0, "guard": {"ref_norm": 0.0, "ref_mean": 0.0, "means": []}, "ended_at": None}
         and momentum == []
     )
 

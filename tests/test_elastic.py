@@ -209,3 +209,33 @@ def test_a_timed_run_stops_checkpoints_and_resumes_by_rounds(tmp_path):
     assert all(r["total_work"] > r["work"] for r in rounds)  # the slower worker's work counts too
     summary = records[-1]
     assert summary["type"] == "summary" and summary["step"] == 12 and 0 < summary["goodput"] <= 1
+
+
+def test_a_peer_that_loads_a_timed_rounds_state_ends_its_round_with_the_round_it_joined():
+    """A peer that took a state (a late peer catching up, a joiner) ends its round when the round it joined
+    ends, not ``round_seconds`` after it loaded it: else it is late again at the next round."""
+
+    def timed(now: list[float]) -> DiLoCo:
+        model = torch.nn.Linear(1, N, bias=False)
+        opt = torch.optim.SGD(model.parameters(), lr=1.0)
+        config = DiLoCoConfig(inner_steps=4, outer_momentum=0.0, round_seconds=1.0, reduce_timeout=30.0)
+        return DiLoCo(model, opt, InProcessGroup(1).transport(0), config, clock=lambda: now[0])
+
+    def steps_to_round(dl: DiLoCo, now: list[float]) -> int:
+        for steps in range(1, 20):
+            now[0] += 0.25
+            dl.model.weight.grad = _grad(0).view(N, 1)
+            if (report := dl.step()) is not None:
+                return report.inner_steps
+        raise AssertionError("no round")
+
+    source_clock = [0.0]
+    source = timed(source_clock)
+    assert steps_to_round(source, source_clock) == 4
+    meta, tensors = source.run_state.snapshot()
+    for ago, steps in ((0.6, 2), (0.0, 4), (30.0, 1)):  # long ago: at most a round ago (its bound)
+        peer_clock = [100.0]
+        peer = timed(peer_clock)
+        torch._foreach_copy_(peer.global_params, source.global_params)
+        peer.run_state.loader({**meta, "ended_at": meta["ended_at"] - ago}, tensors)()
+        assert steps_to_round(peer, peer_clock) == steps, ago

@@ -62,6 +62,9 @@ class Rounds:
         self._inner_step = 0
         self._steps_in_round = 0  # inner steps since this worker's last round ended
         self._round_began = self._last_step = clock()
+        self.ended_at: float | None = None
+        """When the last round was applied, on the wall clock (``time.time()``): a peer that loads this state
+        begins its round when this one's began (rounds by time)."""
         self._step_seconds = 0.0  # this worker's last inner step, on ``clock``
         self._in_flight: list[PendingRound] = []
         self._listeners: list[Callable[[], None]] = []
@@ -193,6 +196,7 @@ class Rounds:
     def advance(self, pending: PendingRound, *, mean_norm: float, mean_clipped: bool) -> RoundReport:
         """Count the round ``pending`` applied, tell the listeners, and log its report."""
         self._round += 1
+        self.ended_at = time.time()
         self._steps_in_round, self._round_began = 0, self.clock()
         self._last_step = self._round_began
         for listener in self._listeners:
@@ -203,13 +207,16 @@ class Rounds:
         """Call ``listener()`` after every outer round, once the new state is in place."""
         self._listeners.append(listener)
 
-    def restore(self, *, round: int, inner_step: int, in_flight: Sequence[PendingRound]) -> None:
-        """Counters and rounds in flight as loaded (a checkpoint, or a peer's run state)."""
+    def restore(
+        self, *, round: int, inner_step: int, in_flight: Sequence[PendingRound], began_ago: float = 0.0
+    ) -> None:
+        """Counters and rounds in flight as loaded (a checkpoint, or a peer's run state, whose round began
+        ``began_ago`` seconds ago: a round by time then ends with its peers')."""
         self._round = round
         self._inner_step = inner_step
         self._in_flight = list(in_flight)
-        self._steps_in_round, self._round_began = 0, self.clock()  # a round's work counts from the state loaded
-        self._last_step = self._round_began
+        self._steps_in_round, self._round_began = 0, self.clock() - began_ago  # work counts from the state loaded
+        self._last_step = self.clock()
 
     def to_model(self) -> None:
         """The model's trainable tensors become the global copy."""

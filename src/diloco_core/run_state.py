@@ -12,7 +12,9 @@ applies the same means at the same steps as the peers it came from (docs/overlap
 
 from __future__ import annotations
 
+import math
 import threading
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -82,6 +84,7 @@ class RunState:
             buffers = [s["momentum_buffer"] for s in state if s.get("momentum_buffer") is not None]
             guard = r.fragments[0].guard.state_dict()
             meta: dict[str, Any] = {"round": r.round, "num_momentum": len(buffers), "guard": guard}
+            meta["ended_at"] = r.ended_at
             tensors = [b.detach().clone() for b in buffers]
             if self.means_in_flight:
                 flights = [self._completed(p) for p in r.in_flight]
@@ -147,6 +150,8 @@ class RunState:
             raise ValueError(f"a peer's DiLoCo state holds {refs!r} as guards for {len(guards)} fragment(s)")
         for g, ref in zip(guards, refs):
             g.load_state_dict(ref)  # checks it
+        ended, bound = meta.get("ended_at"), self._config.round_seconds or 0.0  # wall clocks: skew within a round
+        age = min(bound, max(0.0, time.time() - ended)) if isinstance(ended, float) and math.isfinite(ended) else 0.0
 
         def load() -> None:  # never calls back into the transport, which may hold its own locks
             with self.lock, torch.no_grad():
@@ -158,7 +163,7 @@ class RunState:
                     f.guard.load_state_dict(g.state_dict())
                 for entry, _ in pending:
                     frags[entry["fragment"]].reduce.flat.copy_(entry["mean"])
-                r.restore(round=rnd, inner_step=step, in_flight=[p for _, p in pending])
+                r.restore(round=rnd, inner_step=step, in_flight=[p for _, p in pending], began_ago=age)
                 if self._eager is not None:  # its own params start as the consensus copy, nothing of its own in flight
                     self._eager.reset()
 

@@ -5,7 +5,10 @@ One all-reduce (``HivemindTransport.all_reduce``) runs in phases:
 
 1. matchmaking: a group forms, ending as soon as the peers this reduce expects are in (``swarm``: the
    live peers, from their presence in the DHT; or ``target_group_size``); a peer that expects nobody skips
-   matchmaking. If no group forms, the peer is alone: its own values, 1 contributor, logged.
+   matchmaking. If no group forms, the peer is alone: its own values, 1 contributor, logged. With a
+   ``quorum`` (``grace``), a round's matchmaking lasts a grace window adapted to the peers' arrival spread,
+   and a group of at least the quorum closes then; a peer that arrives after its round closed takes that
+   round's state instead (``attempts``).
    Meanwhile the fp32 values are copied into a flat buffer owned by a hivemind averager (one per reduce
    key, size and codec, created on first use: hivemind fixes tensors at construction), rounded to the
    wire dtype for casts, kept in fp32 for block codecs (encoded per part in phase 3). Reduces run one at
@@ -57,8 +60,9 @@ from argv where the trainer can help it; a first peer without one generates one 
 received tensor is checked for shape, dtype and finite values before use (a block codec's payloads
 with ``codec.check``: shape, dtype, finite non-negative scales).
 
-One concept per module: ``config`` (HivemindConfig), ``transport`` (HivemindTransport, a reduce's attempts),
-``attempt`` (one attempt, phases 1 and 5), ``swarm`` (presence: whom a reduce waits for, a joiner's phase),
+One concept per module: ``config`` (HivemindConfig), ``transport`` (HivemindTransport), ``attempts`` (a
+reduce's attempts: whom and how long it waits, retries, catching up), ``attempt`` (one attempt, phases 1 and
+5), ``grace`` (a quorum's grace windows), ``swarm`` (presence: whom a reduce waits for, a joiner's phase),
 ``averager`` (phases 2 and 4), ``reducer`` (phase 3), ``block_runner`` (phase 3 for block codecs),
 ``state_tag`` (the state tag and the stale verdict), ``tracked_state`` (a peer's tag, re-sync),
 ``state_server`` (state for joiners), ``checks`` (received tensors), ``handle`` (what all_reduce
