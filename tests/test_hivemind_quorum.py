@@ -19,10 +19,10 @@ from transports.hivemind.grace import MIN_WINDOW, RoundWindows, Window
 from transports.quorum import SLACK_FACTOR, Quorum
 
 N = 40
-GRACE = 1.5
-"""The longest window: the stall below outlasts it and its margin (``attempt``: a window again, at least
-``MIN_WINDOW``) by far."""
-STALL = 4 * GRACE + 2.0
+GRACE = MIN_WINDOW
+"""The longest window (and the shortest): the stall below outlasts it and its margin (``attempt``: a window
+again, at least ``MIN_WINDOW``) by far."""
+STALL = 4 * GRACE
 MATCHMAKING = 20.0
 """Without a quorum a round would wait this long for the stalled peer: far longer than the test's rounds."""
 

@@ -64,7 +64,7 @@ class Attempts:
         windowed = self._windows is not None and tracked and target is not None
         window = self._windows.window(key, target=target) if windowed else None
         if window is not None:
-            self._catch_up(outcome, timeout=limits.presence)  # the round closed without me: take its result
+            self._catch_up(outcome, timeout=None)  # the round closed without me (as expected() read): take its result
         start = time.monotonic()
         deadline = start + limits.retries  # room for one failed attempt and a regroup (deadlines)
         tries = 0
@@ -122,7 +122,7 @@ class Attempts:
                 self._windows.committed(key, group=len(out["peers"]), target=target, spread=out.get("spread"))
             return Attempted(out=out, target=target, window=window)
 
-    def _catch_up(self, outcome: Outcome, *, timeout: float) -> None:
+    def _catch_up(self, outcome: Outcome, *, timeout: float | None) -> None:
         """If another peer has committed the round this peer is about to contribute to, take that round's
         result (the state committed from the one this peer holds): ``StateReplaced``, in phase again."""
         with self._lock:

@@ -51,6 +51,7 @@ class Swarm:
         self._mine: dict = {"key": None, "busy": False, "round": None, "joining": False}
         self._mine.update(committed_at=None, period=None)
         self._counted: set[bytes] = set()  # the peers the last round expected
+        self._rounds_seen: list[Any] = []  # the rounds the others' presence said at the last read
         self._alive = 1  # this peer and the others with a live record, not departed, at the last read
         self._suspects: dict[bytes, int] = {}  # of those, the ones that missed a round: the first one they missed
         self._departed: dict[bytes, float | None] = {}  # suspects whose presence went unrefreshed (its expiration
@@ -125,6 +126,7 @@ class Swarm:
                 logger.info("peer %s is back in the swarm's rounds (at round %s)", p.hex()[-8:], running[p][0])
                 del self._departed[p]
         self._counted = {p for p in running if p not in self._departed}
+        self._rounds_seen = [r for r, _ in running.values()]
         self._alive = 1 + sum(p not in self._departed for p in others)  # whatever they do: a joiner may meet us
         return 1 + len(self._counted)
 
@@ -135,10 +137,14 @@ class Swarm:
             return min(configured, self._alive)
         return configured or (max(2, expected) if expected else None)
 
-    def ahead(self, rounds: int, *, timeout: float) -> bool:
-        """Whether a live peer that runs rounds has committed more than ``rounds`` rounds (read now)."""
-        values = [r.value for r in self.others(timeout).values()]
-        return any(isinstance(o.get("round"), int) and o["round"] > rounds for o in values if not o.get("joining"))
+    def ahead(self, rounds: int, *, timeout: float | None = None) -> bool:
+        """Whether a live peer that runs rounds has committed more than ``rounds`` rounds: as read now (within
+        ``timeout``), or as ``expected`` last read it (None)."""
+        if timeout is not None:
+            self._rounds_seen = [
+                r.value.get("round") for r in self.others(timeout).values() if not r.value.get("joining")
+            ]
+        return any(isinstance(r, int) and r > rounds for r in self._rounds_seen)
 
     def absent(self, group: list[bytes]) -> tuple[str, ...]:
         """The peers the last round expected that ``group`` lacks (the ends of their ids, as logs name them)."""
