@@ -508,15 +508,33 @@ def _checkpointed(state: dict) -> dict:
 def test_a_sigkilled_peer_leaves_no_process_behind(tmp_path):
     """Its DHT, averagers and p2pd lived on as orphans: the state averager kept the dead peer's presence fresh,
     and the survivors waited out every round's matchmaking for it (17 s rounds instead of 4, bench/swarm_faults.py)."""
+    sockets_before = set(glob.glob("/tmp/hivemind-*.sock"))
     peer = _Peer(0, dict(run_id="orphans", secret="o", **FAST), str(tmp_path / "peer.log"))
     try:
         assert "addr" in peer.next()
         assert len(procs.live_in_session(peer.proc.pid)) >= 4  # the peer, its DHT, p2pd and averagers
+        assert len(set(glob.glob("/tmp/hivemind-*.sock")) - sockets_before) >= 2  # p2pd's and the DHT's, at least
         os.kill(peer.proc.pid, signal.SIGKILL)  # the trainer alone, as the OOM killer would
         peer.proc.wait(10)
         assert procs.left_in_session(peer.proc.pid, within=30) == []  # each child notices within a second
+        # and removes its socket files as it goes (they were left in /tmp, one set per killed peer)
+        assert procs.stale_sockets(set(glob.glob("/tmp/hivemind-*.sock")) - sockets_before) == set()
     finally:
         peer.kill()
+
+
+@pytest.mark.timeout(60)
+def test_dead_initial_peers_are_one_clear_error_and_leave_no_socket():
+    """A joiner whose bootstrap peer is gone got p2pd's 40-line traceback and left its socket in /tmp."""
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    dead = [f"/ip4/127.0.0.1/tcp/{port}/p2p/QmXtR9wxLa8Dg7MKe7HCFG7WPxGiWGTwAe2qrSHEx2qf3W"]
+    sockets_before = set(glob.glob("/tmp/hivemind-*.sock"))
+    with pytest.raises(TransportError, match=r"none of initial_peers=.* answered as a peer of this run") as e:
+        HivemindTransport(HivemindConfig(run_id="dead", secret="d", initial_peers=dead, **FAST))
+    assert "\n" not in str(e.value)
+    assert procs.stale_sockets(set(glob.glob("/tmp/hivemind-*.sock")) - sockets_before) == set()
 
 
 @pytest.mark.timeout(150)

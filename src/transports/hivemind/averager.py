@@ -15,6 +15,7 @@ widening the pin.
 """
 
 import asyncio
+import contextlib
 import hmac
 import logging
 import os
@@ -86,7 +87,8 @@ class Averager(Presence, DecentralizedAverager):
 
     def run(self) -> None:
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl+C is the parent's: it closes us cleanly
-        leave_with_parent()  # a SIGKILLed trainer's presence is not refreshed by its orphan (orphan.py)
+        # A SIGKILLed trainer's presence is not refreshed by its orphan (orphan.py), which leaves no socket either.
+        leave_with_parent(cleanup=self._remove_client_socket)
         logging.getLogger("hivemind.averaging.averager").addFilter(_not_a_missed_group)
         # The process's torch work is per-part (512 KB): one thread runs it faster than a pool whose
         # threads wait for each other (the checks' wall time in a 25M-value round was about twice as long).
@@ -147,6 +149,14 @@ class Averager(Presence, DecentralizedAverager):
         fn = self.state_fn
         meta, tensors = fn() if fn is not None else ({"ready": False}, [])
         return meta, tensors, None
+
+    def _remove_client_socket(self) -> None:
+        """This process's p2p client socket (hivemind's private ``_client_listen_maddr``), once nothing serves it."""
+        p2p = getattr(self, "_p2p", None)
+        maddr = str(getattr(p2p, "_client_listen_maddr", ""))
+        if maddr.startswith("/unix/"):
+            with contextlib.suppress(OSError):
+                os.remove(maddr.removeprefix("/unix"))
 
     async def _shutdown(self, timeout: float | None) -> None:
         try:

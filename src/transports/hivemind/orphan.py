@@ -11,6 +11,7 @@ import os
 import signal
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 __all__ = ["leave_with_parent"]
@@ -29,9 +30,10 @@ def _children(pid: int) -> list[int]:
     return found
 
 
-def leave_with_parent(period: float = 1.0) -> None:
+def leave_with_parent(period: float = 1.0, *, cleanup: Callable[[], None] | None = None) -> None:
     """In a child process: watch its parent from a daemon thread (every ``period`` seconds); once the parent is
-    gone, kill this process's own children (the DHT's p2pd) and exit at once."""
+    gone, kill this process's own children (the DHT's p2pd), run ``cleanup`` (its socket files: an exit this
+    abrupt runs no other) and exit at once."""
     parent = os.getppid()
 
     def watch() -> None:
@@ -42,6 +44,10 @@ def leave_with_parent(period: float = 1.0) -> None:
                 os.kill(pid, signal.SIGKILL)
             except OSError:
                 pass
-        os._exit(0)
+        try:
+            if cleanup is not None:
+                cleanup()
+        finally:
+            os._exit(0)
 
     threading.Thread(target=watch, name="leave-with-parent", daemon=True).start()

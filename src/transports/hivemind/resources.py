@@ -51,15 +51,29 @@ class DHT(hivemind.DHT):
     """Added to this process's niceness as it starts (p2pd, its child, inherits it)."""
 
     def run(self) -> None:
-        leave_with_parent()  # a SIGKILLed trainer leaves no DHT or p2pd behind (orphan.py)
+        # p2pd's socket and this process's client socket (hivemind names them alike): left in /tmp by a daemon
+        # that failed to start (dead initial_peers) or that was killed with its orphaned DHT.
+        daemons: list[str] = []
+
+        def remove_sockets(wait: float = 2.0) -> None:  # p2pd may still be exiting: a start that failed
+            for path in daemons:
+                _remove_stale(path, wait=wait)  # once p2pd is gone
+                with contextlib.suppress(OSError):  # this process's own, and it is ending
+                    os.remove(path.replace("/hivemind-p2pd-", "/hivemind-p2pclient-"))
+
+        leave_with_parent(cleanup=remove_sockets)  # a SIGKILLed trainer leaves no DHT or p2pd
         os.nice(self.niceness)
         spawn = asyncio.subprocess.create_subprocess_exec  # patched in this (the DHT's) process only
 
         async def spawn_in_own_group(*args: Any, **kwargs: Any) -> Any:
+            daemons.extend(str(a).split("/unix", 1)[1] for a in args if str(a).startswith("-listen=/unix/"))
             return await spawn(*args, preexec_fn=os.setpgrp, **kwargs)
 
         asyncio.subprocess.create_subprocess_exec = spawn_in_own_group  # type: ignore[assignment]
-        super().run()
+        try:
+            super().run()
+        finally:
+            remove_sockets()
 
     def add_validators(self, record_validators: Any) -> None:
         """hivemind's, then this node forgets what it holds under the keys they protect and that fails their
@@ -125,8 +139,8 @@ class Resources:
             self.dht.start()
         try:
             _wait_until_ready(self.dht, "DHT")
-        except RuntimeError as e:
-            if "bootstrap failed" not in str(e):
+        except Exception as e:  # hivemind's RuntimeError, or p2pd's P2PDaemonError: the same cause
+            if "bootstrap" not in str(e):
                 raise
             raise TransportError(
                 f"hivemind: none of initial_peers={list(cfg.initial_peers)} answered as a peer of this run: are the "
