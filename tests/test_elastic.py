@@ -7,10 +7,10 @@ a worker twice as fast takes twice the steps in a round, whatever the machine's 
 from __future__ import annotations
 
 import math
-import time
 
 import pytest
 import torch
+from stalls import stalled_rounds
 from threads import in_threads
 from world import RankError
 
@@ -135,38 +135,22 @@ def test_the_grace_window_follows_the_measured_slack_up_to_its_bound():
     assert grace.window("other") == 2.0 and grace.window("k") < 0.1
 
 
-def _stalled_rounds(group, rank: int, stall: dict[int, float], rounds: int):
-    """DiLoCo on ``group``'s transport ``rank`` (SGD to a constant target per rank); before round r, rank sleeps
-    ``stall.get((rank, r))`` seconds: (global params, each round's (contributors, absent))."""
-    transport = group.transport(rank)
-    model = torch.nn.Linear(1, N, bias=False)
-    with torch.no_grad():
-        model.weight.fill_(1.0)
-    opt = torch.optim.SGD(model.parameters(), lr=1.0)
-    config = DiLoCoConfig(inner_steps=1, outer_lr=1.0, outer_momentum=0.0, merge="mean", reduce_timeout=30.0)
-    dl = DiLoCo(model, opt, transport, config)
-    out = []
-    for r in range(1, rounds + 1):
-        time.sleep(stall.get((rank, r), 0.0))
-        model.weight.grad = _grad(rank).view(N, 1)
-        report = dl.step()
-        out.append((report.num_contributors, report.absent))
-    transport.close()
-    return dl.global_params[0].clone(), out
-
-
 def test_a_round_closes_without_a_stalled_worker_which_takes_its_result_and_stays_in_phase():
     group = InProcessGroup(3, quorum=Quorum(members=2, grace_seconds=0.5))
     results: list = [None] * 3
 
     def body(rank: int) -> None:
         # rank 2 stalls before round 2 and misses it; the others then pause before round 3, where it meets them
-        results[rank] = _stalled_rounds(group, rank, {(2, 2): 2.0, (0, 3): 3.0, (1, 3): 3.0}, 4)
+        stall = {(2, 2): 2.0, (0, 3): 3.0, (1, 3): 3.0}
+        transport = group.transport(rank)
+        results[rank] = stalled_rounds(transport, rank=rank, grad=_grad, stall=stall, rounds=4, reduce_timeout=30.0)
+        transport.close()
 
     in_threads(body, 3, timeout=60)
     params = [p for p, _ in results]
     assert all(torch.equal(params[0], p) for p in params[1:])  # the late worker applied the same rounds
-    for rank, (_, out) in enumerate(results):
+    for rank, (_, timed) in enumerate(results):
+        out = [o[:2] for o in timed]
         assert out[0] == (3, ()) and out[2:] == [(3, ()), (3, ())], out
         assert out[1] == (2, ("rank 2",)), out  # round 2 closed without it; its own report names it too
     # the result is the mean of ranks 0 and 1 in round 2: the stalled worker's pseudo-gradient was dropped

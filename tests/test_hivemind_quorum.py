@@ -5,14 +5,13 @@ round in phase; the window follows the arrival spread every member computes alik
 from __future__ import annotations
 
 import os
-import time
 
 import pytest
 import torch
+from stalls import stalled_rounds
 from threads import in_threads
 from world import FAST
 
-from diloco_core import DiLoCo, DiLoCoConfig
 from transports.hivemind import HivemindConfig, HivemindTransport
 from transports.hivemind.auth import unwrap_gather, wrap_gather
 from transports.hivemind.grace import MIN_WINDOW, RoundWindows, Window
@@ -32,29 +31,6 @@ def _grad(rank: int) -> torch.Tensor:
     return torch.randn(N, generator=g) * 0.01 + 0.02 * (rank + 1)
 
 
-def _rounds(transport: HivemindTransport, rank: int, stall: dict[tuple[int, int], float], rounds: int) -> tuple:
-    """DiLoCo (one inner SGD step per round, a constant gradient per peer); before round r, peer ``rank``
-    sleeps ``stall.get((rank, r))``: (global params, each round's (contributors, absent, seconds) or None where
-    its round was dropped)."""
-    model = torch.nn.Linear(1, N, bias=False)
-    with torch.no_grad():
-        model.weight.fill_(1.0)
-    opt = torch.optim.SGD(model.parameters(), lr=1.0)
-    config = DiLoCoConfig(
-        inner_steps=1, outer_lr=1.0, outer_momentum=0.0, merge="mean", reduce_timeout=transport.own_timeout
-    )
-    dl = DiLoCo(model, opt, transport, config)
-    out = []
-    for r in range(1, rounds + 1):
-        time.sleep(stall.get((rank, r), 0.0))
-        model.weight.grad = _grad(rank).view(N, 1)
-        start = time.monotonic()
-        report = dl.step()
-        took = time.monotonic() - start
-        out.append(None if report is None else (report.num_contributors, report.absent, took))
-    return dl.global_params[0].clone(), out
-
-
 @pytest.mark.timeout(240)
 def test_a_round_closes_without_a_stalled_peer_which_takes_its_result_and_meets_the_next_in_phase():
     cfg = {"run_id": f"quorum-{os.getpid()}", "secret": "s", **FAST, "matchmaking_time": MATCHMAKING}
@@ -67,7 +43,10 @@ def test_a_round_closes_without_a_stalled_peer_which_takes_its_result_and_meets_
     try:
 
         def body(rank: int) -> None:
-            results[rank] = _rounds(peers[rank], rank, stall, 4)
+            t = peers[rank]
+            results[rank] = stalled_rounds(
+                t, rank=rank, grad=_grad, stall=stall, rounds=4, reduce_timeout=t.own_timeout
+            )
 
         in_threads(body, 3, timeout=200, what="hivemind peers")
     finally:
