@@ -85,3 +85,14 @@ def test_bad_data_is_a_clear_value_error(tmp_path: Path) -> None:
         BatchSampler(torch.zeros(20, dtype=torch.uint8), 8, 100, seed=0)
     with pytest.raises(ValueError, match="seq_len"):
         BatchSampler(torch.zeros(5, dtype=torch.uint8), 8, 1, seed=0)
+
+
+def test_settings_of_a_hugging_face_dataset_without_one_are_refused_not_ignored(tmp_path: Path) -> None:
+    """``hf_tokenizer`` next to ``data.path`` trained on bytes, silently (issue 32, friction 1)."""
+    with pytest.raises(ValueError, match=r"hf_tokenizer='gpt2' is invalid: expected empty without hf_dataset"):
+        DataConfig(path=str(tmp_path), hf_tokenizer="gpt2")
+    with pytest.raises(ValueError, match=r"max_documents=5 is invalid: expected 0 without hf_dataset"):
+        DataConfig(max_documents=5)
+    with pytest.raises(ValueError, match=r"path=.* is invalid: expected empty when hf_dataset is set"):
+        DataConfig(path=str(tmp_path), hf_dataset="wikitext")
+    assert DataConfig(hf_dataset="wikitext", hf_tokenizer="gpt2", max_documents=5).max_documents == 5

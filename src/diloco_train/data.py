@@ -53,6 +53,11 @@ class DataConfig:
     def __post_init__(self) -> None:
         check_fields(self)
         check_field("path", self.path, not (self.path and self.hf_dataset), "empty when hf_dataset is set")
+        # Settings of hf_dataset alone: without it they were ignored silently (data.path trains on bytes).
+        alone = "empty without hf_dataset (it applies to hf_dataset only; data.path is read as bytes)"
+        check_field("hf_tokenizer", self.hf_tokenizer, bool(self.hf_dataset or not self.hf_tokenizer), alone)
+        ok = bool(self.hf_dataset or not self.max_documents)
+        check_field("max_documents", self.max_documents, ok, alone.replace("empty", "0"))
 
 
 @dataclass(frozen=True)
