@@ -34,6 +34,8 @@ class Attempted:
     """What a reduce's attempts came to: the group's result (None: alone) and how the round was waited for."""
 
     out: dict[str, Any] | None
+    tracked: bool
+    """Whether it was a round of the run state (its groupmates compared state tags)."""
     target: int | None
     """The group size it waited for (None: not known, the configured matchmaking decided)."""
     window: Window | None
@@ -120,7 +122,7 @@ class Attempts:
                 continue
             if windowed and out is not None:  # measured from the first round on
                 self._windows.committed(key, group=len(out["peers"]), target=target, spread=out.get("spread"))
-            return Attempted(out=out, target=target, window=window)
+            return Attempted(out=out, tracked=tracked, target=target, window=window)
 
     def _catch_up(self, outcome: Outcome, *, timeout: float | None) -> None:
         """If another peer has committed the round this peer is about to contribute to, take that round's

@@ -9,7 +9,8 @@ It overrides hivemind's private ``DecentralizedAverager._aggregate_with_group``,
 ``DecentralizedAverager._run_allreduce_inplace_``, ``DecentralizedAverager._shutdown`` and
 ``DecentralizedAverager._declare_for_download_periodically`` (to declare the peer's presence too: ``presence``), and uses
 private attributes (``_p2p``, ``_allreduce_timeout``, ``_running_groups``, ``_outer_pipe``, ``_matchmaking``:
-a step's own ``target_group_size``, wait, request timeout and smallest group): this is why pyproject.toml pins
+a step's own ``target_group_size``, wait, request timeout and smallest group; its ``_p2p``'s
+``_client_listen_maddr``: the socket an orphaned averager removes): this is why pyproject.toml pins
 hivemind to the versions tested (``>=1.1.10,<1.2``). Check these overrides against hivemind's before
 widening the pin.
 """

@@ -229,9 +229,8 @@ class HivemindTransport(Transport, Membership):
         self, averager: Averager, tensors: list[torch.Tensor], *, codec: Codec, key: str, outcome: Outcome, start: float
     ) -> ReduceResult:
         got = self._attempts.run(averager, tensors, key=key, outcome=outcome)
-        tracked = key in self._state.keys
         result = self._commit(
-            averager, tensors, out=got.out, codec=codec, tracked=tracked, outcome=outcome, start=start
+            averager, tensors, out=got.out, codec=codec, tracked=got.tracked, outcome=outcome, start=start
         )
         if got.window is None:
             return result
