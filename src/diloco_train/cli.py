@@ -17,6 +17,7 @@ from diloco_core import FP32, DiLoCoConfig, TransportError, codec_for
 
 from .interrupts import INTERRUPTS
 from .log_tag import configure_logging
+from .plan_cli import add_plan_parser, plan_main
 from .torchrun import TORCHRUN_ARGS_ENV
 
 __all__ = ["main"]
@@ -63,7 +64,7 @@ def _parser() -> argparse.ArgumentParser:
         prog="diloco", description="Train a language model with DiLoCo (or DDP, or one worker)."
     )
     p.add_argument("--version", action="version", version=f"diloco {_version()}")
-    sub = p.add_subparsers(dest="command", metavar="{train,plot,torchrun}")
+    sub = p.add_subparsers(dest="command", metavar="{train,plot,plan,torchrun}")
     t = sub.add_parser(
         "train",
         help="train (with no options: tiny model, 4 in-process workers, a few minutes on a CPU)",
@@ -112,6 +113,7 @@ def _parser() -> argparse.ArgumentParser:
         metavar="FILE.png",
         help="output file (default: plot.png in the only run, else runs.png next to the first)",
     )
+    add_plan_parser(sub)
     return p
 
 
@@ -262,6 +264,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "train":
             with INTERRUPTS.installed():
                 return _train(args, argv[1:])
+        if args.command == "plan":
+            return plan_main(args)
         return _plot(args)
     except (ValueError, TransportError, OSError) as e:
         # One write, line and newline together: stderr writes through, and print's two writes from two ranks of a

@@ -186,8 +186,10 @@ class Reporter:
             }
         )
 
-    def eval(self, step: int, loss: float) -> None:
-        self.write({"type": "eval", "step": step, "loss": loss, "perplexity": perplexity(loss), "time_s": self.clock()})
+    def eval(self, step: int, loss: float, *, seconds: float) -> None:
+        """Record an evaluation; ``seconds``: what it took, inside ``time_s`` (time to a loss leaves it out)."""
+        record = {"type": "eval", "step": step, "loss": loss, "perplexity": perplexity(loss), "time_s": self.clock()}
+        self.write(record | {"eval_s": seconds})
         if self.bar is not None:
             self.bar.write(f"step {step}: eval loss {loss:.4f} (perplexity {perplexity(loss):.2f})")
 

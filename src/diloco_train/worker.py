@@ -141,7 +141,7 @@ class Worker:
         if evaluating and step == 0:
             loss = evaluate(model, val=job.corpus.val, config=c, device=self.device)
             if reporter is not None:
-                reporter.eval(0, loss)
+                reporter.eval(0, loss, seconds=0.0)  # before the training loop's clock starts
         tokens = t.batch_size * c.data.seq_len
         if reporter is not None:
             reporter.start_clock()
@@ -191,9 +191,10 @@ class Worker:
             if step == t.steps:  # the end of training (not a stop_after): apply the rounds still in flight
                 sync.flush()  # after the step's record: waiting for the last reduce is not compute
             if evaluating and (step % eval_every == 0 or step == end):
+                began = time.perf_counter()
                 last_eval = evaluate(model, val=job.corpus.val, config=c, device=self.device)
                 if reporter is not None:
-                    reporter.eval(step, last_eval)
+                    reporter.eval(step, last_eval, seconds=time.perf_counter() - began)
             watch.see(step, loss_value)
             if checkpoint_due(step, end=end, inner_steps=h, every=t.checkpoint_every):
                 self._save(step, sync, sampler)

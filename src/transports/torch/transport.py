@@ -38,7 +38,7 @@ from collections.abc import Iterator, Sequence
 import torch
 import torch.distributed as dist
 
-from diloco_core import FP32, MEAN, Codec, LeftOut, Merge, MergeRule
+from diloco_core import FP32, MEAN, Codec, LeftOut, Merge
 from diloco_core.codecs.names import check_codec
 from diloco_core.transport import ReduceHandle, Transport, TransportError, reduce_inputs
 
@@ -47,6 +47,7 @@ from .group import BACKEND_DEVICE, TorchDistConfig, init_process_group
 from .handle import TorchReduce, finish, transport_error
 from .identity import Identity
 from .membership import membership_key, prove_membership
+from .wire_bytes import Path, bytes_out, path_of, shard_numel
 from .worker import CommThread, Job, on_stream
 
 __all__ = ["TorchDistConfig", "TorchDistTransport"]
@@ -55,11 +56,6 @@ __all__ = ["TorchDistConfig", "TorchDistTransport"]
 _ALL_GATHER = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
 
 logger = logging.getLogger(__name__)
-
-
-def _shard(numel: int, world_size: int, block: int) -> int:
-    """Values per rank's shard: ``numel / world_size`` rounded up to a multiple of the codec's block."""
-    return -(-numel // (world_size * block)) * block
 
 
 def _flatten(tensors: list[torch.Tensor]) -> torch.Tensor:
@@ -137,19 +133,18 @@ class TorchDistTransport(Transport):
         buffers = Buffers(flat.device) if cached.busy else cached  # same key still in flight: fresh ones
         w = self._size
         left_out: list[LeftOut] = []  # what the merges of this rank's buckets or shards left out
-        if codec.elementwise_dtype == torch.float32 and (merge.rule is MergeRule.MEAN or w < 3):
+        path = path_of(codec, rule=merge.rule, world_size=w)  # fp32 all-gathered at 3 would be 1.5x a ring's bytes
+        if path is Path.RING:
             bucket_fn = self._ring  # a backend's sum: no payload seen, nothing to judge (fewer than 3: no majority)
         else:
-            fp32 = codec.elementwise_dtype == torch.float32  # all-gathered, 3 fp32 payloads are 1.5x the ring's bytes
-            gather = self._gather_all if w <= 3 and not fp32 else self._scatter_gather
+            gather = self._gather_all if path is Path.GATHER else self._scatter_gather
             bucket_fn = functools.partial(gather, codec=codec, merge=merge, left_out=left_out)
         size = max(codec.block, self._bucket_numel // codec.block * codec.block)
         parts = flat.split(size)
         header = self._identity.header(key, codec, flat.numel(), flat.device)
         gathered = torch.empty(w * header.numel(), dtype=header.dtype, device=header.device)
         buffers.busy = True
-        ring = bucket_fn == self._ring
-        sent = sum(self._bytes_out(b.numel(), codec, ring=ring) for b in parts)  # payloads (the header's 32 B aside)
+        sent = sum(bytes_out(b.numel(), codec, path=path, world_size=w) for b in parts)  # the header's 32 B aside
         handle = TorchReduce(
             lambda: [bucket_fn(b, buffers=buffers, index=i, start=i * size) for i, b in enumerate(parts)],
             start_header=lambda: (_ALL_GATHER(gathered, header, group=self._group, async_op=True), gathered),
@@ -170,15 +165,6 @@ class TorchDistTransport(Transport):
             buffers.busy = False
             raise
         return handle
-
-    def _bytes_out(self, numel: int, codec: Codec, *, ring: bool) -> int:
-        w = self._size
-        if ring:
-            return 2 * (w - 1) * numel * 4 // w
-        if w <= 3 and codec.elementwise_dtype != torch.float32:
-            return (w - 1) * codec.payload_bytes(numel)
-        shard = _shard(numel, w, codec.block)
-        return (w - 1) * (codec.payload_bytes(shard) + shard * 4)
 
     def _ring(self, bucket: torch.Tensor, *, buffers: Buffers, index: int, start: int) -> Iterator[list]:
         yield [dist.all_reduce(bucket, group=self._group, async_op=True)]
@@ -224,7 +210,7 @@ class TorchDistTransport(Transport):
     ) -> Iterator[list]:
         me, w, n = self._rank, self._size, bucket.numel()
         peers = [r for r in range(w) if r != me]
-        shard = _shard(n, w, codec.block)
+        shard = shard_numel(n, w, codec.block)
         size, dtype = codec.payload_spec(shard)
         send = buffers.get(("send", index), size * w, dtype)
         # each shard encoded on its own, at its own length: the last one(s) may be short or empty, their payload

@@ -1,0 +1,313 @@
+"""The time-to-loss benchmark: how soon each method reaches DDP's final eval loss over a slow link.
+
+Not part of the test run. Two gloo workers (``diloco torchrun --nproc-per-node=2``, one torch thread each on
+this 2-core machine) train the trainer's tiny model on the embedded corpus, batch 16 x 64 bytes, with the same
+seeds, each method on the same link:
+
+- ``ddp``: DDP, fp32 gradients, ``--steps`` steps. Its final eval loss (per seed) is the **target**.
+- every other method runs up to ``--cap`` x ``--steps`` steps (its learning-rate schedule over that many) and is
+  stopped at its first eval (every 10 steps) at or below the target: a method that needs more steps pays for
+  them. ``ddp-int8``: DDP with int8 gradients and error feedback. ``diloco``: the trainer's DiLoCo defaults
+  (H = 10, int4 pseudo-gradients, fp32 DDP warm start for a twelfth of the steps); ``diloco-fp32``, ``sign``,
+  ``eager``, ``streaming`` (P = 2, tau = 1) and ``warm-int4`` (the warm start's gradients on int4) change one
+  thing each.
+
+Links: ``100mbit`` and ``1gbit`` are ``bench/shaped_link.sh RATE`` (one ``tc tbf`` queue shared by both
+workers in both directions; root) or with ``--simulated`` the simulated link at half the rate (what one queue
+leaves each of two workers, docs/overlap.md); ``free`` is plain loopback (compute alone, nearly).
+
+Time to target = the training loop's seconds (``time_s``) at that eval, less the evals' own seconds
+(``eval_s``). The prediction (``diloco_train.plan``, the model behind ``diloco plan``) takes each run's
+measured mean step compute (``compute_s``), its measured bytes per sync and the link's rate, and gives the
+seconds to the same step. A run already finished in ``--out`` is read, not rerun.
+
+    sudo true; PYTHONPATH=src python bench/time_to_loss.py --out runs/ttl            # 3 seeds, about 80 min
+    PYTHONPATH=src python bench/time_to_loss.py --quick --out runs/ttl-quick        # under 10 min
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from diloco_train.plan import Link, Method, ddp_seconds, exposed
+
+HERE = Path(__file__).resolve().parent
+EVAL_EVERY = 10
+
+# name -> (trainer settings, sync method of its rounds (None: DDP))
+METHODS: dict[str, tuple[list[str], Method | None]] = {
+    "ddp": (["train.mode=ddp"], None),
+    "ddp-int8": (["train.mode=ddp", "train.ddp_wire_dtype=int8"], None),
+    "diloco": (["train.mode=diloco"], Method("blocking", 10)),
+    "diloco-fp32": (["train.mode=diloco", "diloco.codec=fp32"], Method("blocking", 10)),
+    "sign": (["train.mode=diloco", "diloco.codec=sign"], Method("blocking", 10)),
+    "warm-int4": (["train.mode=diloco", "train.ddp_wire_dtype=int4"], Method("blocking", 10)),
+    "eager": (["train.mode=diloco", "diloco.overlap=eager"], Method("eager", 10)),
+    "eager-warm-int4": (
+        ["train.mode=diloco", "diloco.overlap=eager", "train.ddp_wire_dtype=int4"],
+        Method("eager", 10),
+    ),
+    "streaming": (
+        ["train.mode=diloco", "diloco.overlap=streaming", "diloco.fragments=2", "diloco.overlap_steps=1"],
+        Method("streaming", 10, fragments=2, overlap_steps=1),
+    ),
+}
+RATES = {"100mbit": 100.0, "1gbit": 1000.0, "free": 0.0}
+PLAN = {  # link -> methods (the full benchmark)
+    "100mbit": list(METHODS),
+    "1gbit": ["ddp", "ddp-int8", "diloco", "warm-int4", "eager-warm-int4"],
+    "free": ["ddp", "diloco", "warm-int4", "eager-warm-int4"],
+}
+QUICK = {"100mbit": ["ddp", "diloco", "eager-warm-int4"], "free": ["eager-warm-int4"]}
+
+
+@dataclass(frozen=True)
+class Curve:
+    """One run's evals: step, loss and training seconds (evals left out)."""
+
+    steps: list[int]
+    losses: list[float]
+    seconds: list[float]
+    finished: bool
+
+    def reach(self, target: float) -> int | None:
+        """Index of the first eval at or below ``target`` (None: never)."""
+        return next((i for i, v in enumerate(self.losses) if v <= target + 1e-12), None)
+
+
+def read(run_dir: Path) -> tuple[list[dict], Curve]:
+    path = run_dir / "metrics.jsonl"
+    records = [json.loads(x) for x in path.read_text().splitlines() if x.strip()] if path.is_file() else []
+    evals = [r for r in records if r["type"] == "eval" and r["step"] > 0]
+    spent, seconds = 0.0, []
+    for r in evals:
+        spent += r.get("eval_s", 0.0)
+        seconds.append(r["time_s"] - spent)
+    finished = any(r["type"] == "summary" for r in records) or (run_dir / "reached.json").is_file()
+    return records, Curve([r["step"] for r in evals], [r["loss"] for r in evals], seconds, finished)
+
+
+def command(*, name: str, method: str, link: str, seed: int, steps: int, args: argparse.Namespace) -> list[str]:
+    sets = [
+        "transport.kind=torch",
+        f"train.seed={seed}",
+        f"train.steps={steps}",
+        "train.batch_size=16",
+        f"train.eval_every={EVAL_EVERY}",
+        "train.eval_batches=8",
+        "train.checkpoint_every=0",
+        f"train.runs_dir={json.dumps(str(args.out))}",
+        *METHODS[method][0],
+    ]
+    rate = RATES[link]
+    if rate and args.simulated:
+        sets.append(f"transport.link_mbit={rate / 2:g}")
+    cmd = [sys.executable, "-m", "diloco_train.cli", "torchrun", "--standalone", "--nproc-per-node=2"]
+    cmd += ["train", "-q", "--name", name]
+    for s in sets:
+        cmd += ["--set", s]
+    if rate and not args.simulated:
+        cmd = [str(HERE / "shaped_link.sh"), f"{rate:g}mbit", *cmd]
+    return cmd
+
+
+def run(cmd: list[str], *, run_dir: Path, target: float | None) -> None:
+    """Run ``cmd`` to its end, or until an eval at or below ``target``: then stop it (its process group)."""
+    with subprocess.Popen(cmd, stdout=subprocess.DEVNULL, start_new_session=True) as proc:
+        while proc.poll() is None:
+            time.sleep(0.5)
+            if target is None:
+                continue
+            _, curve = read(run_dir)
+            at = curve.reach(target)
+            if at is not None:
+                (run_dir / "reached.json").write_text(json.dumps({"step": curve.steps[at], "target": target}))
+                os.killpg(proc.pid, signal.SIGTERM)  # shaped_link.sh's trap removes its namespace
+                try:
+                    proc.wait(timeout=60)
+                except subprocess.TimeoutExpired:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                return
+        if proc.returncode != 0:
+            raise SystemExit(f"{run_dir.name}: exit status {proc.returncode}: {' '.join(cmd)}")
+
+
+def predict(records: list[dict], *, upto: int, method: Method | None, link: Link) -> float:
+    """Seconds the model predicts for this run's steps up to ``upto``: each step its mean measured compute, each
+    DDP step (its own, a warm start's) its gradient reduce, each sync of a round (a streaming fragment's too)
+    what the link time of its measured bytes leaves unhidden (``diloco_train.plan``)."""
+    steps = [r for r in records if r["type"] == "step" and r["step"] <= upto]
+    step_s = statistics.fmean(r["compute_s"] for r in steps)
+    total = len(steps) * step_s
+    for r in steps:
+        if r["round"] == 0 and r["bytes_sent"]:
+            total += ddp_seconds(step_s=0.0, grad_bytes=r["bytes_sent"], link=link, workers=2)
+    hidden_s = method.hidden_steps() * step_s if method else 0.0
+    for r in records:
+        if r["type"] == "round" and r["step"] <= upto:
+            total += exposed(link.seconds(r["bytes_sent"], workers=2), hidden_s=hidden_s)
+    return total
+
+
+def link_of(name: str, *, simulated: bool) -> Link:
+    """The model's view of a link: the shaped link is one queue for both workers; the simulated one (at half
+    the rate) gives each worker its own."""
+    rate = RATES[name]
+    return Link(mbit=rate / 2, shared=False) if simulated and rate else Link(mbit=rate, shared=True)
+
+
+def measure(args: argparse.Namespace) -> dict[str, dict]:
+    """Run (or read back) every seed, link and method; per run its curve, time and steps to target, bytes to
+    target and the prediction."""
+    plan = QUICK if args.quick else PLAN
+    results: dict[str, dict] = {}
+    for seed in args.seeds:
+        target = None
+        for link, methods in plan.items():
+            for method in methods:
+                name = f"{link}-{method}-s{seed}"
+                run_dir = args.out / name
+                ddp = method == "ddp"
+                _, curve = read(run_dir)
+                if not curve.finished:
+                    if run_dir.exists():
+                        import shutil
+
+                        shutil.rmtree(run_dir)
+                    steps = args.steps if ddp else round(args.cap * args.steps)
+                    cmd = command(name=name, method=method, link=link, seed=seed, steps=steps, args=args)
+                    print(f"== {name}", file=sys.stderr, flush=True)
+                    t0 = time.perf_counter()
+                    run(cmd, run_dir=run_dir, target=None if ddp else target)
+                    print(f"   {time.perf_counter() - t0:.0f}s", file=sys.stderr, flush=True)
+                records, curve = read(run_dir)
+                if ddp and target is None:
+                    target = curve.losses[-1]
+                assert target is not None, "the plan's first link runs ddp first"
+                at = curve.reach(target)
+                row = {"seed": seed, "link": link, "method": method, "target": target, "curve": vars(curve)}
+                if at is not None:
+                    step = curve.steps[at]
+                    row |= {
+                        "step": step,
+                        "seconds": curve.seconds[at],
+                        "predicted": predict(
+                            records,
+                            upto=step,
+                            method=METHODS[method][1],
+                            link=link_of(link, simulated=args.simulated),
+                        ),
+                        "bytes": sum(r["bytes_sent"] for r in records if r["type"] == "step" and r["step"] <= step),
+                        "compute_s": sum(r["compute_s"] for r in records if r["type"] == "step" and r["step"] <= step),
+                    }
+                results[name] = row
+    return results
+
+
+def _ms(values: list[float]) -> str:
+    if not values:
+        return "-"
+    mean = statistics.fmean(values)
+    return f"{mean:.3g} ({max(values) - min(values):.2g})" if len(values) > 1 else f"{mean:.3g}"
+
+
+def table(results: dict[str, dict], args: argparse.Namespace) -> str:
+    """Per link and method, over seeds: mean (spread max - min)."""
+    lines = [
+        f"2 gloo workers, tiny model, batch 16 x 64, DDP {args.steps} steps (the target: its final eval loss, "
+        f"per seed), the others up to {args.cap:g}x; seeds {args.seeds}; "
+        + ("simulated links (half rate each)" if args.simulated else "shaped links (tc tbf, one queue)"),
+        "",
+        (
+            "| link | method | reached | time to target s | vs DDP (same link) | vs DDP at 100 Mbit/s | steps | "
+            "MB sent | utilization | predicted s | prediction error |"
+        ),
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    plan = QUICK if args.quick else PLAN
+    for link, methods in plan.items():
+        for method in methods:
+            rows = [r for r in results.values() if r["link"] == link and r["method"] == method]
+            done = [r for r in rows if "seconds" in r]
+            ratio, ratio100, err = [], [], []
+            for r in done:
+                for base_link, out in ((link, ratio), ("100mbit", ratio100)):
+                    base = results.get(f"{base_link}-ddp-s{r['seed']}")
+                    if base and "seconds" in base:
+                        out.append(r["seconds"] / base["seconds"])
+                err.append(100 * (r["predicted"] / r["seconds"] - 1))
+            lines.append(
+                f"| {link} | {method} | {len(done)}/{len(rows)} | {_ms([r['seconds'] for r in done])} | "
+                f"{_ms(ratio)} | {_ms(ratio100)} | {_ms([r['step'] for r in done])} | "
+                f"{_ms([r['bytes'] / 1e6 for r in done])} | "
+                f"{_ms([100 * r['compute_s'] / r['seconds'] for r in done])}% | "
+                f"{_ms([r['predicted'] for r in done])} | {_ms(err)}% |"
+            )
+    return "\n".join(lines) + "\n"
+
+
+def plot(results: dict[str, dict], path: Path) -> None:
+    """Eval loss against training seconds, one panel per link; seed 0's curves (the target dotted)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    links = list(dict.fromkeys(r["link"] for r in results.values()))
+    fig, axes = plt.subplots(1, len(links), figsize=(5 * len(links), 4), squeeze=False)
+    for ax, link in zip(axes[0], links, strict=True):
+        seed = min(r["seed"] for r in results.values())
+        for r in results.values():
+            if r["link"] == link and r["seed"] == seed:
+                c = r["curve"]
+                ax.plot(c["seconds"], c["losses"], label=r["method"], lw=1)
+                target = r["target"]
+        ax.axhline(target, color="grey", ls=":", lw=0.8)
+        ax.set_xscale("log")
+        ax.set_ylim(target - 0.1, target + 0.8)
+        ax.set_title(f"{link} (seed {seed})")
+        ax.set_xlabel("training seconds (log)")
+        ax.set_ylabel("eval loss")
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--quick", action="store_true", help="1 seed, 100 DDP steps, 3 methods (under 10 minutes)")
+    p.add_argument("--seeds", default="0,1,2")
+    p.add_argument("--steps", type=int, default=400, help="DDP's steps: its final eval loss is the target")
+    p.add_argument("--cap", type=float, default=2.0, help="the other methods' step cap, a multiple of --steps")
+    p.add_argument("--simulated", action="store_true", help="the simulated link instead of tc (no root needed)")
+    args = p.parse_args(argv)
+    args.seeds = [0] if args.quick else [int(x) for x in args.seeds.split(",")]
+    if args.quick:
+        args.steps = 100
+    if not args.simulated and os.geteuid() != 0:
+        p.error("shaped links need root (ip netns, tc): run as root or with --simulated")
+    args.out = args.out.resolve()
+    args.out.mkdir(parents=True, exist_ok=True)
+    t0 = time.perf_counter()
+    results = measure(args)
+    text = table(results, args) + f"\nthis invocation took {time.perf_counter() - t0:.0f} s\n"
+    (args.out / "table.md").write_text(text)
+    (args.out / "results.json").write_text(json.dumps(results, indent=1))
+    plot(results, args.out / "time_to_loss.png")
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,130 @@
+"""A run's wall time predicted from its step time, its bytes per sync and the link: the model behind
+``diloco plan``, and the one ``bench/time_to_loss.py`` checks against measured runs.
+
+The model, per worker (every worker alike):
+
+- a step computes for ``step_s`` seconds (forward, backward, optimizer: measured, not modelled);
+- a sync moves ``bytes_out`` bytes out of each worker (the torch transport's paths: ``wire_bytes``) over the
+  link in ``latency + bytes x 8 / rate`` seconds; a ``shared`` link (one queue for every worker, as the
+  benchmark's ``tc`` loopback is) carries every worker's bytes in turn;
+- what the link time is hidden behind: nothing for DDP's gradients and blocking rounds; the next ``H`` steps
+  for eager rounds; ``overlap_steps`` steps for each streaming fragment. A step waits for the rest.
+
+Not modelled: the outer step's own arithmetic (part of a measured step time), stragglers, TCP's ramp-up, and
+the warm start (DDP steps: ``ddp_seconds``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from diloco_core import Codec, MergeRule, codec_for
+from transports.torch.wire_bytes import bytes_out, path_of
+
+__all__ = ["MODES", "Link", "Method", "Row", "ddp_seconds", "exposed", "plan", "seconds_per_round", "sync_bytes"]
+
+MODES = ("blocking", "streaming", "eager")
+
+
+@dataclass(frozen=True)
+class Link:
+    """Each worker's link: ``mbit`` (10^6 bit/s; 0: no limit), a ``latency_ms`` per sync, and whether every
+    worker's traffic shares it (``shared``) or each worker has its own full-duplex link."""
+
+    mbit: float
+    latency_ms: float = 0.0
+    shared: bool = False
+
+    def __post_init__(self) -> None:
+        if not self.mbit >= 0:
+            raise ValueError(f"link mbit={self.mbit!r} is invalid: expected a rate >= 0 (0: no limit)")
+        if not self.latency_ms >= 0:
+            raise ValueError(f"link latency_ms={self.latency_ms!r} is invalid: expected >= 0")
+
+    def seconds(self, nbytes: float, *, workers: int) -> float:
+        """Seconds until a sync that sends ``nbytes`` out of each of ``workers`` workers is through."""
+        on_link = nbytes * (workers if self.shared else 1)
+        return self.latency_ms / 1e3 + (on_link * 8 / (self.mbit * 1e6) if self.mbit else 0.0)
+
+
+@dataclass(frozen=True)
+class Method:
+    """How a run syncs: ``mode`` one of MODES, every ``inner_steps`` steps; streaming in ``fragments`` syncs
+    of a fragment each, each hidden behind ``overlap_steps`` steps."""
+
+    mode: str
+    inner_steps: int
+    fragments: int = 1
+    overlap_steps: int = 0
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ValueError(f"mode={self.mode!r} is invalid: expected one of {list(MODES)}")
+        if self.inner_steps < 1:
+            raise ValueError(f"inner_steps={self.inner_steps!r} is invalid: expected >= 1")
+        if self.fragments < 1 or (self.mode == "streaming" and self.overlap_steps < 0):
+            raise ValueError(f"fragments={self.fragments}, overlap_steps={self.overlap_steps}: expected >= 1, >= 0")
+
+    def hidden_steps(self) -> int:
+        """Steps a sync's link time can hide behind."""
+        return {"blocking": 0, "streaming": self.overlap_steps, "eager": self.inner_steps}[self.mode]
+
+
+def sync_bytes(params: int, codec: str | Codec, *, workers: int, rule: MergeRule = MergeRule.ROBUST) -> int:
+    """Bytes each worker sends to reduce ``params`` values on ``codec`` (the torch transport's paths)."""
+    c = codec_for(codec)
+    if workers < 2:
+        return 0
+    return bytes_out(params, c, path=path_of(c, rule=rule, world_size=workers), world_size=workers)
+
+
+def exposed(link_s: float, *, hidden_s: float) -> float:
+    """What a step waits of a sync whose link time is ``link_s``, hidden behind ``hidden_s`` of compute."""
+    return max(0.0, link_s - hidden_s)
+
+
+def seconds_per_round(*, step_s: float, round_bytes: float, link: Link, workers: int, method: Method) -> float:
+    """Wall seconds of one round of ``method.inner_steps`` steps whose syncs send ``round_bytes`` per worker."""
+    syncs = method.fragments if method.mode == "streaming" else 1
+    link_s = link.seconds(round_bytes / syncs, workers=workers)
+    return method.inner_steps * step_s + syncs * exposed(link_s, hidden_s=method.hidden_steps() * step_s)
+
+
+def ddp_seconds(*, step_s: float, grad_bytes: float, link: Link, workers: int) -> float:
+    """Wall seconds of one DDP step (its gradient reduce after the backward, nothing hidden)."""
+    return step_s + link.seconds(grad_bytes, workers=workers)
+
+
+@dataclass(frozen=True)
+class Row:
+    inner_steps: int
+    mode: str
+    utilization: float
+    seconds_per_1000: float
+
+
+def plan(
+    *,
+    params: int,
+    step_s: float,
+    link: Link,
+    workers: int,
+    codec: str,
+    inner_steps: tuple[int, ...],
+    fragments: int,
+    overlap_steps: int,
+) -> list[Row]:
+    """Utilization and seconds per 1,000 steps of each mode at each H."""
+    if params < 1 or not step_s > 0 or workers < 2:
+        raise ValueError(f"params={params}, step_s={step_s}, workers={workers}: expected >= 1, > 0, >= 2")
+    round_bytes = sync_bytes(params, codec, workers=workers)
+    rows = []
+    for h in inner_steps:
+        for mode in MODES:
+            parts = min(fragments, h) if mode == "streaming" else 1  # a round has at most H fragments
+            method = Method(mode, h, parts, overlap_steps)
+            per_round = seconds_per_round(
+                step_s=step_s, round_bytes=round_bytes, link=link, workers=workers, method=method
+            )
+            rows.append(Row(h, mode, h * step_s / per_round, 1000 * per_round / h))
+    return rows

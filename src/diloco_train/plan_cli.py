@@ -1,0 +1,120 @@
+"""``diloco plan``: predicted compute utilization and time per 1,000 steps for each H and overlap mode, and the
+smallest H that keeps utilization above a target (the model: ``plan``; checked against measured runs by
+``bench/time_to_loss.py``, docs/results.md)."""
+
+from __future__ import annotations
+
+import argparse
+
+from diloco_core import CODECS, MergeRule
+
+from .plan import MODES, Link, Row, ddp_seconds, plan, sync_bytes
+
+__all__ = ["add_plan_parser", "plan_main"]
+
+_SUFFIX = {"k": 1e3, "m": 1e6, "b": 1e9, "g": 1e9}
+
+
+def _count(text: str) -> int:
+    """A parameter count: ``150e6``, ``150m``, ``1.1b``."""
+    scale = _SUFFIX.get(text[-1:].lower(), 1.0)
+    number = text[:-1] if scale != 1.0 else text
+    try:
+        value = round(float(number) * scale)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a count (e.g. 150e6, 150m, 1.1b)") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is invalid: expected at least 1 parameter")
+    return value
+
+
+def _steps(text: str) -> tuple[int, ...]:
+    try:
+        values = tuple(int(x) for x in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of integers") from None
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is invalid: every H must be >= 1")
+    return tuple(sorted(set(values)))
+
+
+def add_plan_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "plan",
+        help="predict compute utilization and time per 1,000 steps for H and each overlap mode on a link",
+        epilog="e.g. diloco plan --params 150m --step-s 0.4 --link-mbit 1000 --latency-ms 20 --workers 8",
+    )
+    p.add_argument("--params", type=_count, required=True, help="parameters of the model (150e6, 150m, 1.1b)")
+    p.add_argument("--step-s", type=float, required=True, help="measured seconds of one inner step on one worker")
+    p.add_argument("--link-mbit", type=float, required=True, help="each worker's link rate in Mbit/s")
+    p.add_argument("--latency-ms", type=float, default=0.0, help="latency per sync (default 0)")
+    p.add_argument("--shared", action="store_true", help="every worker's traffic shares the one link (one queue)")
+    p.add_argument("--workers", type=int, default=4, help="workers averaging (default 4)")
+    p.add_argument("--codec", default="int4", choices=sorted(CODECS), help="pseudo-gradient wire (default int4)")
+    p.add_argument("--inner-steps", type=_steps, default=(1, 2, 5, 10, 20, 50, 100, 200, 500), metavar="H,H,...")
+    p.add_argument("--fragments", type=int, default=4, help="streaming: fragments per round (default 4)")
+    p.add_argument("--overlap-steps", type=int, default=1, help="streaming: steps a fragment's sync hides behind")
+    p.add_argument("--target", type=float, default=0.9, help="utilization to keep (default 0.9)")
+
+
+def _check(args: argparse.Namespace) -> None:
+    checks = (
+        ("--step-s", args.step_s, args.step_s > 0, "> 0"),
+        ("--link-mbit", args.link_mbit, args.link_mbit >= 0, ">= 0 (0: no limit)"),
+        ("--latency-ms", args.latency_ms, args.latency_ms >= 0, ">= 0"),
+        ("--workers", args.workers, args.workers >= 2, ">= 2"),
+        ("--fragments", args.fragments, args.fragments >= 1, ">= 1"),
+        ("--overlap-steps", args.overlap_steps, args.overlap_steps >= 0, ">= 0"),
+        ("--target", args.target, 0 < args.target <= 1, "in (0, 1]"),
+    )
+    for name, value, ok, valid in checks:
+        if not ok:
+            raise ValueError(f"{name}={value!r} is invalid: expected {valid}")
+
+
+def recommend(rows: list[Row], *, target: float) -> dict[str, Row | None]:
+    """Per mode, the smallest H whose utilization is at least ``target`` (None: no H listed reaches it)."""
+    return {m: next((r for r in rows if r.mode == m and r.utilization >= target), None) for m in MODES}
+
+
+def plan_main(args: argparse.Namespace) -> int:
+    _check(args)
+    link = Link(mbit=args.link_mbit, latency_ms=args.latency_ms, shared=args.shared)
+    rows = plan(
+        params=args.params,
+        step_s=args.step_s,
+        link=link,
+        workers=args.workers,
+        codec=args.codec,
+        inner_steps=args.inner_steps,
+        fragments=args.fragments,
+        overlap_steps=args.overlap_steps,
+    )
+    nbytes = sync_bytes(args.params, args.codec, workers=args.workers)
+    grad = sync_bytes(args.params, "fp32", workers=args.workers, rule=MergeRule.MEAN)
+    ddp = ddp_seconds(step_s=args.step_s, grad_bytes=grad, link=link, workers=args.workers)
+    where = "one link shared by every worker" if args.shared else "each worker its own full-duplex link"
+    rate = f"{args.link_mbit:g} Mbit/s" if args.link_mbit else "no rate limit"
+    print(
+        f"diloco plan (predicted, not measured): {args.params:,} parameters, {args.step_s:g} s per step, "
+        f"{rate} ({where}), latency {args.latency_ms:g} ms, {args.workers} workers, {args.codec} pseudo-gradients\n"
+        f"a round sends {nbytes / 1e6:,.2f} MB out of each worker: {link.seconds(nbytes, workers=args.workers):.3f} s"
+        f" on the link; DDP (fp32 gradients every step, {grad / 1e6:,.1f} MB): {1000 * ddp:,.0f} s per 1,000 "
+        f"steps, utilization {100 * args.step_s / ddp:.1f}%\n"
+    )
+    head = f"| H | {' | '.join(f'{m} util | {m} s/1k' for m in MODES)} |"
+    print(head + "\n|" + "---|" * (1 + 2 * len(MODES)))
+    for h in args.inner_steps:
+        cells = [r for r in rows if r.inner_steps == h]
+        print(f"| {h} | " + " | ".join(f"{100 * r.utilization:.1f}% | {r.seconds_per_1000:,.0f}" for r in cells) + " |")
+    print(f"\nsmallest H with utilization >= {100 * args.target:g}%:")
+    for mode, row in recommend(rows, target=args.target).items():
+        found = f"H = {row.inner_steps} ({100 * row.utilization:.1f}%)" if row else "none of the H listed"
+        print(f"  {mode}: {found}")
+    print(
+        f"\nassumptions: streaming in {args.fragments} fragments, each hidden behind {args.overlap_steps} step(s); "
+        "eager hides a round behind the next H steps; bytes as the torch transport sends them (fp32 rounds of 3+ "
+        "workers all-gathered for the robust merge); the outer step's arithmetic, stragglers, TCP ramp-up and a "
+        "DDP warm start are not modelled. Loss per step is not predicted: larger H costs loss (docs/trainer.md)."
+    )
+    return 0

@@ -1,0 +1,43 @@
+"""How the torch transport moves one reduce, and the bytes each rank sends for it (the module docstring of
+``transport`` explains the paths). One home for the rule and its arithmetic: the transport reports its bytes
+with it, and ``diloco plan`` predicts them with it."""
+
+from __future__ import annotations
+
+import enum
+
+import torch
+
+from diloco_core import Codec, MergeRule
+
+__all__ = ["Path", "bytes_out", "path_of", "shard_numel"]
+
+
+class Path(enum.Enum):
+    RING = "ring"  # torch's own all-reduce of fp32 buckets
+    GATHER = "gather"  # every rank sends its payload to every peer (up to 3 ranks)
+    SCATTER_GATHER = "scatter-gather"  # shard payloads all-to-all, fp32 shard sums all-gathered (4 or more)
+
+
+def path_of(codec: Codec, *, rule: MergeRule, world_size: int) -> Path:
+    """The path a reduce of ``codec`` takes: fp32 rings unless a robust merge has a majority to judge."""
+    fp32 = codec.elementwise_dtype == torch.float32
+    if fp32 and (rule is MergeRule.MEAN or world_size < 3):
+        return Path.RING
+    return Path.GATHER if world_size <= 3 and not fp32 else Path.SCATTER_GATHER
+
+
+def shard_numel(numel: int, world_size: int, block: int) -> int:
+    """Values per rank's shard: ``numel / world_size`` rounded up to a multiple of the codec's block."""
+    return -(-numel // (world_size * block)) * block
+
+
+def bytes_out(numel: int, codec: Codec, *, path: Path, world_size: int) -> int:
+    """Payload bytes one rank sends to reduce ``numel`` values (the 32-byte identity header aside)."""
+    w = world_size
+    if path is Path.RING:
+        return 2 * (w - 1) * numel * 4 // w
+    if path is Path.GATHER:
+        return (w - 1) * codec.payload_bytes(numel)
+    shard = shard_numel(numel, w, codec.block)
+    return (w - 1) * (codec.payload_bytes(shard) + shard * 4)

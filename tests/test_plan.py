@@ -1,0 +1,92 @@
+"""``diloco plan`` and its model (``diloco_train.plan``): link seconds, bytes per sync, what each overlap mode
+hides, the CLI's table and recommendation for the time-to-loss benchmark's own configurations, bad input."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from diloco_core import MergeRule, codec_for
+from diloco_train.cli import main
+from diloco_train.plan import Link, Method, ddp_seconds, seconds_per_round, sync_bytes
+
+TINY = 918_656  # the trainer's tiny model: the benchmark's (bench/time_to_loss.py)
+
+
+def test_link_seconds_are_latency_plus_bytes_over_the_rate_and_a_shared_link_carries_every_worker() -> None:
+    own, shared = Link(mbit=100), Link(mbit=100, shared=True)
+    assert own.seconds(12.5e6, workers=2) == pytest.approx(1.0)
+    assert shared.seconds(12.5e6, workers=2) == pytest.approx(2.0)
+    assert Link(mbit=1000, latency_ms=20).seconds(12.5e6, workers=8) == pytest.approx(0.12)
+    assert Link(mbit=0, latency_ms=5).seconds(1e12, workers=2) == pytest.approx(0.005)  # no rate limit
+    with pytest.raises(ValueError, match=r"mbit=-1 is invalid: expected a rate >= 0"):
+        Link(mbit=-1)
+
+
+def test_sync_bytes_follow_the_torch_transports_paths() -> None:
+    int4 = codec_for("int4")
+    assert sync_bytes(TINY, "fp32", workers=2) == 4 * TINY  # a ring of 2: each sends its half twice
+    assert sync_bytes(TINY, "int4", workers=2) == int4.payload_bytes(TINY)  # one payload to the one peer
+    assert sync_bytes(TINY, "fp32", workers=4, rule=MergeRule.MEAN) == 2 * 3 * TINY * 4 // 4
+    shard = -(-TINY // (4 * int4.block)) * int4.block  # scatter-gather: 3 shard payloads out, 3 fp32 shards out
+    assert sync_bytes(TINY, "int4", workers=4) == 3 * (int4.payload_bytes(shard) + 4 * shard)
+    # Measured by the benchmark's calibration run (2 gloo workers, tiny model): 474,408 bytes per int4 round,
+    # its buckets' payloads; the whole model's payload in one piece is within 0.2% of it.
+    assert sync_bytes(TINY, "int4", workers=2) == pytest.approx(474_408, rel=2e-3)
+
+
+def test_each_mode_waits_for_what_its_compute_does_not_hide() -> None:
+    link = Link(mbit=100, shared=True)
+    t = link.seconds(1e6, workers=2)  # 0.16 s
+    kw = {"step_s": 0.1, "round_bytes": 1e6, "link": link, "workers": 2}
+    assert seconds_per_round(**kw, method=Method("blocking", 10)) == pytest.approx(1.0 + t)
+    assert seconds_per_round(**kw, method=Method("eager", 10)) == pytest.approx(1.0)  # 0.16 s behind 1 s of steps
+    assert seconds_per_round(**kw, method=Method("eager", 1)) == pytest.approx(0.1 + (t - 0.1))
+    # streaming: 2 fragment syncs of half the bytes, each behind 1 step
+    assert seconds_per_round(**kw, method=Method("streaming", 10, 2, 0)) == pytest.approx(1.0 + 2 * t / 2)
+    assert seconds_per_round(**kw, method=Method("streaming", 10, 2, 1)) == pytest.approx(1.0)
+    assert ddp_seconds(step_s=0.1, grad_bytes=1e6, link=link, workers=2) == pytest.approx(0.1 + t)
+    with pytest.raises(ValueError, match=r"mode='lazy' is invalid"):
+        Method("lazy", 10)
+
+
+def _row(out: str, h: int) -> list[str]:
+    line = next(x for x in out.splitlines() if x.startswith(f"| {h} |"))
+    return [c.strip() for c in line.strip("|").split("|")]
+
+
+@pytest.mark.timeout(60)
+def test_plan_prints_the_models_figures_for_the_benchmarks_configuration(capsys: pytest.CaptureFixture) -> None:
+    # bench/time_to_loss.py at 100 Mbit/s: 2 gloo workers on one shaped queue, tiny model, int4, H = 10,
+    # a step of 0.09 s (its runs' mean compute at batch 16 x 64)
+    argv = ["plan", "--params", str(TINY), "--step-s", "0.09", "--link-mbit", "100", "--shared", "--workers", "2"]
+    assert main([*argv, "--inner-steps", "1,10,100", "--fragments", "2", "--overlap-steps", "1"]) == 0
+    out = capsys.readouterr().out
+    link = Link(mbit=100, shared=True)
+    nbytes = sync_bytes(TINY, "int4", workers=2)
+    blocking = seconds_per_round(
+        step_s=0.09, round_bytes=nbytes, link=link, workers=2, method=Method("blocking", 10)
+    )
+    h, util, per_1k = _row(out, 10)[:3]
+    assert util == f"{100 * 0.9 / blocking:.1f}%" and per_1k == f"{1000 * blocking / 10:,.0f}"
+    ddp = ddp_seconds(step_s=0.09, grad_bytes=4 * TINY, link=link, workers=2)
+    assert f"{1000 * ddp:,.0f} s per 1,000 steps, utilization {100 * 0.09 / ddp:.1f}%" in out
+    # the smallest H at or above 90%: blocking 10 (H = 1 waits 0.076 s after each 0.09 s step)
+    assert re.search(r"blocking: H = 10 \(9\d\.\d%\)", out), out
+    assert "predicted, not measured" in out and "assumptions:" in out
+
+
+@pytest.mark.timeout(60)
+def test_plan_says_when_no_h_reaches_the_target_and_refuses_bad_input(capsys: pytest.CaptureFixture) -> None:
+    argv = ["plan", "--params", "1.1b", "--step-s", "0.5", "--link-mbit", "10", "--inner-steps", "1,10"]
+    assert main(argv) == 0
+    assert "blocking: none of the H listed" in capsys.readouterr().out
+    assert main(["plan", "--params", "150m", "--step-s", "0.5", "--link-mbit", "-5"]) == 2
+    assert "diloco: error: --link-mbit=-5.0 is invalid: expected >= 0 (0: no limit)" in capsys.readouterr().err
+    assert main(["plan", "--params", "150m", "--step-s", "0.5", "--link-mbit", "1000", "--workers", "1"]) == 2
+    assert "--workers=1 is invalid: expected >= 2" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:
+        main(["plan", "--params", "many", "--step-s", "0.5", "--link-mbit", "100"])
+    assert e.value.code == 2
+    assert "'many' is not a count" in capsys.readouterr().err
