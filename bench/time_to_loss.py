@@ -15,6 +15,8 @@ seeds, each method on the same link:
 Links: ``100mbit`` and ``1gbit`` are ``bench/shaped_link.sh RATE`` (one ``tc tbf`` queue shared by both
 workers in both directions; root) or with ``--simulated`` the simulated link at half the rate (what one queue
 leaves each of two workers, docs/overlap.md); ``free`` is plain loopback (compute alone, nearly).
+``inproc-100mbit``: 4 in-process workers (``diloco train``, threads on the 2 cores), each behind its own
+simulated 100 Mbit/s link, with their own target (4-worker DDP's final eval loss).
 
 Time to target = the training loop's seconds (``time_s``) at that eval, less the evals' own seconds
 (``eval_s``). The prediction (``diloco_train.plan``, the model behind ``diloco plan``) takes each run's
@@ -61,11 +63,13 @@ METHODS: dict[str, tuple[list[str], Method | None]] = {
         Method("streaming", 10, fragments=2, overlap_steps=1),
     ),
 }
-RATES = {"100mbit": 100.0, "1gbit": 1000.0, "free": 0.0}
+RATES = {"100mbit": 100.0, "1gbit": 1000.0, "free": 0.0, "inproc-100mbit": 100.0}
+INPROC = "inproc-"  # 4 in-process workers, each behind its own simulated link (their own DDP target)
 PLAN = {  # link -> methods (the full benchmark)
     "100mbit": list(METHODS),
     "1gbit": ["ddp", "ddp-int8", "diloco", "warm-int4", "eager-warm-int4"],
     "free": ["ddp", "diloco", "warm-int4", "eager-warm-int4"],
+    "inproc-100mbit": ["ddp", "diloco", "eager-warm-int4"],
 }
 QUICK = {"100mbit": ["ddp", "diloco", "eager-warm-int4"], "free": ["eager-warm-int4"]}
 
@@ -85,15 +89,19 @@ class Curve:
 
 
 def read(run_dir: Path) -> tuple[list[dict], Curve]:
+    """A run's records and curve (read while it runs too: a last line not yet whole is left for the next read)."""
     path = run_dir / "metrics.jsonl"
-    records = [json.loads(x) for x in path.read_text().splitlines() if x.strip()] if path.is_file() else []
+    text = path.read_text() if path.is_file() else ""
+    records = [json.loads(x) for x in text[: text.rfind("\n") + 1].splitlines() if x.strip()]
     evals = [r for r in records if r["type"] == "eval" and r["step"] > 0]
     spent, seconds = 0.0, []
     for r in evals:
         spent += r.get("eval_s", 0.0)
         seconds.append(r["time_s"] - spent)
     finished = any(r["type"] == "summary" for r in records) or (run_dir / "reached.json").is_file()
-    return records, Curve([r["step"] for r in evals], [r["loss"] for r in evals], seconds, finished)
+    return records, Curve(
+        steps=[r["step"] for r in evals], losses=[r["loss"] for r in evals], seconds=seconds, finished=finished
+    )
 
 
 def command(*, name: str, method: str, link: str, seed: int, steps: int, args: argparse.Namespace) -> list[str]:
@@ -109,6 +117,10 @@ def command(*, name: str, method: str, link: str, seed: int, steps: int, args: a
         *METHODS[method][0],
     ]
     rate = RATES[link]
+    if link.startswith(INPROC):
+        sets = [x for x in sets if x != "transport.kind=torch"] + ["train.workers=4", f"transport.link_mbit={rate:g}"]
+        cmd = [sys.executable, "-m", "diloco_train.cli", "train", "-q", "--name", name]
+        return cmd + [x for s in sets for x in ("--set", s)]
     if rate and args.simulated:
         sets.append(f"transport.link_mbit={rate / 2:g}")
     cmd = [sys.executable, "-m", "diloco_train.cli", "torchrun", "--standalone", "--nproc-per-node=2"]
@@ -120,9 +132,50 @@ def command(*, name: str, method: str, link: str, seed: int, steps: int, args: a
     return cmd
 
 
+def _descendants(pid: int) -> set[int]:
+    """Every live process below ``pid`` (torchrun's workers run in sessions of their own)."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:  # gone meanwhile
+            continue
+        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    found, todo = set(), [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.add(child)
+            todo.append(child)
+    return found
+
+
+def _stop(proc: subprocess.Popen, *, grace: float = 60.0) -> None:
+    """SIGTERM the run's process group and wait until it and every process below it is gone (SIGKILL after
+    ``grace``): the launcher's shell exits first and its workers after it, and the next timed run must not share
+    the cores with them. shaped_link.sh's trap removes its network namespace."""
+    left = _descendants(proc.pid) | {proc.pid}
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)
+    except ProcessLookupError:
+        pass
+    deadline = time.monotonic() + grace
+    while left:
+        proc.poll()  # reap the launcher itself
+        sig = signal.SIGKILL if time.monotonic() > deadline else 0
+        for pid in list(left):
+            try:
+                os.kill(pid, sig)
+                if Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z":
+                    left.discard(pid)  # a zombie: done, its parent reaps it
+            except (ProcessLookupError, FileNotFoundError):
+                left.discard(pid)
+        time.sleep(0.2)
+
+
 def run(cmd: list[str], *, run_dir: Path, target: float | None) -> None:
     """Run ``cmd`` to its end, or until an eval at or below ``target``: then stop it (its process group)."""
-    with subprocess.Popen(cmd, stdout=subprocess.DEVNULL, start_new_session=True) as proc:
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, start_new_session=True)
+    try:
         while proc.poll() is None:
             time.sleep(0.5)
             if target is None:
@@ -131,30 +184,31 @@ def run(cmd: list[str], *, run_dir: Path, target: float | None) -> None:
             at = curve.reach(target)
             if at is not None:
                 (run_dir / "reached.json").write_text(json.dumps({"step": curve.steps[at], "target": target}))
-                os.killpg(proc.pid, signal.SIGTERM)  # shaped_link.sh's trap removes its namespace
-                try:
-                    proc.wait(timeout=60)
-                except subprocess.TimeoutExpired:
-                    os.killpg(proc.pid, signal.SIGKILL)
                 return
         if proc.returncode != 0:
             raise SystemExit(f"{run_dir.name}: exit status {proc.returncode}: {' '.join(cmd)}")
+    finally:
+        _stop(proc)  # stopped at the target, or an error here; after a normal end: nothing left
+        proc.wait()
 
 
-def predict(records: list[dict], *, upto: int, method: Method | None, link: Link) -> float:
+def predict(records: list[dict], *, upto: int, method: Method | None, link: Link, workers: int = 2) -> float:
     """Seconds the model predicts for this run's steps up to ``upto``: each step its mean measured compute, each
     DDP step (its own, a warm start's) its gradient reduce, each sync of a round (a streaming fragment's too)
     what the link time of its measured bytes leaves unhidden (``diloco_train.plan``)."""
     steps = [r for r in records if r["type"] == "step" and r["step"] <= upto]
+    rounds = [r for r in records if r["type"] == "round" and r["step"] <= upto]
     step_s = statistics.fmean(r["compute_s"] for r in steps)
     total = len(steps) * step_s
-    for r in steps:
-        if r["round"] == 0 and r["bytes_sent"]:
-            total += ddp_seconds(step_s=0.0, grad_bytes=r["bytes_sent"], link=link, workers=2)
+    at_rounds = {r["step"] for r in rounds}
+    for r in steps:  # bytes at a step without a round: DDP's gradients (its own, a warm start's)
+        if r["bytes_sent"] and r["step"] not in at_rounds:
+            total += ddp_seconds(step_s=0.0, grad_bytes=r["bytes_sent"], link=link, workers=workers)
     hidden_s = method.hidden_steps() * step_s if method else 0.0
-    for r in records:
-        if r["type"] == "round" and r["step"] <= upto:
-            total += exposed(link.seconds(r["bytes_sent"], workers=2), hidden_s=hidden_s)
+    for r in rounds:
+        total += exposed(link.seconds(r["bytes_sent"], workers=workers), hidden_s=hidden_s)
+        if method is not None and method.mode == "blocking":  # the round's own arithmetic, as measured
+            total += max(0.0, r["round_s"] - r["comm_s"])
     return total
 
 
@@ -162,6 +216,8 @@ def link_of(name: str, *, simulated: bool) -> Link:
     """The model's view of a link: the shaped link is one queue for both workers; the simulated one (at half
     the rate) gives each worker its own."""
     rate = RATES[name]
+    if name.startswith(INPROC):
+        return Link(mbit=rate)
     return Link(mbit=rate / 2, shared=False) if simulated and rate else Link(mbit=rate, shared=True)
 
 
@@ -171,12 +227,19 @@ def measure(args: argparse.Namespace) -> dict[str, dict]:
     plan = QUICK if args.quick else PLAN
     results: dict[str, dict] = {}
     for seed in args.seeds:
-        target = None
+        targets: dict[bool, float] = {}  # per world (2 gloo workers, 4 in-process): DDP's final eval loss
         for link, methods in plan.items():
+            if args.links and link not in args.links:
+                continue
+            world = link.startswith(INPROC)
             for method in methods:
                 name = f"{link}-{method}-s{seed}"
                 run_dir = args.out / name
                 ddp = method == "ddp"
+                if not ddp and world not in targets:
+                    raise SystemExit(
+                        f"--links: {link} needs DDP's target: name a link of its world that runs ddp first"
+                    )
                 _, curve = read(run_dir)
                 if not curve.finished:
                     if run_dir.exists():
@@ -187,12 +250,12 @@ def measure(args: argparse.Namespace) -> dict[str, dict]:
                     cmd = command(name=name, method=method, link=link, seed=seed, steps=steps, args=args)
                     print(f"== {name}", file=sys.stderr, flush=True)
                     t0 = time.perf_counter()
-                    run(cmd, run_dir=run_dir, target=None if ddp else target)
+                    run(cmd, run_dir=run_dir, target=None if ddp else targets.get(world))
                     print(f"   {time.perf_counter() - t0:.0f}s", file=sys.stderr, flush=True)
                 records, curve = read(run_dir)
-                if ddp and target is None:
-                    target = curve.losses[-1]
-                assert target is not None, "the plan's first link runs ddp first"
+                if ddp and world not in targets:
+                    targets[world] = curve.losses[-1]
+                target = targets[world]
                 at = curve.reach(target)
                 row = {"seed": seed, "link": link, "method": method, "target": target, "curve": vars(curve)}
                 if at is not None:
@@ -205,6 +268,7 @@ def measure(args: argparse.Namespace) -> dict[str, dict]:
                             upto=step,
                             method=METHODS[method][1],
                             link=link_of(link, simulated=args.simulated),
+                            workers=4 if world else 2,
                         ),
                         "bytes": sum(r["bytes_sent"] for r in records if r["type"] == "step" and r["step"] <= step),
                         "compute_s": sum(r["compute_s"] for r in records if r["type"] == "step" and r["step"] <= step),
@@ -228,26 +292,29 @@ def table(results: dict[str, dict], args: argparse.Namespace) -> str:
         + ("simulated links (half rate each)" if args.simulated else "shaped links (tc tbf, one queue)"),
         "",
         (
-            "| link | method | reached | time to target s | vs DDP (same link) | vs DDP at 100 Mbit/s | steps | "
-            "MB sent | utilization | predicted s | prediction error |"
+            "| link | method | reached | time to target s | vs DDP (same link) | vs DDP at 100 Mbit/s | vs its own, "
+            "free link | steps | MB sent | utilization | predicted s | prediction error |"
         ),
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     plan = QUICK if args.quick else PLAN
     for link, methods in plan.items():
         for method in methods:
             rows = [r for r in results.values() if r["link"] == link and r["method"] == method]
             done = [r for r in rows if "seconds" in r]
-            ratio, ratio100, err = [], [], []
+            ratio, ratio100, free, err = [], [], [], []
             for r in done:
-                for base_link, out in ((link, ratio), ("100mbit", ratio100)):
+                for base_link, out in ((link, ratio), ("100mbit" if not link.startswith(INPROC) else link, ratio100)):
                     base = results.get(f"{base_link}-ddp-s{r['seed']}")
                     if base and "seconds" in base:
                         out.append(r["seconds"] / base["seconds"])
+                alone = results.get(f"free-{method}-s{r['seed']}")
+                if alone and "seconds" in alone and not link.startswith(INPROC):
+                    free.append(r["seconds"] / alone["seconds"])
                 err.append(100 * (r["predicted"] / r["seconds"] - 1))
             lines.append(
                 f"| {link} | {method} | {len(done)}/{len(rows)} | {_ms([r['seconds'] for r in done])} | "
-                f"{_ms(ratio)} | {_ms(ratio100)} | {_ms([r['step'] for r in done])} | "
+                f"{_ms(ratio)} | {_ms(ratio100)} | {_ms(free)} | {_ms([r['step'] for r in done])} | "
                 f"{_ms([r['bytes'] / 1e6 for r in done])} | "
                 f"{_ms([100 * r['compute_s'] / r['seconds'] for r in done])}% | "
                 f"{_ms([r['predicted'] for r in done])} | {_ms(err)}% |"
@@ -291,10 +358,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=400, help="DDP's steps: its final eval loss is the target")
     p.add_argument("--cap", type=float, default=2.0, help="the other methods' step cap, a multiple of --steps")
     p.add_argument("--simulated", action="store_true", help="the simulated link instead of tc (no root needed)")
+    p.add_argument("--links", default="", help=f"comma-separated, of {list(RATES)} (default: all)")
     args = p.parse_args(argv)
     args.seeds = [0] if args.quick else [int(x) for x in args.seeds.split(",")]
     if args.quick:
         args.steps = 100
+    args.links = [x for x in args.links.split(",") if x]
+    if set(args.links) - set(RATES):
+        p.error(f"--links: {sorted(set(args.links) - set(RATES))} invalid, expected some of {list(RATES)}")
     if not args.simulated and os.geteuid() != 0:
         p.error("shaped links need root (ip netns, tc): run as root or with --simulated")
     args.out = args.out.resolve()

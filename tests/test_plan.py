@@ -44,8 +44,10 @@ def test_each_mode_waits_for_what_its_compute_does_not_hide() -> None:
     assert seconds_per_round(**kw, method=Method("eager", 10)) == pytest.approx(1.0)  # 0.16 s behind 1 s of steps
     assert seconds_per_round(**kw, method=Method("eager", 1)) == pytest.approx(0.1 + (t - 0.1))
     # streaming: 2 fragment syncs of half the bytes, each behind 1 step
-    assert seconds_per_round(**kw, method=Method("streaming", 10, 2, 0)) == pytest.approx(1.0 + 2 * t / 2)
-    assert seconds_per_round(**kw, method=Method("streaming", 10, 2, 1)) == pytest.approx(1.0)
+    assert seconds_per_round(**kw, method=Method("streaming", 10, fragments=2, overlap_steps=0)) == pytest.approx(
+        1.0 + 2 * t / 2
+    )
+    assert seconds_per_round(**kw, method=Method("streaming", 10, fragments=2, overlap_steps=1)) == pytest.approx(1.0)
     assert ddp_seconds(step_s=0.1, grad_bytes=1e6, link=link, workers=2) == pytest.approx(0.1 + t)
     with pytest.raises(ValueError, match=r"mode='lazy' is invalid"):
         Method("lazy", 10)
@@ -65,10 +67,8 @@ def test_plan_prints_the_models_figures_for_the_benchmarks_configuration(capsys:
     out = capsys.readouterr().out
     link = Link(mbit=100, shared=True)
     nbytes = sync_bytes(TINY, "int4", workers=2)
-    blocking = seconds_per_round(
-        step_s=0.09, round_bytes=nbytes, link=link, workers=2, method=Method("blocking", 10)
-    )
-    h, util, per_1k = _row(out, 10)[:3]
+    blocking = seconds_per_round(step_s=0.09, round_bytes=nbytes, link=link, workers=2, method=Method("blocking", 10))
+    util, per_1k = _row(out, 10)[1:3]
     assert util == f"{100 * 0.9 / blocking:.1f}%" and per_1k == f"{1000 * blocking / 10:,.0f}"
     ddp = ddp_seconds(step_s=0.09, grad_bytes=4 * TINY, link=link, workers=2)
     assert f"{1000 * ddp:,.0f} s per 1,000 steps, utilization {100 * 0.09 / ddp:.1f}%" in out

@@ -17,7 +17,7 @@ from diloco_core import FP32, DiLoCoConfig, TransportError, codec_for
 
 from .interrupts import INTERRUPTS
 from .log_tag import configure_logging
-from .plan_cli import add_plan_parser, plan_main
+from .plan_cli import PLAN_EXAMPLE, configure_plan_parser, plan_main
 from .torchrun import TORCHRUN_ARGS_ENV
 
 __all__ = ["main"]
@@ -113,7 +113,13 @@ def _parser() -> argparse.ArgumentParser:
         metavar="FILE.png",
         help="output file (default: plot.png in the only run, else runs.png next to the first)",
     )
-    add_plan_parser(sub)
+    configure_plan_parser(
+        sub.add_parser(
+            "plan",
+            help="predict compute utilization and time per 1,000 steps for H and each overlap mode on a link",
+            epilog=PLAN_EXAMPLE,
+        )
+    )
     return p
 
 

@@ -10,12 +10,15 @@ The model, per worker (every worker alike):
 - what the link time is hidden behind: nothing for DDP's gradients and blocking rounds; the next ``H`` steps
   for eager rounds; ``overlap_steps`` steps for each streaming fragment. A step waits for the rest.
 
-Not modelled: the outer step's own arithmetic (part of a measured step time), stragglers, TCP's ramp-up, and
-the warm start (DDP steps: ``ddp_seconds``).
+Not modelled: the round's own arithmetic outside the reduce (pseudo-gradient, encode and decode, outer step:
+``bench/time_to_loss.py`` adds what each blocking round measured; ``diloco plan`` takes it as part of the step
+time it is given), stragglers, TCP's ramp-up, one latency per hop (a sync pays one: a ring of W workers pays
+about 2(W-1)), and the warm start (DDP steps: ``ddp_seconds``).
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from diloco_core import Codec, MergeRule, codec_for
@@ -62,12 +65,21 @@ class Method:
             raise ValueError(f"mode={self.mode!r} is invalid: expected one of {list(MODES)}")
         if self.inner_steps < 1:
             raise ValueError(f"inner_steps={self.inner_steps!r} is invalid: expected >= 1")
-        if self.fragments < 1 or (self.mode == "streaming" and self.overlap_steps < 0):
-            raise ValueError(f"fragments={self.fragments}, overlap_steps={self.overlap_steps}: expected >= 1, >= 0")
+        if not 1 <= self.fragments <= self.inner_steps:
+            raise ValueError(
+                f"fragments={self.fragments!r} is invalid: expected in [1, inner_steps={self.inner_steps}]"
+            )
+        if not 0 <= self.overlap_steps < self.inner_steps:
+            raise ValueError(
+                f"overlap_steps={self.overlap_steps!r} is invalid: expected in [0, inner_steps - 1={self.inner_steps - 1}]"
+            )
 
     def hidden_steps(self) -> int:
-        """Steps a sync's link time can hide behind."""
-        return {"blocking": 0, "streaming": self.overlap_steps, "eager": self.inner_steps}[self.mode]
+        """Steps a sync's link time can hide behind: a streaming fragment's at most the steps until the next
+        fragment's sync (one link carries them one after another)."""
+        if self.mode == "streaming":
+            return min(self.overlap_steps, self.inner_steps // self.fragments)
+        return self.inner_steps if self.mode == "eager" else 0
 
 
 def sync_bytes(params: int, codec: str | Codec, *, workers: int, rule: MergeRule = MergeRule.ROBUST) -> int:
@@ -97,6 +109,9 @@ def ddp_seconds(*, step_s: float, grad_bytes: float, link: Link, workers: int) -
 
 @dataclass(frozen=True)
 class Row:
+    """One mode at one H; ``utilization`` and ``seconds_per_1000`` are NaN where the trainer refuses the setting
+    (streaming with ``overlap_steps >= H``)."""
+
     inner_steps: int
     mode: str
     utilization: float
@@ -115,16 +130,31 @@ def plan(
     overlap_steps: int,
 ) -> list[Row]:
     """Utilization and seconds per 1,000 steps of each mode at each H."""
-    if params < 1 or not step_s > 0 or workers < 2:
-        raise ValueError(f"params={params}, step_s={step_s}, workers={workers}: expected >= 1, > 0, >= 2")
+    for name, value, ok, valid in (
+        ("params", params, params >= 1, ">= 1"),
+        ("step_s", step_s, step_s > 0, "> 0"),
+        ("workers", workers, workers >= 2, ">= 2"),
+    ):
+        if not ok:
+            raise ValueError(f"{name}={value!r} is invalid: expected {valid}")
     round_bytes = sync_bytes(params, codec, workers=workers)
     rows = []
     for h in inner_steps:
         for mode in MODES:
-            parts = min(fragments, h) if mode == "streaming" else 1  # a round has at most H fragments
-            method = Method(mode, h, parts, overlap_steps)
+            if mode == "streaming" and overlap_steps >= h:
+                rows.append(Row(inner_steps=h, mode=mode, utilization=math.nan, seconds_per_1000=math.nan))
+                continue
+            streaming = mode == "streaming"
+            method = Method(
+                mode=mode,
+                inner_steps=h,
+                fragments=min(fragments, h) if streaming else 1,  # a round has at most H fragments
+                overlap_steps=overlap_steps if streaming else 0,
+            )
             per_round = seconds_per_round(
                 step_s=step_s, round_bytes=round_bytes, link=link, workers=workers, method=method
             )
-            rows.append(Row(h, mode, h * step_s / per_round, 1000 * per_round / h))
+            rows.append(
+                Row(inner_steps=h, mode=mode, utilization=h * step_s / per_round, seconds_per_1000=1000 * per_round / h)
+            )
     return rows

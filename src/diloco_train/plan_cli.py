@@ -10,7 +10,9 @@ from diloco_core import CODECS, MergeRule
 
 from .plan import MODES, Link, Row, ddp_seconds, plan, sync_bytes
 
-__all__ = ["add_plan_parser", "plan_main"]
+__all__ = ["PLAN_EXAMPLE", "configure_plan_parser", "plan_main"]
+
+PLAN_EXAMPLE = "e.g. diloco plan --params 150m --step-s 0.4 --link-mbit 1000 --latency-ms 20 --workers 8"
 
 _SUFFIX = {"k": 1e3, "m": 1e6, "b": 1e9, "g": 1e9}
 
@@ -21,7 +23,7 @@ def _count(text: str) -> int:
     number = text[:-1] if scale != 1.0 else text
     try:
         value = round(float(number) * scale)
-    except ValueError:
+    except (ValueError, OverflowError):  # OverflowError: inf
         raise argparse.ArgumentTypeError(f"{text!r} is not a count (e.g. 150e6, 150m, 1.1b)") from None
     if value < 1:
         raise argparse.ArgumentTypeError(f"{text!r} is invalid: expected at least 1 parameter")
@@ -38,12 +40,8 @@ def _steps(text: str) -> tuple[int, ...]:
     return tuple(sorted(set(values)))
 
 
-def add_plan_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser(
-        "plan",
-        help="predict compute utilization and time per 1,000 steps for H and each overlap mode on a link",
-        epilog="e.g. diloco plan --params 150m --step-s 0.4 --link-mbit 1000 --latency-ms 20 --workers 8",
-    )
+def configure_plan_parser(p: argparse.ArgumentParser) -> None:
+    """The options of ``diloco plan`` on its subparser."""
     p.add_argument("--params", type=_count, required=True, help="parameters of the model (150e6, 150m, 1.1b)")
     p.add_argument("--step-s", type=float, required=True, help="measured seconds of one inner step on one worker")
     p.add_argument("--link-mbit", type=float, required=True, help="each worker's link rate in Mbit/s")
@@ -106,15 +104,21 @@ def plan_main(args: argparse.Namespace) -> int:
     print(head + "\n|" + "---|" * (1 + 2 * len(MODES)))
     for h in args.inner_steps:
         cells = [r for r in rows if r.inner_steps == h]
-        print(f"| {h} | " + " | ".join(f"{100 * r.utilization:.1f}% | {r.seconds_per_1000:,.0f}" for r in cells) + " |")
+        text = [
+            f"{100 * r.utilization:.1f}% | {r.seconds_per_1000:,.0f}" if r.utilization == r.utilization else "n/a | n/a"
+            for r in cells
+        ]
+        print(f"| {h} | " + " | ".join(text) + " |")
     print(f"\nsmallest H with utilization >= {100 * args.target:g}%:")
     for mode, row in recommend(rows, target=args.target).items():
         found = f"H = {row.inner_steps} ({100 * row.utilization:.1f}%)" if row else "none of the H listed"
         print(f"  {mode}: {found}")
     print(
-        f"\nassumptions: streaming in {args.fragments} fragments, each hidden behind {args.overlap_steps} step(s); "
+        f"\nassumptions: streaming in {args.fragments} fragments (at most H), each hidden behind "
+        f"{args.overlap_steps} step(s) (at most H / fragments; n/a: overlap_steps >= H, which the trainer refuses); "
         "eager hides a round behind the next H steps; bytes as the torch transport sends them (fp32 rounds of 3+ "
-        "workers all-gathered for the robust merge); the outer step's arithmetic, stragglers, TCP ramp-up and a "
-        "DDP warm start are not modelled. Loss per step is not predicted: larger H costs loss (docs/trainer.md)."
+        "workers all-gathered for the robust merge); one latency per sync. Not modelled: the round's arithmetic "
+        "outside the reduce (add it to --step-s / H), stragglers, TCP ramp-up, a DDP warm start. Loss per step is "
+        "not predicted: larger H costs loss (docs/trainer.md)."
     )
     return 0
