@@ -64,6 +64,7 @@ METHODS: dict[str, tuple[list[str], Method | None]] = {
     ),
 }
 RATES = {"100mbit": 100.0, "1gbit": 1000.0, "free": 0.0, "inproc-100mbit": 100.0}
+TBF_BURST = 512 * 1024  # bytes: shaped_link.sh's tbf "burst 512kb"
 INPROC = "inproc-"  # 4 in-process workers, each behind its own simulated link (their own DDP target)
 PLAN = {  # link -> methods (the full benchmark)
     "100mbit": list(METHODS),
@@ -201,12 +202,17 @@ def predict(records: list[dict], *, upto: int, method: Method | None, link: Link
     step_s = statistics.fmean(r["compute_s"] for r in steps)
     total = len(steps) * step_s
     at_rounds = {r["step"] for r in rounds}
+
+    def carried(r: dict) -> int:  # a full-duplex link of its own carries the busier direction; a shared one all
+        return r["bytes_sent"] if link.shared else max(r["bytes_sent"], r["bytes_received"])
+
     for r in steps:  # bytes at a step without a round: DDP's gradients (its own, a warm start's)
         if r["bytes_sent"] and r["step"] not in at_rounds:
-            total += ddp_seconds(step_s=0.0, grad_bytes=r["bytes_sent"], link=link, workers=workers)
+            total += ddp_seconds(step_s=step_s, grad_bytes=carried(r), link=link, workers=workers) - step_s
     hidden_s = method.hidden_steps() * step_s if method else 0.0
+    idle_s = method.steps_between_syncs() * step_s if method else 0.0
     for r in rounds:
-        total += exposed(link.seconds(r["bytes_sent"], workers=workers), hidden_s=hidden_s)
+        total += exposed(link.seconds(carried(r), workers=workers, idle_s=idle_s), hidden_s=hidden_s)
         if method is not None and method.mode == "blocking":  # the round's own arithmetic, as measured
             total += max(0.0, r["round_s"] - r["comm_s"])
     return total
@@ -218,7 +224,9 @@ def link_of(name: str, *, simulated: bool) -> Link:
     rate = RATES[name]
     if name.startswith(INPROC):
         return Link(mbit=rate)
-    return Link(mbit=rate / 2, shared=False) if simulated and rate else Link(mbit=rate, shared=True)
+    if simulated and rate:
+        return Link(mbit=rate / 2)
+    return Link(mbit=rate, shared=True, burst_bytes=TBF_BURST)
 
 
 def measure(args: argparse.Namespace) -> dict[str, dict]:

@@ -20,6 +20,11 @@ def test_link_seconds_are_latency_plus_bytes_over_the_rate_and_a_shared_link_car
     assert shared.seconds(12.5e6, workers=2) == pytest.approx(2.0)
     assert Link(mbit=1000, latency_ms=20).seconds(12.5e6, workers=8) == pytest.approx(0.12)
     assert Link(mbit=0, latency_ms=5).seconds(1e12, workers=2) == pytest.approx(0.005)  # no rate limit
+    # a token bucket (tc tbf) lets its burst through at once once the compute before the sync refilled it
+    tbf = Link(mbit=100, shared=True, burst_bytes=512 * 1024)
+    assert tbf.seconds(3.0e6, workers=2, idle_s=1.0) == pytest.approx((6.0e6 - 524_288) / 12.5e6)
+    assert tbf.seconds(3.0e6, workers=2, idle_s=0.01) == pytest.approx((6.0e6 - 125_000) / 12.5e6)  # partly refilled
+    assert tbf.seconds(100.0, workers=2, idle_s=1.0) == 0.0
     with pytest.raises(ValueError, match=r"mbit=-1 is invalid: expected a rate >= 0"):
         Link(mbit=-1)
 
@@ -62,18 +67,21 @@ def _row(out: str, h: int) -> list[str]:
 def test_plan_prints_the_models_figures_for_the_benchmarks_configuration(capsys: pytest.CaptureFixture) -> None:
     # bench/time_to_loss.py at 100 Mbit/s: 2 gloo workers on one shaped queue, tiny model, int4, H = 10,
     # a step of 0.09 s (its runs' mean compute at batch 16 x 64)
-    argv = ["plan", "--params", str(TINY), "--step-s", "0.09", "--link-mbit", "100", "--shared", "--workers", "2"]
-    assert main([*argv, "--inner-steps", "1,10,100", "--fragments", "2", "--overlap-steps", "1"]) == 0
+    argv = ["plan", "--params", str(TINY), "--step-s", "0.09", "--link-mbit", "100", "--shared", "--burst-kb", "512"]
+    assert main([*argv, "--workers", "2", "--inner-steps", "1,10,100", "--fragments", "2", "--overlap-steps", "1"]) == 0
     out = capsys.readouterr().out
-    link = Link(mbit=100, shared=True)
+    link = Link(mbit=100, shared=True, burst_bytes=512 * 1024)  # bench/time_to_loss.py's link_of("100mbit")
     nbytes = sync_bytes(TINY, "int4", workers=2)
     blocking = seconds_per_round(step_s=0.09, round_bytes=nbytes, link=link, workers=2, method=Method("blocking", 10))
     util, per_1k = _row(out, 10)[1:3]
     assert util == f"{100 * 0.9 / blocking:.1f}%" and per_1k == f"{1000 * blocking / 10:,.0f}"
     ddp = ddp_seconds(step_s=0.09, grad_bytes=4 * TINY, link=link, workers=2)
     assert f"{1000 * ddp:,.0f} s per 1,000 steps, utilization {100 * 0.09 / ddp:.1f}%" in out
-    # the smallest H at or above 90%: blocking 10 (H = 1 waits 0.076 s after each 0.09 s step)
+    # the smallest H at or above 90%: blocking 10 (at H = 1, 0.95 MB from both workers less the 0.52 MB burst
+    # still waits 0.034 s after each 0.09 s step: 73%)
     assert re.search(r"blocking: H = 10 \(9\d\.\d%\)", out), out
+    assert _row(out, 1)[1] == f"{100 * 0.09 / (0.09 + (2 * nbytes - 512 * 1024) / 12.5e6):.1f}%"
+    assert _row(out, 1)[3:5] == ["n/a", "n/a"]  # streaming with overlap_steps >= H: refused by the trainer
     assert "predicted, not measured" in out and "assumptions:" in out
 
 

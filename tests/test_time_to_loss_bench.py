@@ -42,18 +42,43 @@ def test_training_seconds_leave_out_the_evals_and_the_target_is_the_first_eval_a
 
 def test_the_prediction_charges_ddp_steps_fully_and_hides_rounds_as_the_mode_does() -> None:
     link = Link(mbit=100, shared=True)  # 1 MB from each of 2 workers: 0.16 s
-    records = [{"type": "step", "step": s, "round": 0, "compute_s": 0.1, "bytes_sent": 1_000_000} for s in (1, 2)]
+    records = [
+        {"type": "step", "step": s, "round": 0, "compute_s": 0.1, "bytes_sent": 1_000_000, "bytes_received": 1_000_000}
+        for s in (1, 2)
+    ]
     records += [
-        {"type": "step", "step": s, "round": 1, "compute_s": 0.1, "bytes_sent": 0 if s < 12 else 1_000_000}
+        {
+            "type": "step",
+            "step": s,
+            "round": 1,
+            "compute_s": 0.1,
+            "bytes_sent": 0 if s < 12 else 1_000_000,
+            "bytes_received": 0,
+        }
         for s in range(3, 13)
     ]
-    records.append({"type": "round", "step": 12, "bytes_sent": 1_000_000, "round_s": 0.5, "comm_s": 0.45})
+    records.append(
+        {
+            "type": "round",
+            "step": 12,
+            "bytes_sent": 1_000_000,
+            "bytes_received": 1_000_000,
+            "round_s": 0.5,
+            "comm_s": 0.45,
+        }
+    )
     steps = 12 * 0.1
     # blocking: 2 warm-start reduces, the round's, and the round's own 0.05 s outside its reduce
     assert predict(records, upto=12, method=Method("blocking", 10), link=link) == pytest.approx(steps + 3 * 0.16 + 0.05)
     assert predict(records, upto=12, method=Method("eager", 10), link=link) == pytest.approx(steps + 2 * 0.16)
     assert predict(records, upto=11, method=Method("blocking", 10), link=link) == pytest.approx(1.1 + 2 * 0.16)
     assert predict(records, upto=2, method=None, link=link) == pytest.approx(0.2 + 2 * 0.16)  # DDP: every step
+    # a link of each worker's own (the simulated link, in-process workers) carries the busier direction
+    own = Link(mbit=100)
+    records[-1] |= {"bytes_received": 4_000_000}  # the round: 1 MB out, 4 MB in (0.32 s)
+    assert predict(records, upto=12, method=Method("blocking", 10), link=own, workers=4) == pytest.approx(
+        steps + 2 * 0.08 + 0.32 + 0.05
+    )
 
 
 def test_commands_put_the_run_on_its_link_and_ddp_runs_its_own_steps(tmp_path: Path) -> None:

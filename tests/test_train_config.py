@@ -9,7 +9,7 @@ import tomllib
 
 from diloco_core import Capabilities
 from diloco_train.config import build_config, dump_toml, load_toml, parse_override
-from diloco_train.modes import warm_start_steps
+from diloco_train.modes import ddp_wire, warm_start_steps
 
 
 @pytest.mark.timeout(30)
@@ -17,10 +17,28 @@ def test_defaults_and_trainer_defaults() -> None:
     c = build_config()
     assert c.train.mode == "diloco" and c.train.workers == 4 and c.model.preset == "tiny"
     assert c.diloco.inner_steps == 10 and c.diloco.outer_lr is None and c.diloco.outer_momentum == 0.5
-    assert c.diloco.codec == "int4" and c.diloco.error_feedback and c.train.ddp_wire_dtype == "fp32"
+    assert c.diloco.codec == "int4" and c.diloco.error_feedback and c.train.ddp_wire_dtype is None
     assert c.diloco.nesterov and c.train.ddp_warm_start is None  # a twelfth of the steps (modes.warm_start_steps)
     assert "outer_lr" not in c.to_dict()["diloco"]  # unset stays unset in a run's config.toml: the rule decides
     assert c.transport == {"kind": "inprocess"}
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize(
+    ("overrides", "wire"),
+    [
+        ([], "int4"),  # the warm start on the rounds' codec
+        (["train.mode=ddp"], "fp32"),  # the DDP baseline stays exact
+        (["diloco.codec=fp32"], "fp32"),
+        (["diloco.codec=sign"], "int4"),  # sign gradients lost 3.4%: not the warm start's default
+        (["diloco.codec=sign", "train.ddp_wire_dtype=sign"], "sign"),  # named: as named
+        (["train.mode=ddp", "train.ddp_wire_dtype=int8"], "int8"),
+    ],
+)
+def test_ddp_gradients_travel_fp32_in_ddp_mode_and_on_the_rounds_codec_in_a_warm_start(overrides, wire) -> None:
+    config = build_config(overrides=overrides)
+    assert ddp_wire(config) == wire
+    assert "ddp_wire_dtype" not in config.to_dict()["train"] or overrides[-1].startswith("train.ddp_wire_dtype")
 
 
 @pytest.mark.timeout(30)

@@ -86,8 +86,13 @@ class TrainConfig:
     """diloco mode: steps of DDP (gradients averaged every step) before the first DiLoCo round starts. None: a
     twelfth of ``steps`` (50 of the default run's 600) where the transport's ranks are fixed (in-process, torch),
     0 where peers come and go (hivemind: a joiner could not take part in a DDP phase)."""
-    ddp_wire_dtype: str = field(default="fp32", metadata=choice(sorted(CODECS)))
-    """The wire of DDP's gradients (ddp mode, diloco's warm start): a codec name as ``diloco.codec``."""
+    ddp_wire_dtype: str | None = field(
+        default=None, metadata=rule(lambda v: v is None or v in CODECS, f"one of {sorted(CODECS)}")
+    )
+    """The wire of DDP's gradients (ddp mode, diloco's warm start): a codec name as ``diloco.codec``. None: fp32 in
+    ddp mode; in diloco's warm start the rounds' ``diloco.codec`` (int4 by default; int4 where the rounds go 1-bit):
+    at 100 Mbit/s an fp32 warm start was half of the old default's time to DDP's loss, and an int4 one reached it
+    at the same step (docs/results.md, "Time to a target loss")."""
     warm_start_sync: str = field(default="gradients", metadata=choice(WARM_START_SYNCS))
     """What diloco's warm start averages every step: ``gradients`` (DDP: one AdamW step on the mean gradient) or
     ``updates`` (each worker's own AdamW step, then the mean of the workers' weights: DiLoCo with H = 1 and

@@ -6,7 +6,8 @@ The model, per worker (every worker alike):
 - a step computes for ``step_s`` seconds (forward, backward, optimizer: measured, not modelled);
 - a sync moves ``bytes_out`` bytes out of each worker (the torch transport's paths: ``wire_bytes``) over the
   link in ``latency + bytes x 8 / rate`` seconds; a ``shared`` link (one queue for every worker, as the
-  benchmark's ``tc`` loopback is) carries every worker's bytes in turn;
+  benchmark's ``tc`` loopback is) carries every worker's bytes in turn; a token-bucket link (``tc tbf``'s
+  ``burst``) lets up to ``burst_bytes`` through at once after the compute before the sync refilled them;
 - what the link time is hidden behind: nothing for DDP's gradients and blocking rounds; the next ``H`` steps
   for eager rounds; ``overlap_steps`` steps for each streaming fragment. A step waits for the rest.
 
@@ -31,23 +32,31 @@ MODES = ("blocking", "streaming", "eager")
 
 @dataclass(frozen=True)
 class Link:
-    """Each worker's link: ``mbit`` (10^6 bit/s; 0: no limit), a ``latency_ms`` per sync, and whether every
-    worker's traffic shares it (``shared``) or each worker has its own full-duplex link."""
+    """Each worker's link: ``mbit`` (10^6 bit/s; 0: no limit), a ``latency_ms`` per sync, whether every worker's
+    traffic shares it (``shared``) or each worker has its own full-duplex link, and a token bucket's depth
+    (``burst_bytes``: tc tbf's ``burst``; 0 for a plain link)."""
 
     mbit: float
     latency_ms: float = 0.0
     shared: bool = False
+    burst_bytes: float = 0.0
 
     def __post_init__(self) -> None:
         if not self.mbit >= 0:
             raise ValueError(f"link mbit={self.mbit!r} is invalid: expected a rate >= 0 (0: no limit)")
         if not self.latency_ms >= 0:
             raise ValueError(f"link latency_ms={self.latency_ms!r} is invalid: expected >= 0")
+        if not self.burst_bytes >= 0:
+            raise ValueError(f"link burst_bytes={self.burst_bytes!r} is invalid: expected >= 0")
 
-    def seconds(self, nbytes: float, *, workers: int) -> float:
-        """Seconds until a sync that sends ``nbytes`` out of each of ``workers`` workers is through."""
-        on_link = nbytes * (workers if self.shared else 1)
-        return self.latency_ms / 1e3 + (on_link * 8 / (self.mbit * 1e6) if self.mbit else 0.0)
+    def seconds(self, nbytes: float, *, workers: int, idle_s: float = 0.0) -> float:
+        """Seconds until a sync that sends ``nbytes`` out of each of ``workers`` workers is through, the link
+        idle for ``idle_s`` before it (a token bucket refills meanwhile, up to ``burst_bytes``)."""
+        if not self.mbit:
+            return self.latency_ms / 1e3
+        rate = self.mbit * 1e6 / 8  # bytes per second
+        on_link = max(0.0, nbytes * (workers if self.shared else 1) - min(self.burst_bytes, idle_s * rate))
+        return self.latency_ms / 1e3 + on_link / rate
 
 
 @dataclass(frozen=True)
@@ -74,6 +83,10 @@ class Method:
                 f"overlap_steps={self.overlap_steps!r} is invalid: expected in [0, inner_steps - 1={self.inner_steps - 1}]"
             )
 
+    def steps_between_syncs(self) -> int:
+        """Steps of compute before each sync (the link idle meanwhile): a round's, or a fragment's share."""
+        return self.inner_steps // self.fragments if self.mode == "streaming" else self.inner_steps
+
     def hidden_steps(self) -> int:
         """Steps a sync's link time can hide behind: a streaming fragment's at most the steps until the next
         fragment's sync (one link carries them one after another)."""
@@ -98,13 +111,14 @@ def exposed(link_s: float, *, hidden_s: float) -> float:
 def seconds_per_round(*, step_s: float, round_bytes: float, link: Link, workers: int, method: Method) -> float:
     """Wall seconds of one round of ``method.inner_steps`` steps whose syncs send ``round_bytes`` per worker."""
     syncs = method.fragments if method.mode == "streaming" else 1
-    link_s = link.seconds(round_bytes / syncs, workers=workers)
+    idle_s = method.steps_between_syncs() * step_s
+    link_s = link.seconds(round_bytes / syncs, workers=workers, idle_s=idle_s)
     return method.inner_steps * step_s + syncs * exposed(link_s, hidden_s=method.hidden_steps() * step_s)
 
 
 def ddp_seconds(*, step_s: float, grad_bytes: float, link: Link, workers: int) -> float:
     """Wall seconds of one DDP step (its gradient reduce after the backward, nothing hidden)."""
-    return step_s + link.seconds(grad_bytes, workers=workers)
+    return step_s + link.seconds(grad_bytes, workers=workers, idle_s=step_s)
 
 
 @dataclass(frozen=True)

@@ -47,6 +47,7 @@ def configure_plan_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--link-mbit", type=float, required=True, help="each worker's link rate in Mbit/s")
     p.add_argument("--latency-ms", type=float, default=0.0, help="latency per sync (default 0)")
     p.add_argument("--shared", action="store_true", help="every worker's traffic shares the one link (one queue)")
+    p.add_argument("--burst-kb", type=float, default=0.0, help="a token-bucket link's burst in KiB (tc tbf; default 0)")
     p.add_argument("--workers", type=int, default=4, help="workers averaging (default 4)")
     p.add_argument("--codec", default="int4", choices=sorted(CODECS), help="pseudo-gradient wire (default int4)")
     p.add_argument("--inner-steps", type=_steps, default=(1, 2, 5, 10, 20, 50, 100, 200, 500), metavar="H,H,...")
@@ -60,6 +61,7 @@ def _check(args: argparse.Namespace) -> None:
         ("--step-s", args.step_s, args.step_s > 0, "> 0"),
         ("--link-mbit", args.link_mbit, args.link_mbit >= 0, ">= 0 (0: no limit)"),
         ("--latency-ms", args.latency_ms, args.latency_ms >= 0, ">= 0"),
+        ("--burst-kb", args.burst_kb, args.burst_kb >= 0, ">= 0"),
         ("--workers", args.workers, args.workers >= 2, ">= 2"),
         ("--fragments", args.fragments, args.fragments >= 1, ">= 1"),
         ("--overlap-steps", args.overlap_steps, args.overlap_steps >= 0, ">= 0"),
@@ -77,7 +79,7 @@ def recommend(rows: list[Row], *, target: float) -> dict[str, Row | None]:
 
 def plan_main(args: argparse.Namespace) -> int:
     _check(args)
-    link = Link(mbit=args.link_mbit, latency_ms=args.latency_ms, shared=args.shared)
+    link = Link(mbit=args.link_mbit, latency_ms=args.latency_ms, shared=args.shared, burst_bytes=args.burst_kb * 1024)
     rows = plan(
         params=args.params,
         step_s=args.step_s,
