@@ -8,9 +8,10 @@ seeds, each method on the same link:
 - every other method runs up to ``--cap`` x ``--steps`` steps (its learning-rate schedule over that many) and is
   stopped at its first eval (every 10 steps) at or below the target: a method that needs more steps pays for
   them. ``ddp-int8``: DDP with int8 gradients and error feedback. ``diloco``: the trainer's DiLoCo defaults
-  (H = 10, int4 pseudo-gradients, fp32 DDP warm start for a twelfth of the steps); ``diloco-fp32``, ``sign``,
-  ``eager``, ``streaming`` (P = 2, tau = 1) and ``warm-int4`` (the warm start's gradients on int4) change one
-  thing each.
+  (H = 10, int4 pseudo-gradients, a DDP warm start for a twelfth of the steps on the rounds' codec, int4);
+  ``diloco-warm-fp32`` (the defaults before 9e2fa7e: the warm start's gradients in fp32), ``diloco-fp32`` (fp32
+  rounds and warm start), ``eager`` and the ``-warm-fp32`` variants of eager, streaming (P = 2, tau = 1) and
+  sign rounds change one thing each.
 
 Links: ``100mbit`` and ``1gbit`` are ``bench/shaped_link.sh RATE`` (one ``tc tbf`` queue shared by both
 workers in both directions; root) or with ``--simulated`` the simulated link at half the rate (what one queue
@@ -23,7 +24,9 @@ Time to target = the training loop's seconds (``time_s``) at that eval, less the
 measured mean step compute (``compute_s``), its measured bytes per sync and the link's rate, and gives the
 seconds to the same step. A run already finished in ``--out`` is read, not rerun.
 
-    sudo true; PYTHONPATH=src python bench/time_to_loss.py --out runs/ttl            # 3 seeds, about 80 min
+    sudo true; PYTHONPATH=src python bench/time_to_loss.py --out runs/ttl            # 3 seeds, about 2 hours
+    PYTHONPATH=src python bench/time_to_loss.py --out runs/ttl --seeds 2 --links 100mbit,1gbit,free \
+        --methods diloco,diloco-warm-fp32,eager                                      # a subset (ddp always)
     PYTHONPATH=src python bench/time_to_loss.py --quick --out runs/ttl-quick        # under 10 min
 """
 
@@ -46,20 +49,18 @@ HERE = Path(__file__).resolve().parent
 EVAL_EVERY = 10
 
 # name -> (trainer settings, sync method of its rounds (None: DDP))
+FP32_WARM = "train.ddp_wire_dtype=fp32"  # the warm start's wire before 9e2fa7e made it the rounds' codec
 METHODS: dict[str, tuple[list[str], Method | None]] = {
     "ddp": (["train.mode=ddp"], None),
     "ddp-int8": (["train.mode=ddp", "train.ddp_wire_dtype=int8"], None),
     "diloco": (["train.mode=diloco"], Method("blocking", 10)),
+    "diloco-warm-fp32": (["train.mode=diloco", FP32_WARM], Method("blocking", 10)),
     "diloco-fp32": (["train.mode=diloco", "diloco.codec=fp32"], Method("blocking", 10)),
-    "sign": (["train.mode=diloco", "diloco.codec=sign"], Method("blocking", 10)),
-    "warm-int4": (["train.mode=diloco", "train.ddp_wire_dtype=int4"], Method("blocking", 10)),
+    "sign-warm-fp32": (["train.mode=diloco", "diloco.codec=sign", FP32_WARM], Method("blocking", 10)),
     "eager": (["train.mode=diloco", "diloco.overlap=eager"], Method("eager", 10)),
-    "eager-warm-int4": (
-        ["train.mode=diloco", "diloco.overlap=eager", "train.ddp_wire_dtype=int4"],
-        Method("eager", 10),
-    ),
-    "streaming": (
-        ["train.mode=diloco", "diloco.overlap=streaming", "diloco.fragments=2", "diloco.overlap_steps=1"],
+    "eager-warm-fp32": (["train.mode=diloco", "diloco.overlap=eager", FP32_WARM], Method("eager", 10)),
+    "streaming-warm-fp32": (
+        ["train.mode=diloco", "diloco.overlap=streaming", "diloco.fragments=2", "diloco.overlap_steps=1", FP32_WARM],
         Method("streaming", 10, fragments=2, overlap_steps=1),
     ),
 }
@@ -68,11 +69,11 @@ TBF_BURST = 512 * 1024  # bytes: shaped_link.sh's tbf "burst 512kb"
 INPROC = "inproc-"  # 4 in-process workers, each behind its own simulated link (their own DDP target)
 PLAN = {  # link -> methods (the full benchmark)
     "100mbit": list(METHODS),
-    "1gbit": ["ddp", "ddp-int8", "diloco", "warm-int4", "eager-warm-int4"],
-    "free": ["ddp", "diloco", "warm-int4", "eager-warm-int4"],
-    "inproc-100mbit": ["ddp", "diloco", "eager-warm-int4"],
+    "1gbit": ["ddp", "ddp-int8", "diloco", "diloco-warm-fp32", "eager"],
+    "free": ["ddp", "diloco", "diloco-warm-fp32", "eager"],
+    "inproc-100mbit": ["ddp", "diloco-warm-fp32", "eager"],
 }
-QUICK = {"100mbit": ["ddp", "diloco", "eager-warm-int4"], "free": ["eager-warm-int4"]}
+QUICK = {"100mbit": ["ddp", "diloco", "eager"], "free": ["diloco"]}
 
 
 @dataclass(frozen=True)
@@ -241,6 +242,8 @@ def measure(args: argparse.Namespace) -> dict[str, dict]:
                 continue
             world = link.startswith(INPROC)
             for method in methods:
+                if args.methods and method not in args.methods and method != "ddp":  # ddp: the target
+                    continue
                 name = f"{link}-{method}-s{seed}"
                 run_dir = args.out / name
                 ddp = method == "ddp"
@@ -367,11 +370,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--cap", type=float, default=2.0, help="the other methods' step cap, a multiple of --steps")
     p.add_argument("--simulated", action="store_true", help="the simulated link instead of tc (no root needed)")
     p.add_argument("--links", default="", help=f"comma-separated, of {list(RATES)} (default: all)")
+    p.add_argument("--methods", default="", help="comma-separated, of the plan's methods (default: all; ddp always)")
     args = p.parse_args(argv)
     args.seeds = [0] if args.quick else [int(x) for x in args.seeds.split(",")]
     if args.quick:
         args.steps = 100
     args.links = [x for x in args.links.split(",") if x]
+    args.methods = [x for x in args.methods.split(",") if x]
+    if set(args.methods) - set(METHODS):
+        p.error(f"--methods: {sorted(set(args.methods) - set(METHODS))} invalid, expected some of {list(METHODS)}")
     if set(args.links) - set(RATES):
         p.error(f"--links: {sorted(set(args.links) - set(RATES))} invalid, expected some of {list(RATES)}")
     if not args.simulated and os.geteuid() != 0:

@@ -25,6 +25,8 @@ UNIT_MODULES = frozenset(
         "test_train_model",
         "test_convergence_bench",
         "test_utilization_bench",
+        "test_plan",
+        "test_time_to_loss_bench",
     }
 )
 TIERS = ("unit", "integration", "slow")

@@ -4,6 +4,8 @@ hides, the CLI's table and recommendation for the time-to-loss benchmark's own c
 from __future__ import annotations
 
 import re
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -83,6 +85,32 @@ def test_plan_prints_the_models_figures_for_the_benchmarks_configuration(capsys:
     assert _row(out, 1)[1] == f"{100 * 0.09 / (0.09 + (2 * nbytes - 512 * 1024) / 12.5e6):.1f}%"
     assert _row(out, 1)[3:5] == ["n/a", "n/a"]  # streaming with overlap_steps >= H: refused by the trainer
     assert "predicted, not measured" in out and "assumptions:" in out
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("link_name", ["100mbit", "1gbit"])
+@pytest.mark.parametrize("method_name", ["diloco", "eager", "streaming-warm-fp32", "sign-warm-fp32"])
+def test_plan_gives_the_benchmarks_prediction_for_each_of_its_configurations(
+    capsys: pytest.CaptureFixture, link_name: str, method_name: str
+) -> None:
+    """``diloco plan`` with the flags that describe a time-to-loss run gives the seconds per round that the
+    benchmark's prediction (``time_to_loss.predict``, checked against the measured runs) charges it."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+    from time_to_loss import METHODS, link_of
+
+    settings, method = METHODS[method_name]
+    codec = next((x.split("=")[1] for x in settings if x.startswith("diloco.codec=")), "int4")
+    link = link_of(link_name, simulated=False)
+    argv = ["plan", "--params", str(TINY), "--step-s", "0.09", "--link-mbit", f"{link.mbit:g}", "--shared"]
+    argv += ["--burst-kb", f"{link.burst_bytes / 1024:g}", "--workers", "2", "--codec", codec, "--inner-steps", "10"]
+    argv += ["--fragments", str(method.fragments), "--overlap-steps", str(method.overlap_steps)]
+    assert main(argv) == 0
+    row = _row(capsys.readouterr().out, 10)
+    col = {"blocking": 1, "streaming": 3, "eager": 5}[method.mode]
+    per_round = seconds_per_round(
+        step_s=0.09, round_bytes=sync_bytes(TINY, codec, workers=2), link=link, workers=2, method=method
+    )
+    assert row[col : col + 2] == [f"{100 * 0.9 / per_round:.1f}%", f"{1000 * per_round / 10:,.0f}"]
 
 
 @pytest.mark.timeout(60)

@@ -83,10 +83,10 @@ def test_the_prediction_charges_ddp_steps_fully_and_hides_rounds_as_the_mode_doe
 
 def test_commands_put_the_run_on_its_link_and_ddp_runs_its_own_steps(tmp_path: Path) -> None:
     args = argparse.Namespace(out=tmp_path, simulated=False)
-    cmd = command(name="x", method="eager-warm-int4", link="100mbit", seed=1, steps=800, args=args)
+    cmd = command(name="x", method="eager-warm-fp32", link="100mbit", seed=1, steps=800, args=args)
     assert cmd[0].endswith("shaped_link.sh") and cmd[1] == "100mbit"
     sets = [cmd[i + 1] for i, c in enumerate(cmd) if c == "--set"]
-    assert {"train.seed=1", "train.steps=800", "diloco.overlap=eager", "train.ddp_wire_dtype=int4"} <= set(sets)
+    assert {"train.seed=1", "train.steps=800", "diloco.overlap=eager", "train.ddp_wire_dtype=fp32"} <= set(sets)
     args.simulated = True
     cmd = command(name="x", method="ddp", link="1gbit", seed=0, steps=400, args=args)
     assert "shaped_link.sh" not in " ".join(cmd) and "transport.link_mbit=500" in cmd  # half: one queue, 2 workers
@@ -94,4 +94,4 @@ def test_commands_put_the_run_on_its_link_and_ddp_runs_its_own_steps(tmp_path: P
         command(name="x", method="ddp", link="free", seed=0, steps=4, args=args)
     )
     assert link_of("1gbit", simulated=True) == Link(mbit=500) and link_of("100mbit", simulated=False).shared
-    assert set(METHODS) >= {"ddp", "diloco", "eager", "streaming", "sign"}
+    assert set(METHODS) >= {"ddp", "diloco", "eager", "streaming-warm-fp32", "sign-warm-fp32"}
