@@ -71,7 +71,7 @@ PLAN = {  # link -> methods (the full benchmark)
     "100mbit": list(METHODS),
     "1gbit": ["ddp", "ddp-int8", "diloco", "diloco-warm-fp32", "eager"],
     "free": ["ddp", "diloco", "diloco-warm-fp32", "eager"],
-    "inproc-100mbit": ["ddp", "diloco-warm-fp32", "eager"],
+    "inproc-100mbit": ["ddp", "diloco", "diloco-warm-fp32", "eager"],
 }
 QUICK = {"100mbit": ["ddp", "diloco", "eager"], "free": ["diloco"]}
 
@@ -247,11 +247,13 @@ def measure(args: argparse.Namespace) -> dict[str, dict]:
                 name = f"{link}-{method}-s{seed}"
                 run_dir = args.out / name
                 ddp = method == "ddp"
+                _, curve = read(run_dir)
+                if not curve.finished and args.report:
+                    continue
                 if not ddp and world not in targets:
                     raise SystemExit(
                         f"--links: {link} needs DDP's target: name a link of its world that runs ddp first"
                     )
-                _, curve = read(run_dir)
                 if not curve.finished:
                     if run_dir.exists():
                         import shutil
@@ -268,19 +270,25 @@ def measure(args: argparse.Namespace) -> dict[str, dict]:
                     targets[world] = curve.losses[-1]
                 target = targets[world]
                 at = curve.reach(target)
-                row = {"seed": seed, "link": link, "method": method, "target": target, "curve": vars(curve)}
+                model = {
+                    "method": METHODS[method][1],
+                    "link": link_of(link, simulated=args.simulated),
+                    "workers": 4 if world else 2,
+                }
+                predicted = [predict(records, upto=step, **model) for step in curve.steps]
+                row = {
+                    "seed": seed,
+                    "link": link,
+                    "method": method,
+                    "target": target,
+                    "curve": vars(curve) | {"predicted": predicted},
+                }
                 if at is not None:
                     step = curve.steps[at]
                     row |= {
                         "step": step,
                         "seconds": curve.seconds[at],
-                        "predicted": predict(
-                            records,
-                            upto=step,
-                            method=METHODS[method][1],
-                            link=link_of(link, simulated=args.simulated),
-                            workers=4 if world else 2,
-                        ),
+                        "predicted": predicted[at],
                         "bytes": sum(r["bytes_sent"] for r in records if r["type"] == "step" and r["step"] <= step),
                         "compute_s": sum(r["compute_s"] for r in records if r["type"] == "step" and r["step"] <= step),
                     }
@@ -289,10 +297,15 @@ def measure(args: argparse.Namespace) -> dict[str, dict]:
 
 
 def _ms(values: list[float]) -> str:
+    """Mean (spread max - min) of ``values``; thousands without an exponent."""
+
+    def f(x: float) -> str:
+        return f"{x:,.0f}" if abs(x) >= 100 else f"{x:.3g}"
+
     if not values:
         return "-"
     mean = statistics.fmean(values)
-    return f"{mean:.3g} ({max(values) - min(values):.2g})" if len(values) > 1 else f"{mean:.3g}"
+    return f"{f(mean)} ({f(max(values) - min(values))})" if len(values) > 1 else f(mean)
 
 
 def table(results: dict[str, dict], args: argparse.Namespace) -> str:
@@ -334,11 +347,13 @@ def table(results: dict[str, dict], args: argparse.Namespace) -> str:
 
 
 def plot(results: dict[str, dict], path: Path) -> None:
-    """Eval loss against training seconds, one panel per link; seed 0's curves (the target dotted)."""
+    """Eval loss against training seconds, one panel per link; seed 0's curves measured (solid) and predicted
+    (dashed), the target dotted."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import NullFormatter
 
     links = list(dict.fromkeys(r["link"] for r in results.values()))
     fig, axes = plt.subplots(1, len(links), figsize=(5 * len(links), 4), squeeze=False)
@@ -347,10 +362,12 @@ def plot(results: dict[str, dict], path: Path) -> None:
         for r in results.values():
             if r["link"] == link and r["seed"] == seed:
                 c = r["curve"]
-                ax.plot(c["seconds"], c["losses"], label=r["method"], lw=1)
+                (line,) = ax.plot(c["seconds"], c["losses"], label=r["method"], lw=1)
+                ax.plot(c["predicted"], c["losses"], color=line.get_color(), lw=0.8, ls="--")
                 target = r["target"]
         ax.axhline(target, color="grey", ls=":", lw=0.8)
         ax.set_xscale("log")
+        ax.xaxis.set_minor_formatter(NullFormatter())
         ax.set_ylim(target - 0.1, target + 0.8)
         ax.set_title(f"{link} (seed {seed})")
         ax.set_xlabel("training seconds (log)")
@@ -370,6 +387,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--cap", type=float, default=2.0, help="the other methods' step cap, a multiple of --steps")
     p.add_argument("--simulated", action="store_true", help="the simulated link instead of tc (no root needed)")
     p.add_argument("--links", default="", help=f"comma-separated, of {list(RATES)} (default: all)")
+    p.add_argument("--report", action="store_true", help="run nothing: the table of the runs finished in --out")
     p.add_argument("--methods", default="", help="comma-separated, of the plan's methods (default: all; ddp always)")
     args = p.parse_args(argv)
     args.seeds = [0] if args.quick else [int(x) for x in args.seeds.split(",")]
