@@ -325,6 +325,8 @@ def table(results: dict[str, dict], args: argparse.Namespace) -> str:
     for link, methods in plan.items():
         for method in methods:
             rows = [r for r in results.values() if r["link"] == link and r["method"] == method]
+            if not rows:
+                continue
             done = [r for r in rows if "seconds" in r]
             ratio, ratio100, free, err = [], [], [], []
             for r in done:
