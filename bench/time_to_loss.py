@@ -201,15 +201,14 @@ def predict(records: list[dict], *, upto: int, method: Method | None, link: Link
     steps = [r for r in records if r["type"] == "step" and r["step"] <= upto]
     rounds = [r for r in records if r["type"] == "round" and r["step"] <= upto]
     step_s = statistics.fmean(r["compute_s"] for r in steps)
-    total = len(steps) * step_s
     at_rounds = {r["step"] for r in rounds}
 
     def carried(r: dict) -> int:  # a full-duplex link of its own carries the busier direction; a shared one all
         return r["bytes_sent"] if link.shared else max(r["bytes_sent"], r["bytes_received"])
 
-    for r in steps:  # bytes at a step without a round: DDP's gradients (its own, a warm start's)
-        if r["bytes_sent"] and r["step"] not in at_rounds:
-            total += ddp_seconds(step_s=step_s, grad_bytes=carried(r), link=link, workers=workers) - step_s
+    ddp = [r for r in steps if r["bytes_sent"] and r["step"] not in at_rounds]  # DDP's own, a warm start's
+    total = (len(steps) - len(ddp)) * step_s
+    total += sum(ddp_seconds(step_s=step_s, grad_bytes=carried(r), link=link, workers=workers) for r in ddp)
     hidden_s = method.hidden_steps() * step_s if method else 0.0
     idle_s = method.steps_between_syncs() * step_s if method else 0.0
     for r in rounds:
