@@ -96,3 +96,19 @@ def test_settings_of_a_hugging_face_dataset_without_one_are_refused_not_ignored(
     with pytest.raises(ValueError, match=r"path=.* is invalid: expected empty when hf_dataset is set"):
         DataConfig(path=str(tmp_path), hf_dataset="wikitext")
     assert DataConfig(hf_dataset="wikitext", hf_tokenizer="gpt2", max_documents=5).max_documents == 5
+
+
+@pytest.mark.timeout(30)
+def test_data_settings_that_would_be_ignored_are_refused_in_one_line(tmp_path: Path) -> None:
+    """A split, a text field or a token cache that nothing reads (issue 32: conflicting data settings)."""
+    with pytest.raises(
+        ValueError, match=r"^hf_split='validation' is invalid: expected 'train' \(the default\) without"
+    ):
+        DataConfig(path=str(tmp_path), hf_split="validation")
+    with pytest.raises(ValueError, match=r"^text_field='body' is invalid: expected 'text' \(the default\) without"):
+        DataConfig(text_field="body")
+    with pytest.raises(ValueError, match=r"^token_cache=.* is invalid: expected empty without data.streaming=true"):
+        DataConfig(token_cache=str(tmp_path))
+    assert DataConfig(path=str(tmp_path), text_field="body").text_field == "body"
+    assert DataConfig(hf_dataset="x", hf_split="validation", text_field="body").hf_split == "validation"
+    assert DataConfig(streaming=True, token_cache=str(tmp_path)).streaming

@@ -3,32 +3,28 @@
 With no path configured the corpus is the running interpreter's own standard library (*.py files,
 about 12 MB), so that the default run needs no download. A document is a file (folder or standard
 library), a record (JSONL), or a 1 KiB block (a single plain text file); each goes wholly to train or
-to validation, so no validation byte is ever trained on.
+to validation, so no validation byte is ever trained on. ``data.streaming`` reads the same tokens from a
+memory-mapped token file instead of memory (token_file.py).
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
 import logging
-import os
-import sysconfig
 import threading
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 
+import numpy as np
 import torch
 
-from diloco_core.config import check_field, check_fields, integer, number, string
+from diloco_core.config import boolean, check_field, check_fields, integer, number, string
+
+from .documents import Document, Source, digest, is_val, local_source, stdlib_root, stdlib_source
+from .token_file import cache_folder, open_or_build
 
 __all__ = ["BatchSampler", "Corpus", "DataConfig", "load_corpus", "stdlib_root"]
 
 logger = logging.getLogger(__name__)
-
-TEXT_SUFFIXES = (".txt", ".md", ".py", ".rst", ".jsonl")
-# Test suites would make up 60% of the standard library's bytes; site-packages is not the stdlib.
-_STDLIB_SKIP_DIRS = {"site-packages", "dist-packages", "test", "tests", "idle_test", "__pycache__"}
-_BLOCK_BYTES = 1024
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -49,6 +45,11 @@ class DataConfig:
     """Hugging Face tokenizer for ``hf_dataset``; empty: bytes (vocab 256)."""
     max_documents: int = field(default=0, metadata=integer(low=0))
     """Read at most this many documents of ``hf_dataset`` (0: all)."""
+    streaming: bool = field(default=False, metadata=boolean())
+    """Tokenize once into a token file in ``token_cache`` and read it memory-mapped: for corpora larger than
+    memory. The same tokens, in the same order, as without: the same batches."""
+    token_cache: str = field(default="", metadata=string())
+    """Folder of the token files of ``streaming``; empty: $XDG_CACHE_HOME/diloco/tokens (~/.cache/diloco/tokens)."""
 
     def __post_init__(self) -> None:
         check_fields(self)
@@ -58,6 +59,12 @@ class DataConfig:
         check_field("hf_tokenizer", self.hf_tokenizer, bool(self.hf_dataset or not self.hf_tokenizer), alone)
         ok = bool(self.hf_dataset or not self.max_documents)
         check_field("max_documents", self.max_documents, ok, alone.replace("empty", "0"))
+        ok = bool(self.hf_dataset or self.hf_split == "train")
+        check_field("hf_split", self.hf_split, ok, alone.replace("empty", "'train' (the default)"))
+        ok = bool(self.path or self.hf_dataset or self.text_field == "text")
+        check_field("text_field", self.text_field, ok, "'text' (the default) without data.path or hf_dataset")
+        ok = bool(self.streaming or not self.token_cache)
+        check_field("token_cache", self.token_cache, ok, "empty without data.streaming=true (it holds its files)")
 
 
 @dataclass(frozen=True)
@@ -68,8 +75,9 @@ class Corpus:
     val: torch.Tensor
     """All validation tokens, likewise."""
     vocab_size: int
-    train_names: tuple[str, ...]
-    val_names: tuple[str, ...]
+    train_names: Sequence[str]
+    """Names of the training documents, in that order (data.streaming: read from its file when first asked)."""
+    val_names: Sequence[str]
 
     def shard(self, rank: int, world_size: int) -> torch.Tensor:
         """Worker ``rank``'s own contiguous slice of the training tokens; slices of different ranks never overlap."""
@@ -78,95 +86,44 @@ class Corpus:
         return self.train[rank * n // world_size : (rank + 1) * n // world_size]
 
 
-def stdlib_root() -> Path:
-    return Path(sysconfig.get_paths()["stdlib"])
+def _source(config: DataConfig) -> Source:
+    if config.hf_dataset:
+        from .data_hf import hf_source  # datasets and transformers are imported only where asked for
+
+        return hf_source(config)
+    if config.path:
+        return local_source(config.path, config.text_field)
+    return stdlib_source(stdlib_root())
 
 
-def _is_val(name: str, fraction: float) -> bool:
-    digest = hashlib.sha256(name.encode()).digest()
-    return int.from_bytes(digest[:8], "big") < fraction * 2**64
-
-
-def _stdlib_documents(root: Path) -> list[tuple[str, bytes]]:
-    docs = []
-    for dirpath, dirnames, filenames in os.walk(root):
-        dirnames[:] = sorted(d for d in dirnames if d not in _STDLIB_SKIP_DIRS)
-        for f in sorted(filenames):
-            if f.endswith(".py"):
-                p = Path(dirpath, f)
-                docs.append((p.relative_to(root).as_posix(), p.read_bytes()))
-    return docs
-
-
-def _file_documents(path: Path, name: str, text_field: str, whole_file: bool) -> list[tuple[str, bytes]]:
-    raw = path.read_bytes()
-    if path.suffix == ".jsonl":
-        docs = []
-        for i, line in enumerate(raw.splitlines()):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{path}:{i + 1}: not valid JSON ({e.msg})") from None
-            if not isinstance(record, dict) or not isinstance(record.get(text_field), str):
-                raise ValueError(f"{path}:{i + 1}: expected an object with a string {text_field!r} field")
-            docs.append((f"{name}:{i + 1}", record[text_field].encode()))
-        return docs
-    if whole_file:
-        return [(name, raw)]
-    # A lone text file has no document boundaries: blocks are the unit of the split.
-    return [(f"{name}#{i}", raw[o : o + _BLOCK_BYTES]) for i, o in enumerate(range(0, len(raw), _BLOCK_BYTES))]
-
-
-def _local_documents(config: DataConfig) -> list[tuple[str, bytes]]:
-    root = Path(config.path).expanduser()
-    if not root.exists():
-        raise ValueError(f"data.path={config.path!r} does not exist")
-    if root.is_file():
-        return _file_documents(root, root.name, config.text_field, whole_file=False)
-    files = sorted(p for p in root.rglob("*") if p.is_file() and p.suffix in TEXT_SUFFIXES)
-    if not files:
-        raise ValueError(f"data.path={config.path!r} holds no {', '.join(TEXT_SUFFIXES)} files")
-    docs = []
-    for p in files:
-        docs.extend(_file_documents(p, p.relative_to(root).as_posix(), config.text_field, whole_file=True))
-    return docs
-
-
-def _hf_documents(config: DataConfig) -> tuple[list[tuple[str, list[int] | bytes]], int]:
-    try:
-        import datasets  # noqa: F401
-    except ImportError:
-        raise ValueError("data.hf_dataset needs Hugging Face datasets: pip install 'diloco[hf]'") from None
-    from datasets import load_dataset
-
-    ds = load_dataset(config.hf_dataset, split=config.hf_split)
-    if config.max_documents:
-        ds = ds.select(range(min(config.max_documents, len(ds))))
-    if config.text_field not in ds.column_names:
-        raise ValueError(
-            f"data.text_field={config.text_field!r} is not a column of {config.hf_dataset}: {ds.column_names}"
-        )
-    texts = ds[config.text_field]
-    names = [f"{config.hf_dataset}:{config.hf_split}:{i}" for i in range(len(texts))]
-    if not config.hf_tokenizer:
-        return [(n, t.encode()) for n, t in zip(names, texts)], 256
-    try:
-        from transformers import AutoTokenizer
-    except ImportError:
-        raise ValueError("data.hf_tokenizer needs transformers: pip install 'diloco[hf]'") from None
-    tok = AutoTokenizer.from_pretrained(config.hf_tokenizer)
-    eos = [tok.eos_token_id] if tok.eos_token_id is not None else []
-    ids = tok(texts, add_special_tokens=False)["input_ids"]
-    return [(n, list(i) + eos) for n, i in zip(names, ids)], len(tok)
-
-
-def _concat(docs: list[tuple[str, list[int] | bytes]], vocab_size: int) -> torch.Tensor:
-    if vocab_size <= 256:
+def _concat(docs: list[Document]) -> torch.Tensor:
+    if isinstance(docs[0][1], bytes):
         return torch.frombuffer(bytearray(b"".join(d for _, d in docs)), dtype=torch.uint8)  # type: ignore[arg-type]
-    flat = [t for _, d in docs for t in d]
-    return torch.tensor(flat, dtype=torch.int32)
+    return torch.from_numpy(np.concatenate([np.asarray(d, dtype=np.int32) for _, d in docs]))
+
+
+def _in_memory(docs: Iterable[Document], *, vocab: int, val_fraction: float) -> Corpus:
+    docs = [d for d in docs if len(d[1])]
+    if len(docs) < 2:
+        raise ValueError(f"data: {len(docs)} non-empty document(s) found; need at least 2 to hold one out")
+    docs.sort(key=lambda d: d[0])
+    val = [d for d in docs if is_val(d[0], val_fraction)]
+    if not val:  # a small corpus may draw no validation document at all: hold out the first by hash
+        val = [min(docs, key=lambda d: digest(d[0]))]
+    val_names = {n for n, _ in val}
+    # Training documents in hash order: a worker's contiguous shard is then a random mix of files,
+    # as in the paper's i.i.d. setting, not one corner of the library (e.g. only email/ and json/).
+    train = [d for d in docs if d[0] not in val_names]
+    train.sort(key=lambda d: digest(d[0]))
+    if not train:
+        raise ValueError(f"data: all {len(docs)} documents fell into validation; lower data.val_fraction")
+    return Corpus(
+        train=_concat(train),
+        val=_concat(val),
+        vocab_size=vocab,
+        train_names=tuple(n for n, _ in train),
+        val_names=tuple(n for n, _ in val),
+    )
 
 
 _cache: dict[DataConfig, Corpus] = {}
@@ -178,38 +135,27 @@ def load_corpus(config: DataConfig) -> Corpus:
     with _cache_lock:
         if config in _cache:
             return _cache[config]
-        if config.hf_dataset:
-            docs, vocab = _hf_documents(config)
-        elif config.path:
-            docs, vocab = _local_documents(config), 256
+        docs, vocab, stamp = _source(config)
+        if config.streaming:
+            key = [config.path or str(stdlib_root()), config.hf_dataset, config.hf_split, config.hf_tokenizer]
+            key += [config.text_field, config.max_documents, config.val_fraction, stamp]
+            folder = cache_folder(config.token_cache)
+            dtype = np.dtype(np.int32 if config.hf_tokenizer else np.uint8)  # bytes, or a tokenizer's ids
+            found = open_or_build(docs, folder=folder, key=key, dtype=dtype, val_fraction=config.val_fraction)
+            corpus = Corpus(
+                train=found.train,
+                val=found.val,
+                vocab_size=vocab,
+                train_names=found.train_names,
+                val_names=found.val_names,
+            )
         else:
-            docs, vocab = _stdlib_documents(stdlib_root()), 256
-        docs = [d for d in docs if len(d[1])]
-        if len(docs) < 2:
-            raise ValueError(f"data: {len(docs)} non-empty document(s) found; need at least 2 to hold one out")
-        docs.sort(key=lambda d: d[0])
-        val = [d for d in docs if _is_val(d[0], config.val_fraction)]
-        if not val:  # a small corpus may draw no validation document at all: hold out the first by hash
-            val = [min(docs, key=lambda d: hashlib.sha256(d[0].encode()).digest())]
-        val_names = {n for n, _ in val}
-        # Training documents in hash order: a worker's contiguous shard is then a random mix of files,
-        # as in the paper's i.i.d. setting, not one corner of the library (e.g. only email/ and json/).
-        train = [d for d in docs if d[0] not in val_names]
-        train.sort(key=lambda d: hashlib.sha256(d[0].encode()).digest())
-        if not train:
-            raise ValueError(f"data: all {len(docs)} documents fell into validation; lower data.val_fraction")
-        corpus = Corpus(
-            train=_concat(train, vocab),
-            val=_concat(val, vocab),
-            vocab_size=vocab,
-            train_names=tuple(n for n, _ in train),
-            val_names=tuple(n for n, _ in val),
-        )
+            corpus = _in_memory(docs, vocab=vocab, val_fraction=config.val_fraction)
         logger.info(
             "corpus: %d train documents (%d tokens), %d validation (%d tokens)",
-            len(train),
+            len(corpus.train_names),
             corpus.train.numel(),
-            len(val),
+            len(corpus.val_names),
             corpus.val.numel(),
         )
         _cache[config] = corpus
