@@ -19,7 +19,9 @@ import torch
 from runs import FAST, losses
 
 from diloco_train.cli import main
+from diloco_train.config import build_config
 from diloco_train.data import BatchSampler, DataConfig, load_corpus
+from diloco_train.resume_merge import merge_onto_saved
 from diloco_train.token_file import open_or_build
 
 WORDS = [
@@ -139,6 +141,19 @@ def test_a_streamed_run_resumes_into_the_uninterrupted_runs_losses(tmp_path: Pat
     assert main(["train", "--name", "split", "--resume", *data, "-q"]) == 0
     whole, split = losses(tmp_path / "memory"), losses(tmp_path / "split")
     assert len(whole) == 12 and split == whole
+
+
+@pytest.mark.timeout(30)
+def test_a_resume_may_switch_streaming_on_or_off_without_force(tmp_path: Path) -> None:
+    saved = build_config((), ["data.seq_len=32"]).to_dict()
+    cache = f"data.token_cache={json.dumps(str(tmp_path))}"
+    config, lines = merge_onto_saved(saved, files=(), overrides=["data.streaming=true", cache], force=False)
+    assert config.data.streaming and lines == [
+        "data.streaming: False -> True",
+        f"data.token_cache: '' -> {str(tmp_path)!r}",
+    ]
+    with pytest.raises(ValueError, match="data.seq_len"):  # what does change the data is still refused
+        merge_onto_saved(saved, files=(), overrides=["data.seq_len=16"], force=False)
 
 
 def _peak_rss_mb(args: list[str], env: dict[str, str]) -> float:

@@ -13,6 +13,7 @@ import logging
 import threading
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -137,7 +138,8 @@ def load_corpus(config: DataConfig) -> Corpus:
             return _cache[config]
         docs, vocab, stamp = _source(config)
         if config.streaming:
-            key = [config.path or str(stdlib_root()), config.hf_dataset, config.hf_split, config.hf_tokenizer]
+            where = str(Path(config.path).expanduser().resolve()) if config.path else str(stdlib_root())
+            key = [where, config.hf_dataset, config.hf_split, config.hf_tokenizer]
             key += [config.text_field, config.max_documents, config.val_fraction, stamp]
             folder = cache_folder(config.token_cache)
             dtype = np.dtype(np.int32 if config.hf_tokenizer else np.uint8)  # bytes, or a tokenizer's ids

@@ -27,9 +27,12 @@ SAFE = frozenset(
         "train.max_nonfinite_losses",
         "train.threads",
         "diloco.reduce_timeout",
+        "data.streaming",
+        "data.token_cache",
     }
 )
-"""Keys a resume may change and still continue the run exactly: where files go, evals, checkpoints, timeouts
+"""Keys a resume may change and still continue the run exactly: where files go, evals, checkpoints, timeouts,
+whether the tokens are read from memory or from a token file (the same tokens in the same order either way)
 (and every [transport] key but its kind: addresses and secrets change from one start to the next)."""
 
 

@@ -193,6 +193,7 @@ def open_or_build(
     if described.exists():
         meta = json.loads(described.read_text())
         size = (meta["train_tokens"] + meta["val_tokens"]) * np.dtype(meta["dtype"]).itemsize
-        if base.with_suffix(".tokens").stat().st_size == size:
+        tokens = base.with_suffix(".tokens")
+        if tokens.exists() and tokens.stat().st_size == size:  # else a file deleted or cut short: written again
             return _open(base, meta)
     return _open(base, _build(docs, base=base, dtype=dtype, val_fraction=val_fraction))
