@@ -112,6 +112,14 @@ def test_a_token_file_is_built_once_and_again_when_its_source_changes(tmp_path: 
     assert changed.train.numel() != first.train.numel() and len(list((tmp_path / "c").glob("*.tokens"))) == 2
 
 
+@pytest.mark.timeout(30)
+def test_token_files_go_to_the_users_cache_folder_by_default(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    (tmp_path / "small.txt").write_text(_text(20_000, 5))
+    load_corpus(DataConfig(path=str(tmp_path / "small.txt"), streaming=True))
+    assert len(list((tmp_path / "xdg" / "diloco" / "tokens").glob("*.tokens"))) == 1
+
+
 @pytest.mark.timeout(60)
 def test_a_restored_sampler_continues_the_exact_sequence_over_a_reopened_token_file(tmp_path: Path) -> None:
     docs = [(f"doc{i}", _text(3_000, i).encode()) for i in range(40)]
