@@ -13,9 +13,6 @@ from pathlib import Path
 import pytest
 import torch
 
-pytest.importorskip("datasets")
-pytest.importorskip("transformers")
-
 import datasets
 from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
