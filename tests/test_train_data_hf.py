@@ -10,10 +10,9 @@ import logging
 from dataclasses import replace
 from pathlib import Path
 
+import datasets
 import pytest
 import torch
-
-import datasets
 from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
