@@ -88,7 +88,7 @@ def draw_runs(runs: Sequence[RunCurves], *, axes: Sequence[str]) -> Figure:
             if log:
                 ax.set_xscale("log")
             ax.set_ylabel(_YLABELS[panel])
-        grid[0][col].legend(fontsize="small")
+        _legend(grid[0][col], shown=grid[0][0] if col else None)
         grid[-1][col].set_xlabel(_XLABELS[axis])
         if "agreement" in panels:
             grid[panels.index("agreement")][col].set_ylim(0, 1.05)
@@ -102,6 +102,16 @@ _YLABELS = {
     "agreement": "agreement\n(1: workers agree)",
     "contributors": "contributors\nper round",
 }
+
+
+def _legend(ax: Any, *, shown: Any) -> None:
+    """The loss panel's legend; beside the first column's, only the labels that one lacks (a single run's
+    line on the bytes axis)."""
+    handles, labels = ax.get_legend_handles_labels()
+    known = set(shown.get_legend_handles_labels()[1]) if shown is not None else set()
+    new = [(h, label) for h, label in zip(handles, labels) if label not in known]
+    if new:
+        ax.legend(*zip(*new), fontsize="small")
 
 
 def _spread(runs: Sequence[RunCurves]) -> float:
