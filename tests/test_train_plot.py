@@ -92,12 +92,18 @@ def test_ddp_and_one_worker_beside_diloco_and_a_swarms_contributors(tmp_path: Pa
     single = [_step(s, sent=0, time_s=float(s)) for s in range(1, 7)] + [_eval(6, loss=3.5, time_s=6.5, eval_s=0.5)]
     single_run = read_run(_write(tmp_path / "one", single, mode="single"))
     assert ddp_run.warm_start == 0 and single_run.warm_start == 0  # no rounds: nothing to shade
-    fig = draw_runs([swarm, ddp_run, single_run], axes=["bytes"])
-    loss_ax, _, contributors_ax = fig.axes
+    # A hivemind peer that never met another: rounds of its own, nothing sent.
+    lone = [_step(s, sent=0, time_s=float(s)) for s in range(1, 5)]
+    lone += [_round(4, contributors=1, sent=0), _eval(4, loss=4.5, time_s=5.0, eval_s=1.0)]
+    lone_run = read_run(_write(tmp_path / "lone", lone, mode="diloco", transport="hivemind"))
+    fig = draw_runs([swarm, ddp_run, single_run, lone_run], axes=["bytes"])
+    loss_ax, agreement_ax, contributors_ax = fig.axes
     assert loss_ax.get_xscale() == "log"  # DDP sent 273 times the swarm's bytes
     lines = _lines(loss_ax)
     assert lines["ddp eval"] == (pytest.approx([0.3, 0.6]), [4.0, 2.5])  # log scale: the eval at 0 bytes left out
     assert lines["one final eval (sends nothing)"][1] == [3.5, 3.5]
+    assert lines["lone final eval (sends nothing)"][1] == [4.5, 4.5]
+    assert set(_lines(agreement_ax)) == set(_lines(contributors_ax)) == {"swarm"}  # not the lone peer's at 0
     xs, ys = _lines(contributors_ax)["swarm"]
     assert xs == pytest.approx([1200e-6, 2200e-6]) and ys == [3, 2]
 

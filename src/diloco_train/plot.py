@@ -127,8 +127,8 @@ def _draw(ax: Any, *, panel: str, run: RunCurves, axis: str, color: str, log: bo
         points = [(x * scale, y) for x, y in zip(run.x(axis, steps), ys) if x > 0 or not log]
         return [p[0] for p in points], [p[1] for p in points]
 
-    if panel == "loss" and axis == "bytes" and run.bytes_sent == 0:  # one worker: nothing on the wire
-        if run.evals:
+    if axis == "bytes" and run.bytes_sent == 0:  # one worker, or a peer alone: nothing on the wire
+        if panel == "loss" and run.evals:
             ax.axhline(run.evals[-1][1], color=color, ls=":", label=f"{run.name} final eval (sends nothing)")
         return
     if panel == "loss":
