@@ -62,8 +62,11 @@ def test_wandb_without_its_extra_is_one_line_before_the_run_starts(
     assert not [p.name for p in (tmp_path / "w").iterdir() if not p.name.startswith(".owner")]  # a rerun may take it
 
 
-def test_an_unknown_sink_is_refused_with_the_valid_ones(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    args = ["train", "--set", f"train.runs_dir={tmp_path!s}", "--set", 'train.log_to=["mlflow"]']
-    assert main(args) == 2
-    err = capsys.readouterr().err
-    assert "log_to" in err and "mlflow" in err and "tensorboard" in err and "wandb" in err
+@pytest.mark.parametrize("value", ['["mlflow"]', '["tensorboard", "tensorboard"]', '"tensorboard"'])
+def test_an_unknown_or_repeated_sink_is_refused_with_the_valid_ones(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], value: str
+) -> None:
+    assert main(["train", "--set", f"train.runs_dir={tmp_path!s}", "--set", f"train.log_to={value}"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("diloco: error: ") and "log_to" in err[0]
+    assert "a list of distinct names from ('tensorboard', 'wandb')" in err[0]

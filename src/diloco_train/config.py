@@ -143,7 +143,10 @@ class TrainConfig:
     """Runs are written to <runs_dir>/<name>/."""
     log_to: tuple[str, ...] = field(
         default=(),
-        metadata=rule(lambda v: isinstance(v, (list, tuple)) and all(s in SINKS for s in v), f"a list of {SINKS}"),
+        metadata=rule(
+            lambda v: isinstance(v, (list, tuple)) and all(s in SINKS for s in v) and len(set(v)) == len(v),
+            f"a list of distinct names from {SINKS}",
+        ),
     )
     """Also log the metrics records to: "tensorboard" (event files in <run>/tensorboard/), "wandb" (each an
     extra, docs/trainer.md). Empty: metrics.jsonl only."""
