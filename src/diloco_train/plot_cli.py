@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from .plot_data import AXES
+from .plot import X_CHOICES
 
 __all__ = ["configure_plot_parser", "plot_main"]
 
@@ -19,7 +19,7 @@ def configure_plot_parser(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--x",
-        choices=(*AXES, "all"),
+        choices=X_CHOICES,
         default="step",
         help="x axis: step, bytes (MB rank 0 sent), time (training seconds, evals left out), or all three",
     )
