@@ -200,14 +200,25 @@ def verdicts(agg: dict[str, dict[str, float]]) -> list[str]:
     return out
 
 
-def plot(out: Path, names: list[str], seeds: list[int], path: Path) -> None:
-    """Eval loss per run name (mean over seeds, band = min..max) and, below, the DiLoCo runs' agreement."""
+def overlay_ylim(curves: list[list[float]]) -> tuple[float, float]:
+    """The overlay's y range: the curves' values after their first tenth (the first drop from the initial
+    loss would squash the rest, where the runs differ), with a 5% margin."""
+    kept = [v for c in curves for v in c[max(1, -(-len(c) // 10)) :]] or [v for c in curves for v in c]
+    low, high = min(kept), max(kept)
+    margin = 0.05 * (high - low) or 0.05
+    return low - margin, high + margin
+
+
+def plot(out: Path, names: list[str], seeds: list[int], path: Path) -> tuple[float, float]:
+    """Eval loss per run name (mean over seeds, band = min..max) and, below, the DiLoCo runs' agreement; the
+    loss panel's y range is returned."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, (ax, ax2) = plt.subplots(2, 1, figsize=(9, 7), sharex=True, height_ratios=(3, 1))
+    bands: list[list[float]] = []  # each run's band edges: the y range is theirs
     for name in names:
         curves, agree = [], []
         for seed in seeds:
@@ -220,9 +231,8 @@ def plot(out: Path, names: list[str], seeds: list[int], path: Path) -> None:
         values = [[v for _, v in c] for c in curves]
         mean = [statistics.fmean(col) for col in zip(*values)]
         (line,) = ax.plot(steps, mean, "o-", ms=3, label=name)
-        ax.fill_between(
-            steps, [min(c) for c in zip(*values)], [max(c) for c in zip(*values)], color=line.get_color(), alpha=0.2
-        )
+        bands += [[min(c) for c in zip(*values)], [max(c) for c in zip(*values)]]
+        ax.fill_between(steps, bands[-2], bands[-1], color=line.get_color(), alpha=0.2)
         if agree[0]:
             ax2.plot(
                 [s for s, _ in agree[0]],
@@ -232,7 +242,7 @@ def plot(out: Path, names: list[str], seeds: list[int], path: Path) -> None:
                 label=name,
             )
     ax.set_ylabel("eval loss (nats/byte)")
-    ax.set_ylim(top=min(3.0, ax.get_ylim()[1]))
+    ax.set_ylim(*overlay_ylim(bands))
     ax.set_title(f"{out.name}: mean over seeds {seeds} (band: min..max)")
     ax.grid(alpha=0.3)
     ax.legend()
@@ -244,6 +254,7 @@ def plot(out: Path, names: list[str], seeds: list[int], path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+    return ax.get_ylim()
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -29,6 +29,8 @@ UNIT_MODULES = frozenset(
         "test_utilization_bench",
         "test_plan",
         "test_time_to_loss_bench",
+        "test_train_plot",
+        "test_train_sinks",
     }
 )
 TIERS = ("unit", "integration", "slow")

@@ -12,7 +12,7 @@ import pytest
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "bench"))
 
-from convergence import Outcome, main, table, verdicts
+from convergence import Outcome, main, overlay_ylim, plot, table, verdicts
 
 
 def _outcome(name: str, seed: int, loss: float, sent: int) -> Outcome:
@@ -41,6 +41,24 @@ def test_table_and_verdicts_from_hand_computed_figures():
     assert "largest seed spread 0.0200 vs the smallest gap claimed 0.1000: PASS" in checks[2]
     assert "sends 10.0x less than DDP" in checks[3]
     assert "diloco-1 ends +1.00% against single (target <= +0.5%): MISS" in checks[4]
+
+
+@pytest.mark.timeout(60)  # matplotlib's import and one figure
+def test_the_overlay_spans_the_curves_after_their_first_drop(tmp_path: Path):
+    # 11 evals from 5.5 down to 1.5 (name a) and 1.7 (b): the first tenth (2 evals) is left out of the range.
+    curves = {"a": [5.5, 3.0] + [1.5 + 0.1 * i for i in range(8, -1, -1)], "b": [5.5, 3.1] + [1.7] * 9}
+    assert overlay_ylim(list(curves.values())) == pytest.approx((1.5 - 0.05 * 0.8, 2.3 + 0.05 * 0.8))
+    for name, losses in curves.items():
+        for seed in (0, 1):
+            run = tmp_path / f"{name}-s{seed}"
+            run.mkdir()
+            records = [{"type": "eval", "step": 10 * i, "loss": v + 0.01 * seed} for i, v in enumerate(losses)]
+            records.append({"type": "round", "step": 100, "agreement": 0.9})
+            (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    low, high = plot(tmp_path, ["a", "b"], [0, 1], tmp_path / "overlay.png")
+    # The band edges after the first two evals, 1.5..2.31 (seed 1 is 0.01 higher); the old fixed top, 3.0, left
+    # the 40% of the panel above 2.31 empty.
+    assert (low, high) == pytest.approx((1.5 - 0.05 * 0.81, 2.31 + 0.05 * 0.81))
 
 
 @pytest.mark.slow

@@ -18,6 +18,7 @@ from diloco_core import FP32, DiLoCoConfig, TransportError, codec_for
 from .interrupts import INTERRUPTS
 from .log_tag import configure_logging
 from .plan_cli import PLAN_EXAMPLE, configure_plan_parser, plan_main
+from .plot_cli import configure_plot_parser, plot_main
 from .torchrun import TORCHRUN_ARGS_ENV
 
 __all__ = ["main"]
@@ -106,12 +107,8 @@ def _parser() -> argparse.ArgumentParser:
         usage="diloco torchrun [TORCHRUN OPTIONS] train [TRAIN OPTIONS]",
         epilog="e.g. diloco torchrun --standalone --nproc-per-node=2 train --set transport.kind=torch (docs/lan.md)",
     )
-    pl = sub.add_parser("plot", help="overlay the loss curves of one or more runs into a PNG")
-    pl.add_argument("runs", nargs="+", metavar="RUN", help="run folders (e.g. runs/diloco-...)")
-    pl.add_argument(
-        "--out",
-        metavar="FILE.png",
-        help="output file (default: plot.png in the only run, else runs.png next to the first)",
+    configure_plot_parser(
+        sub.add_parser("plot", help="overlay the loss curves of runs (x: step, bytes, time) in a PNG")
     )
     configure_plan_parser(
         sub.add_parser(
@@ -230,15 +227,6 @@ def _exit_now(status: int) -> NoReturn:
     os._exit(status)
 
 
-def _plot(args: argparse.Namespace) -> int:
-    from .plot import plot_runs
-
-    first = Path(args.runs[0])
-    out = args.out or (first / "plot.png" if len(args.runs) == 1 else first.parent / "runs.png")
-    print(plot_runs(args.runs, out))
-    return 0
-
-
 def rounds_in_words(c: DiLoCoConfig) -> str:
     """When the run's outer rounds come, in words."""
     if c.round_seconds is None:
@@ -272,7 +260,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 return _train(args, argv[1:])
         if args.command == "plan":
             return plan_main(args)
-        return _plot(args)
+        return plot_main(args)
     except (ValueError, TransportError, OSError) as e:
         # One write, line and newline together: stderr writes through, and print's two writes from two ranks of a
         # torchrun job interleaved into one line of both messages and an empty one.

@@ -47,6 +47,7 @@ __all__ = [
 
 MODES = ("diloco", "ddp", "single")
 WARM_START_SYNCS = ("gradients", "updates")
+SINKS = ("tensorboard", "wandb")  # sinks.py writes them
 
 
 def _is_speed(v: object) -> bool:
@@ -140,10 +141,20 @@ class TrainConfig:
     """torch intra-op threads for this process (0: CPU cores // in-process workers, at least 1)."""
     runs_dir: str = field(default="runs", metadata=string(empty=False, valid="a non-empty path"))
     """Runs are written to <runs_dir>/<name>/."""
+    log_to: tuple[str, ...] = field(
+        default=(),
+        metadata=rule(
+            lambda v: isinstance(v, (list, tuple)) and all(s in SINKS for s in v) and len(set(v)) == len(v),
+            f"a list of distinct names from {SINKS}",
+        ),
+    )
+    """Also log the metrics records to: "tensorboard" (event files in <run>/tensorboard/), "wandb" (each an
+    extra, docs/trainer.md). Empty: metrics.jsonl only."""
 
     def __post_init__(self) -> None:
         check_fields(self)
         object.__setattr__(self, "speeds", tuple(float(s) for s in self.speeds))
+        object.__setattr__(self, "log_to", tuple(self.log_to))
         ok = self.fsdp_shards == 1 or (self.mode == "diloco" and not self.ddp_warm_start)
         check_field("fsdp_shards", self.fsdp_shards, ok, "1, or in diloco mode without ddp_warm_start any N >= 1")
         # None: the default, a twelfth of the steps where ranks are fixed (modes.warm_start_steps)

@@ -31,6 +31,7 @@ from .ownership import RunOwner
 from .resume import check_resume_workers, prepare_run_dir
 from .run_name import agree_run_dir
 from .shards import check_data, check_shards
+from .sinks import check_sinks
 from .worker import Job, Worker
 
 __all__ = ["describe_workers", "train"]
@@ -138,6 +139,7 @@ def train(
             stack.callback(INTERRUPTS.stop_softly(job.request_stop))
         check_data(config, corpus, world)
         if lead:
+            check_sinks(t.log_to)  # the extras train.log_to needs, before the run folder is written
             prepare_run_dir(run_dir, config, resume=resume, secret_keys=spec.secret_keys)
             if resume and spec.threads:  # every worker's checkpoint is on this disk
                 check_resume_workers(run_dir, world)

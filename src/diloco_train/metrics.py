@@ -19,6 +19,7 @@ from typing import Any, TextIO
 from diloco_core import RoundReport
 
 from .pace import Pace
+from .sinks import Sink, scalars_of
 
 __all__ = ["METRICS", "Reporter", "TrainResult", "perplexity", "read_metrics", "truncate_metrics"]
 
@@ -91,8 +92,12 @@ def perplexity(loss: float) -> float:
 class Reporter:
     """Rank 0's output: metrics.jsonl, the progress bar, the summary and the run's ``TrainResult``."""
 
-    def __init__(self, *, run_dir: Path, world_size: int, start_step: int, end_step: int, show: bool) -> None:
+    def __init__(
+        self, *, run_dir: Path, world_size: int, start_step: int, end_step: int, show: bool, sinks: Sequence[Sink] = ()
+    ) -> None:
         self.run_dir = run_dir
+        self.sinks = sinks
+        """Where the records go besides metrics.jsonl (``train.log_to``); closed with this."""
         # A resumed run's totals start from what its earlier invocations logged (up to the resume step).
         history = read_metrics(run_dir, missing_ok=True) if start_step else []
         steps = [r for r in history if r.get("type") == "step"]
@@ -134,6 +139,8 @@ class Reporter:
             self.file.flush()
         except OSError as e:  # a full disk: torch's or the OS's message alone would not say which file
             raise OSError(f"cannot write {self.run_dir / METRICS}: {e}") from None
+        for sink in self.sinks:
+            sink.log(record["step"], scalars_of(record))
 
     def step(self, record: dict[str, Any]) -> None:
         self.compute += record["compute_s"]
@@ -231,3 +238,5 @@ class Reporter:
         if self.bar is not None:
             self.bar.close()
         self.file.close()
+        for sink in self.sinks:
+            sink.close()

@@ -26,6 +26,7 @@ SAFE = frozenset(
         "train.keep_checkpoints",
         "train.max_nonfinite_losses",
         "train.threads",
+        "train.log_to",
         "diloco.reduce_timeout",
         "data.streaming",
         "data.token_cache",

@@ -33,6 +33,7 @@ from .resume import checkpoint_due, commit_resume, confirm_loaded, load_worker, 
 from .resume_from import resume_step, set_aside
 from .schedule import lr_at
 from .shards import shard_of
+from .sinks import open_sinks
 
 __all__ = ["Job", "Worker"]
 
@@ -135,7 +136,12 @@ class Worker:
         evaluating = evaluates(self.rank, t.fsdp_shards)
         if self.rank == 0:
             reporter = Reporter(
-                run_dir=job.run_dir, world_size=self.world_size, start_step=step, end_step=end, show=self.show
+                run_dir=job.run_dir,
+                world_size=self.world_size,
+                start_step=step,
+                end_step=end,
+                show=self.show,
+                sinks=open_sinks(t.log_to, run_dir=job.run_dir, start_step=step),
             )
             job.reporter = reporter
         if evaluating and step == 0:
