@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from runs import FAST
+from runs import FAST, losses
 
 from diloco_train.cli import main
 from diloco_train.compute import evaluate
@@ -40,13 +40,19 @@ class _Logits(torch.nn.Module):
 
 @pytest.mark.timeout(60)
 def test_evals_come_at_round_boundaries_when_eval_every_is_not_a_multiple_of_h(tmp_path: Path) -> None:
-    args = ["train", "--name", "r", "--set", f"train.runs_dir={tmp_path!s}", *ODD, "--set", "train.eval_every=2"]
-    assert main(args) == 0
+    run = ["train", "--set", f"train.runs_dir={tmp_path!s}", *ODD]
+    assert main([*run, "--name", "r", "--set", "train.eval_every=2"]) == 0
     # Asked for at 2, 4, ...: each comes at the round boundary at or after it; the last at the end of the run.
     evals = _records(tmp_path / "r", "eval")
     assert [r["step"] for r in evals] == [0, 3, 6, 9, 12, 13]
     # Step 13 is one unsynced inner step after the last round: its eval is of the same global weights.
     assert evals[-1]["loss"] == evals[-2]["loss"]
+    # An eval swaps the global weights in and the worker's own back: fewer evals, the same trajectory. (eager:
+    # a worker's weights differ from the global copy at round boundaries too, by its fresh share.)
+    for name, every in [("e2", 2), ("e6", 6)]:
+        assert main([*run, "--name", name, "--set", "diloco.overlap=eager", "--set", f"train.eval_every={every}"]) == 0
+    assert [r["step"] for r in _records(tmp_path / "e6", "eval")] == [0, 6, 12, 13]
+    assert losses(tmp_path / "e6") == losses(tmp_path / "e2")
 
 
 @pytest.mark.timeout(120)
