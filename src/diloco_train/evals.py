@@ -39,7 +39,8 @@ def global_weights(sync: Sync) -> Iterator[None]:
         return
     local, global_params = diloco.local, diloco.global_params
     with torch.no_grad():
-        own = [t.clone() for t in local]
+        # kept where the global copy lives (diloco.global_device, CPU by default): no accelerator memory
+        own = [t.to(g.device, copy=True) for t, g in zip(local, global_params)]
         torch._foreach_copy_(local, global_params)
     try:
         yield
