@@ -116,7 +116,10 @@ def _tokenizer(data: DataConfig) -> dict[str, Any]:
 def export(run_dir: str | Path, out: str | Path | None = None, *, step: int | None = None) -> Exported:
     """Write the run's global weights (its newest checkpoint, or ``step``'s) to ``out`` (default RUN/export):
     ours as model.safetensors + config.json, and Hugging Face's in ``out``/hf."""
-    from safetensors.torch import save_file
+    try:
+        from safetensors.torch import save_file
+    except ImportError:
+        raise ValueError("diloco export writes safetensors: pip install safetensors (or diloco[train])") from None
 
     run_dir = Path(run_dir)
     model_config, data, _ = _configs(run_dir)
