@@ -19,6 +19,7 @@ UNIT_MODULES = frozenset(
         "test_overlap",
         "test_sign_codec",
         "test_simulated_link",
+        "test_export",
         "test_train_checkpoint",
         "test_train_config",
         "test_train_data",

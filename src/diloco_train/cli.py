@@ -1,4 +1,4 @@
-"""``diloco train``, ``diloco plot`` and ``diloco torchrun``. Bad input ends with one clear line on stderr and exit status 2."""
+"""``diloco train``, ``diloco plot``, ``diloco export`` and ``diloco torchrun``. Bad input ends with one clear line on stderr and exit status 2."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ from typing import NoReturn
 
 from diloco_core import FP32, DiLoCoConfig, TransportError, codec_for
 
+from .export_cli import EXPORT_EXAMPLE, configure_export_parser, export_main
 from .interrupts import INTERRUPTS
 from .log_tag import configure_logging
 from .plan_cli import PLAN_EXAMPLE, configure_plan_parser, plan_main
@@ -65,7 +66,7 @@ def _parser() -> argparse.ArgumentParser:
         prog="diloco", description="Train a language model with DiLoCo (or DDP, or one worker)."
     )
     p.add_argument("--version", action="version", version=f"diloco {_version()}")
-    sub = p.add_subparsers(dest="command", metavar="{train,plot,plan,torchrun}")
+    sub = p.add_subparsers(dest="command", metavar="{train,plot,plan,export,torchrun}")
     t = sub.add_parser(
         "train",
         help="train (with no options: tiny model, 4 in-process workers, a few minutes on a CPU)",
@@ -115,6 +116,11 @@ def _parser() -> argparse.ArgumentParser:
             "plan",
             help="predict compute utilization and time per 1,000 steps for H and each overlap mode on a link",
             epilog=PLAN_EXAMPLE,
+        )
+    )
+    configure_export_parser(
+        sub.add_parser(
+            "export", help="write a run's global model as safetensors and a Hugging Face folder", epilog=EXPORT_EXAMPLE
         )
     )
     return p
@@ -260,6 +266,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 return _train(args, argv[1:])
         if args.command == "plan":
             return plan_main(args)
+        if args.command == "export":
+            return export_main(args)
         return plot_main(args)
     except (ValueError, TransportError, OSError) as e:
         # One write, line and newline together: stderr writes through, and print's two writes from two ranks of a

@@ -105,7 +105,8 @@ class TrainConfig:
     seed: int = field(default=0, metadata=integer(low=0))
     """Seed of the weights (rank 0's, broadcast to all) and of every worker's data order."""
     eval_every: int = field(default=0, metadata=integer(low=0))
-    """Evaluate on validation every this many steps (0: every diloco.inner_steps, i.e. at round boundaries)."""
+    """Evaluate on validation every this many steps (0: every diloco.inner_steps), at the first round boundary at
+    or after each multiple, on the run's global weights (diloco_train.evals)."""
     eval_batches: int = field(default=8, metadata=integer(low=1))
     """Validation batches per evaluation (the same windows every time)."""
     checkpoint_every: int = field(default=10, metadata=integer(low=0))

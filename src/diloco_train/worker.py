@@ -22,6 +22,7 @@ from .compute import autocast, device_for, evaluate, loss_of
 from .config import RunConfig
 from .data import BatchSampler, Corpus
 from .divergence import LossWatch, all_finite, newest_checkpoint
+from .evals import EvalSchedule, global_weights
 from .fsdp import evaluates, shard_model
 from .interrupts import INTERRUPTS
 from .log_tag import set_worker
@@ -131,7 +132,7 @@ class Worker:
 
         end = min(t.stop_after, t.steps) if t.stop_after else t.steps
         h = c.diloco.inner_steps
-        eval_every = t.eval_every or h
+        schedule = EvalSchedule(every=t.eval_every or h, start=step, end=end)
         reporter: Reporter | None = None
         evaluating = evaluates(self.rank, t.fsdp_shards)
         if self.rank == 0:
@@ -145,7 +146,7 @@ class Worker:
             )
             job.reporter = reporter
         if evaluating and step == 0:
-            loss = evaluate(model, val=job.corpus.val, config=c, device=self.device)
+            loss = self._evaluate(sync)
             if reporter is not None:
                 reporter.eval(0, loss, seconds=0.0)  # before the training loop's clock starts
         tokens = t.batch_size * c.data.seq_len
@@ -157,6 +158,7 @@ class Worker:
         saved = step  # the step of this worker's newest checkpoint here (the resumed one, or none: 0)
         while step < end and not job.stop.is_set() and not job.stop_here(self.rank, step):
             sync.before(step)
+            round_before = sync.round
             t0 = time.perf_counter()
             lr = lr_at(sync.position(step), t)
             for group in optimizer.param_groups:
@@ -196,9 +198,10 @@ class Worker:
                 continue
             if step == t.steps:  # the end of training (not a stop_after): apply the rounds still in flight
                 sync.flush()  # after the step's record: waiting for the last reduce is not compute
-            if evaluating and (step % eval_every == 0 or step == end):
+            boundary = sync.diloco is None or sync.round != round_before  # the global weights changed
+            if schedule.due(step, boundary=boundary) and evaluating:
                 began = time.perf_counter()
-                last_eval = evaluate(model, val=job.corpus.val, config=c, device=self.device)
+                last_eval = self._evaluate(sync)
                 if reporter is not None:
                     reporter.eval(step, last_eval, seconds=time.perf_counter() - began)
             watch.see(step, loss_value)
@@ -210,9 +213,14 @@ class Worker:
         if job.stop.is_set() or job.interrupted or not evaluating:
             return
         if math.isnan(last_eval):  # resumed at the very end: nothing trained, still report where it stands
-            last_eval = evaluate(model, val=job.corpus.val, config=c, device=self.device)
+            last_eval = self._evaluate(sync)
         if reporter is not None:
             job.result = reporter.finish(step=step, eval_after=last_eval, busy=list(job.busy.values()))
+
+    def _evaluate(self, sync: Sync) -> float:
+        """The validation loss of the run's global weights (``evals``)."""
+        with global_weights(sync):
+            return evaluate(sync.model, val=self.job.corpus.val, config=self.config, device=self.device)
 
     def _resume(self, sync: Sync, sampler: BatchSampler) -> int:
         """Load this worker's checkpoint of the step all ranks resume from; that step (0: none yet). Rank 0
