@@ -24,7 +24,6 @@ UNIT_MODULES = frozenset(
         "test_train_config",
         "test_train_data",
         "test_train_data_hf",
-        "test_train_streaming",
         "test_train_model",
         "test_convergence_bench",
         "test_utilization_bench",
