@@ -27,6 +27,7 @@ UNIT_MODULES = frozenset(
         "test_utilization_bench",
         "test_plan",
         "test_time_to_loss_bench",
+        "test_join_command",
     }
 )
 TIERS = ("unit", "integration", "slow")
