@@ -99,7 +99,8 @@ def join_command(
     defaults = build_config().to_dict()
     skip = {"train.shard", f"transport.{_LISTEN}", f"transport.{_ANNOUNCE}", f"transport.{spec.join_key}"}
     skip |= {f"transport.{k}" for k in [*settings, *spec.secret_keys]}
-    argv = ["diloco", "train", "--name", f"{run_name}-shard{shard}", "--set", f"train.shard={shard}"]
+    base = re.sub(r"-shard\d+$", "", run_name)  # a joiner's join command: wan-shard2, not wan-shard1-shard2
+    argv = ["diloco", "train", "--name", f"{base}-shard{shard}", "--set", f"train.shard={shard}"]
     for name, table in config.to_dict().items():
         for key, value in table.items():
             if f"{name}.{key}" not in skip and defaults.get(name, {}).get(key, _UNSET) != value:

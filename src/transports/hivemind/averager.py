@@ -51,10 +51,11 @@ logger = logging.getLogger(__name__)
 
 
 def _not_a_missed_group(record: logging.LogRecord) -> bool:
-    """Drops hivemind's ERROR and traceback for a step that found no group: the transport handles that
-    (its peer averages alone, one warning line)."""
+    """Drops hivemind's ERROR and traceback for a step that found no group, or whose group's state tags differ:
+    the transport handles both (alone, a retry without the stale peers, or the group's state: one warning)."""
     error = record.exc_info[1] if record.exc_info else record.msg
-    return not (isinstance(error, AllreduceException) and "could not find a group" in str(error))
+    stale = isinstance(error, StaleStateError)
+    return not (stale or (isinstance(error, AllreduceException) and "could not find a group" in str(error)))
 
 
 class Averager(Presence, DecentralizedAverager):

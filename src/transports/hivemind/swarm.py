@@ -154,7 +154,10 @@ class Swarm:
         """Wait until a live peer has committed more than ``rounds`` rounds (True): at most ``timeout``
         seconds, or twice the swarm's last round time if that is longer, or until ``stop()`` (False). A
         swarm that has committed no round yet starts its first one with this peer (False). Even a swarm that
-        committed a moment ago is waited for: it may commit again before this peer counts as running rounds."""
+        committed a moment ago is waited for: it may commit again before this peer counts as running rounds. A swarm
+        in the reduce of its first round is waited for too: that round commits without this peer, which holds no
+        step of it (before: the joiner started from the state before it, and its first round met the swarm's
+        next one a round behind: both peers logged an ERROR, and the joiner lost ~60 s re-syncing)."""
         start = time.monotonic()
         self.declare(joining=True)
         try:
@@ -164,7 +167,9 @@ class Swarm:
                 if any(o["round"] > rounds for o in running):
                     return True
                 just = [o.get("committed_at") for o in running if o["round"] == rounds]
-                if not running or None in just:  # nobody else, or peers that start their first round with us
+                # In the reduce of the round after ``rounds``: it commits without us (we have no step of it).
+                busy = any(o.get("busy") for o in running if o["round"] == rounds)
+                if not running or (None in just and not busy):  # nobody else, or peers that start with us
                     return False
                 periods = [o["period"] for o in running if isinstance(o.get("period"), (int, float))]
                 if time.monotonic() - start >= max([timeout, *(2 * p for p in periods)]):
@@ -185,7 +190,9 @@ class Swarm:
         timeout = deadlines(config).retries  # a round's time, as long as its reduce may retry
         if not self.wait_for_round(tag[0], timeout=timeout, stop=stop):
             return
-        fresh = server.download_successor((tag[0], tag[1]), timeout, stop)
+        fresh = server.download_successor(
+            (tag[0], tag[1]), timeout, stop, ready=lambda: self.ahead(tag[0], timeout=2.0)
+        )
         if fresh is None or fresh[0].get("prev_tag") != list(tag):
             return  # keep the state downloaded first: its first round may then be a round behind (re-sync)
         values = [broadcast_values(fresh, i, tensors) for i, tensors in enumerate(server.shared)]
