@@ -229,11 +229,11 @@ def test_a_first_peer_resumed_as_its_hint_says_keeps_its_generated_secret(tmp_pa
 def test_a_peer_that_joins_during_the_swarms_first_round_waits_for_it_quietly(tmp_path: Path) -> None:
     """Issue 32, friction 3, with real peers: the joiner comes late in the first peer's first round, which waits
     out its matchmaking (target_group_size=4, 2 x 15 s), as a join line pasted ~30 s after the start does. Before,
-    where the joiner's download fell in that round's last seconds (r2 of the report: pasted 29 s after the line):
-    it started from the state before that round and met the next one a round behind: an ERROR with a traceback
-    on both peers, 30 state downloads, its first round dropped. Whether the old code failed here depends on
-    when the download falls (test_join_command.py holds the deterministic case); now the joiner waits for that
-    round and starts from its result: no ERROR, a few downloads, no round dropped, its first round averaged."""
+    where the joiner missed that round (r2 of the report: pasted 29 s after the line): its first round met the
+    next one a round behind: an ERROR with a traceback on both peers, 30 state downloads, the first peer's round
+    retried (42 s), the joiner's round dropped. Whether the old code failed here depends on when the joiner
+    comes (test_join_command.py holds the deterministic case). Now: no ERROR, a few downloads, at most the
+    joiner's first round dropped, none of the first peer's, and the joiner's rounds are averaged with it."""
     from test_docs_commands import PRELUDE, commands
 
     make_secret, first_command = commands("wan.md")[1:3]
@@ -256,5 +256,7 @@ def test_a_peer_that_joins_during_the_swarms_first_round_waits_for_it_quietly(tm
     downloads = sum("Downloading parameters" in s for s in printed["second.err"])
     print(f"first join: {downloads} downloads; first {summary(runs / 'wan')}; second {summary(runs / 'wan-shard1')}")
     assert downloads <= 5, downloads
-    assert dropped(runs / "wan-shard1") == [] and dropped(runs / "wan") == []
-    assert records(runs / "wan-shard1", "round")[0]["num_contributors"] == 2, summary(runs / "wan-shard1")
+    assert len(dropped(runs / "wan-shard1")) <= 1 and dropped(runs / "wan") == []
+    assert [r["num_contributors"] for r in records(runs / "wan-shard1", "round")] == [2, 2], summary(
+        runs / "wan-shard1"
+    )

@@ -61,6 +61,8 @@ class Swarm:
         missed its refresh."""
 
     def declare(self, **fields: Any) -> None:
+        if fields.get("busy"):
+            fields["since"] = get_dht_time()  # when its reduce began: a joiner reads how late in it it comes
         self._mine.update(fields)
         if self.averager is not None and not self._res.closed:
             self.averager.declare_presence(dict(self._mine))
@@ -154,10 +156,10 @@ class Swarm:
         """Wait until a live peer has committed more than ``rounds`` rounds (True): at most ``timeout``
         seconds, or twice the swarm's last round time if that is longer, or until ``stop()`` (False). A
         swarm that has committed no round yet starts its first one with this peer (False). Even a swarm that
-        committed a moment ago is waited for: it may commit again before this peer counts as running rounds. A swarm
-        in the reduce of its first round is waited for too: that round commits without this peer, which holds no
-        step of it (before: the joiner started from the state before it, and its first round met the swarm's
-        next one a round behind: both peers logged an ERROR, and the joiner lost ~60 s re-syncing)."""
+        committed a moment ago is waited for: it may commit again before this peer counts as running rounds.
+        A swarm in its first round's reduce for over ``matchmaking_time`` is waited for too (a join line pasted
+        ~30 s after the first peer started: before, the joiner met the next round a round behind, an ERROR with a
+        traceback on both peers, its first round dropped)."""
         start = time.monotonic()
         self.declare(joining=True)
         try:
@@ -167,9 +169,12 @@ class Swarm:
                 if any(o["round"] > rounds for o in running):
                     return True
                 just = [o.get("committed_at") for o in running if o["round"] == rounds]
-                # In the reduce of the round after ``rounds``: it commits without us (we have no step of it).
-                busy = any(o.get("busy") for o in running if o["round"] == rounds)
-                if not running or (None in just and not busy):  # nobody else, or peers that start with us
+                # In their first round's reduce for over matchmaking_time (alone, it ends at twice that): a joiner
+                # starting from the state before it would hardly matchmake in time, and would meet the next round
+                # a round behind. It waits for that round instead; earlier in it, it tries to make it.
+                late = [o for o in running if o["round"] == rounds and o.get("busy") and o.get("since") is not None]
+                late = [o for o in late if get_dht_time() - o["since"] > self._res.config.matchmaking_time]
+                if not running or (None in just and not late):  # nobody else, or peers that start with us
                     return False
                 periods = [o["period"] for o in running if isinstance(o.get("period"), (int, float))]
                 if time.monotonic() - start >= max([timeout, *(2 * p for p in periods)]):
