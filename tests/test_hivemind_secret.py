@@ -69,7 +69,7 @@ class _Peer(Membership):
 
 @pytest.mark.parametrize("given", ["generated", "argv"])
 def test_the_join_command_names_a_private_file_instead_of_the_secret(tmp_path, capsys, caplog, given):
-    from diloco_train.config import TrainConfig
+    from diloco_train.config import RunConfig
     from diloco_train.join import SECRET_FILE, print_join
     from transports import transport_spec
 
@@ -79,7 +79,8 @@ def test_the_join_command_names_a_private_file_instead_of_the_secret(tmp_path, c
     if given == "argv":
         command += ["--set", f"transport.secret={json.dumps(secret)}"]
     peer = _Peer(secret if given == "generated" else None)
-    print_join(peer, spec=transport_spec(section), train=TrainConfig(), command=command, run_dir=tmp_path)
+    spec = transport_spec(section)
+    print_join(peer, spec=spec, config=RunConfig(transport=spec.section), command=command, run_dir=tmp_path)
     printed = capsys.readouterr().err
     path = tmp_path / SECRET_FILE
     assert path.read_text().strip() == secret and (path.stat().st_mode & 0o777) == 0o600

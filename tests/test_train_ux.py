@@ -200,37 +200,29 @@ def test_a_port_in_use_is_said_so(tmp_path: Path, capsys: pytest.CaptureFixture[
 
 
 def test_the_join_command_runs_here_and_elsewhere_as_printed() -> None:
-    from diloco_train.config import TrainConfig
+    from diloco_train.config import build_config
     from diloco_train.join import join_command
     from transports import transport_spec
 
-    section = {
-        "kind": "hivemind",
-        "host_maddrs": ["/ip4/0.0.0.0/tcp/31337"],
-        "announce_maddrs": ["/ip4/203.0.113.7/tcp/31337"],
-        "secret": "s",
-    }
-    spec = transport_spec(section)
-    argv = ["diloco", "train", "--name", "wan", "--set", "train.shard=0", "--set=train.num_shards=4", "-q"]
-    argv += ["--set", 'transport.host_maddrs=["/ip4/0.0.0.0/tcp/31337"]', "--set", "transport.kind=hivemind"]
-    out = join_command(
-        argv,
-        spec=spec,
-        train=TrainConfig(shard=0, num_shards=4),
-        run_name="wan",
-        addresses=["/ip4/203.0.113.7/tcp/31337/p2p/Qm"],
-    )
+    sets = ["train.shard=0", "train.num_shards=4", "transport.kind=hivemind", 'transport.secret="s"']
+    sets += [
+        'transport.host_maddrs=["/ip4/0.0.0.0/tcp/31337"]',
+        'transport.announce_maddrs=["/ip4/203.0.113.7/tcp/31337"]',
+    ]
+    config = build_config((), sets)
+    spec = transport_spec(config.transport)
+    out = join_command(config, spec=spec, run_name="wan", addresses=["/ip4/203.0.113.7/tcp/31337/p2p/Qm"])
     assert out == [
         "diloco",
         "train",
-        "--set=train.num_shards=4",
-        "-q",
-        "--set",
-        "transport.kind=hivemind",
         "--name",
         "wan-shard1",
         "--set",
         "train.shard=1",
+        "--set",
+        "train.num_shards=4",
+        "--set",
+        'transport.kind="hivemind"',
         "--set",
         'transport.host_maddrs=["/ip4/0.0.0.0/tcp/0"]',
         "--set",
@@ -238,12 +230,11 @@ def test_the_join_command_runs_here_and_elsewhere_as_printed() -> None:
         "--set",
         'transport.initial_peers=["/ip4/203.0.113.7/tcp/31337/p2p/Qm"]',
     ]
-    # A secret never travels in the join command: a secret on this peer's command line is left out, and the
-    # file that print_join wrote it to is named instead, once.
+    # A secret never travels in the join command: this peer's is left out, and the file that print_join wrote
+    # it to is named instead, once.
     generated = join_command(
-        [*argv, "--set", 'transport.secret="old"', "--set", 'transport.secret_file="elsewhere"'],
+        config,
         spec=spec,
-        train=TrainConfig(shard=0, num_shards=4),
         run_name="wan",
         addresses=["/ip4/203.0.113.7/tcp/31337/p2p/Qm"],
         settings={"secret_file": "/runs/wan/join.secret"},

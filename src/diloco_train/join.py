@@ -1,14 +1,19 @@
 """Peers that join by address: the command another peer runs to join this one, and the ports they listen on.
 
-The printed command is this peer's own, rewritten so that it can be pasted as is on another machine or on
-this one: a run name of its own (``<name>-shard<K>``, each peer writes its own folder), the next data shard,
-the listening addresses with port 0 (a free port: the first peer's fixed port is taken on this machine),
-no announced addresses (they are this machine's), and this peer's addresses to join.
+The printed command is built from this peer's effective config (its defaults, files, ``--set`` and, after
+``--resume``, the run's saved config, merged), not from its command line: ``diloco train`` and every setting
+that differs from the trainer's defaults, so that it can be pasted as is on another machine (no config file
+needed) or on this one, also after a resume (a resumed peer's argv names almost nothing). Rewritten: a run
+name of its own (``<name>-shard<K>``, each peer writes its own folder), the next data shard, the listening
+addresses with port 0 (a free port: the first peer's fixed port is taken on this machine), no announced
+addresses (they are this machine's), and this peer's addresses to join.
 
 It never carries a secret (``TransportSpec.secret_keys``): a command line is readable by every user of the
-machine (``ps``) and a printed line ends up in logs. A secret this peer generated, or was given on its
-command line, is written to ``join.secret`` in its run folder (mode 0600) and the command names that file
-(``transport.secret_file``); a secret from a file or an environment variable is named as this peer's was.
+machine (``ps``) and a printed line ends up in logs. A secret this peer generated, or was given as a value (in
+a config file or on its command line), is written to ``join.secret`` in its run folder (mode 0600) and the
+command names that file (``transport.secret_file``); a secret from a file or an environment variable is named
+as this peer's was.
+A resumed peer that names no secret reads that file again (``stored_secret``): it keeps the run's secret.
 """
 
 from __future__ import annotations
@@ -23,19 +28,24 @@ import shlex
 import socket
 import sys
 from collections.abc import Mapping
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+import tomli_w
+
 from diloco_core import Membership, Transport
-from transports import TransportSpec
+from transports import TransportSpec, transport_spec
 
-from .config import TrainConfig
+from .config import RunConfig, build_config
 
-__all__ = ["SECRET_FILE", "check_ports", "join_command", "print_join", "set_keys", "write_secret"]
+__all__ = ["SECRET_FILE", "check_ports", "join_command", "print_join", "set_keys", "stored_secret", "write_secret"]
 
 _LISTEN = "host_maddrs"  # where a peer listens, as multiaddrs (/ip4/<ip>/tcp/<port>)
 _ANNOUNCE = "announce_maddrs"
 _ADDR = re.compile(r"^/(ip4|ip6)/([^/]+)/(tcp|udp)/(\d+)")
+_UNSET = object()
+_SECRET_SOURCES = ("secret_file", "secret_env")  # where a peer reads the secret that no argv shows
 SECRET_FILE = "join.secret"
 """The file in a run folder that holds a secret the join command names instead of showing it."""
 
@@ -64,48 +74,38 @@ def check_ports(section: Mapping[str, Any]) -> None:
                 ) from None
 
 
-def _drop(argv: list[str], option: str, *, key: str | None = None) -> list[str]:
-    """``argv`` without ``option VALUE`` / ``option=VALUE``; with ``key``, only ``--set key=...`` ones."""
-    out: list[str] = []
-    i = 0
-    while i < len(argv):
-        arg = argv[i]
-        value, width = (argv[i + 1] if i + 1 < len(argv) else "", 2) if arg == option else (None, 1)
-        if arg.startswith(option + "="):
-            value = arg[len(option) + 1 :]
-        if value is not None and (key is None or value.split("=", 1)[0].strip() == key):
-            i += width
-            continue
-        out.append(arg)
-        i += 1
-    return out
+def _literal(value: Any) -> str:
+    """``value`` as the TOML literal that ``--set`` reads back (``config.parse_override``)."""
+    return tomli_w.dumps({"v": value}).strip().removeprefix("v = ")
 
 
 def join_command(
-    command: list[str],
+    config: RunConfig,
     *,
     spec: TransportSpec,
-    train: TrainConfig,
     run_name: str,
     addresses: list[str],
     settings: Mapping[str, str] | None = None,
 ) -> list[str]:
-    """``command`` (this peer's argv) rewritten for the next peer (module docstring), joining ``addresses``.
-    ``settings``: [transport] settings a joiner needs that this command does not give (hivemind: the file
-    holding the secret). A secret of ``spec.secret_keys`` given in ``command`` is left out."""
-    section, join = spec.section, f"transport.{spec.join_key}"
+    """The command that joins the next peer to a peer running ``config`` (its effective config: defaults,
+    files, ``--set`` and a resumed run's saved config merged; module docstring), joining ``addresses``.
+    Every setting that differs from the trainer's defaults is given with ``--set``, so that the command
+    needs no file of this machine but the data and the secret's file. ``settings``: [transport] settings
+    a joiner needs that ``config`` does not give (hivemind: the file holding the secret). A secret of
+    ``spec.secret_keys`` is left out."""
+    train = config.train
     settings = dict(settings or {})
-    argv = _drop(list(command), "--name")
-    for key in (
-        "train.shard",
-        f"transport.{_LISTEN}",
-        f"transport.{_ANNOUNCE}",
-        join,
-        *(f"transport.{k}" for k in [*settings, *spec.secret_keys]),
-    ):
-        argv = _drop(argv, "--set", key=key)
     shard = (train.shard + 1) % train.num_shards if train.num_shards > 0 else max(train.shard, 0)
-    argv += ["--name", f"{run_name}-shard{shard}", "--set", f"train.shard={shard}"]
+    defaults = build_config().to_dict()
+    skip = {"train.shard", f"transport.{_LISTEN}", f"transport.{_ANNOUNCE}", f"transport.{spec.join_key}"}
+    skip |= {f"transport.{k}" for k in [*settings, *spec.secret_keys]}
+    base = re.sub(r"-shard\d+$", "", run_name)  # a joiner's join command: wan-shard2, not wan-shard1-shard2
+    argv = ["diloco", "train", "--name", f"{base}-shard{shard}", "--set", f"train.shard={shard}"]
+    for name, table in config.to_dict().items():
+        for key, value in table.items():
+            if f"{name}.{key}" not in skip and defaults.get(name, {}).get(key, _UNSET) != value:
+                argv += ["--set", f"{name}.{key}={_literal(value)}"]
+    section = spec.section
     if _LISTEN in section:
         free = [_ADDR.sub(lambda m: f"/{m[1]}/{m[2]}/{m[3]}/0", str(a)) for a in section[_LISTEN]]
         argv += ["--set", f"transport.{_LISTEN}={json.dumps(free)}"]
@@ -113,7 +113,7 @@ def join_command(
         argv += ["--set", f"transport.{_ANNOUNCE}=[]"]
     for key, value in settings.items():
         argv += ["--set", f"transport.{key}={json.dumps(value)}"]
-    return [*argv, "--set", f"{join}={json.dumps(addresses)}"]
+    return [*argv, "--set", f"transport.{spec.join_key}={json.dumps(addresses)}"]
 
 
 def set_keys(command: list[str]) -> set[str]:
@@ -135,25 +135,41 @@ def write_secret(path: Path, secret: str) -> Path:
     return path.resolve()
 
 
+def stored_secret(config: RunConfig, run_dir: Path) -> RunConfig:
+    """``config`` of a resumed peer, with the secret its run stored (``SECRET_FILE``: the one it generated, or was
+    given on its command line) where it names none: else a first peer would generate a new secret, and no peer
+    of the run could meet it again. Said in one line."""
+    spec = transport_spec(config.transport)
+    path = run_dir / SECRET_FILE
+    named = any(k in config.transport for k in (*spec.secret_keys, *_SECRET_SOURCES))
+    if spec.join_key is None or named or not path.is_file():
+        return config
+    print(f"run {run_dir}: the run's secret is read from {path} (stored when the run started)", file=sys.stderr)
+    return replace(config, transport={**config.transport, "secret_file": str(path.resolve())})
+
+
 def _shared_secret(transport: Transport, spec: TransportSpec, command: list[str]) -> str | None:
-    """The secret a joiner needs that no setting of ``command`` names: generated by this peer, or given on its
-    command line (visible there to every local user: said so)."""
+    """The secret a joiner needs that no setting of the join command names: generated by this peer, or given
+    as a value (in a config file, which the other machine does not have, or on the command line, visible there
+    to every local user: said so)."""
     generated = (getattr(transport, "join_settings", None) or {}).get("secret")
     if generated is not None:
         return generated
     for key in sorted(spec.secret_keys):
-        if f"transport.{key}" in set_keys(command) and spec.section.get(key) is not None:
+        if spec.section.get(key) is None:
+            continue
+        if f"transport.{key}" in set_keys(command):
             logger.warning(
                 "transport.%s on the command line is readable by every user of this machine (ps) while the run "
                 "lasts: use transport.secret_file (a file of mode 600) or transport.secret_env instead",
                 key,
             )
-            return str(spec.section[key])
+        return str(spec.section[key])
     return None
 
 
 def print_join(
-    transport: Transport, *, spec: TransportSpec, train: TrainConfig, command: list[str] | None, run_dir: Path
+    transport: Transport, *, spec: TransportSpec, config: RunConfig, command: list[str] | None, run_dir: Path
 ) -> None:
     """Where peers join by address, show the command that joins another one to this run (never its secret:
     the module docstring)."""
@@ -163,9 +179,8 @@ def print_join(
     secret = _shared_secret(transport, spec, command)
     path = None if secret is None else write_secret(run_dir / SECRET_FILE, secret)
     argv = join_command(
-        command,
+        config,
         spec=spec,
-        train=train,
         run_name=run_dir.name,
         addresses=list(transport.join_addresses),
         settings=None if path is None else {"secret_file": str(path)},

@@ -25,7 +25,7 @@ from transports import TransportSpec, transport_spec
 from .config import RunConfig
 from .data import Corpus, load_corpus
 from .interrupts import INTERRUPTS
-from .join import check_ports, print_join
+from .join import check_ports, print_join, stored_secret
 from .metrics import TrainResult
 from .ownership import RunOwner
 from .resume import check_resume_workers, prepare_run_dir
@@ -71,6 +71,9 @@ def train(
     rank's result holds NaN losses. This process owns the ranks it writes for (``RunOwner``) while it runs.
     """
     run_dir = Path(run_dir)
+    if resume:
+        config = stored_secret(config, run_dir)
+    given = config  # as configured: the join command gives it to the next peer, which resolves it alike
     t = config.train
     spec = transport_spec(config.transport)
     if t.mode == "single" and not spec.threads:
@@ -144,7 +147,7 @@ def train(
             if resume and spec.threads:  # every worker's checkpoint is on this disk
                 check_resume_workers(run_dir, world)
             if first is not None:
-                print_join(first, spec=spec, train=t, command=command, run_dir=run_dir)
+                print_join(first, spec=spec, config=given, command=command, run_dir=run_dir)
         if len(transports) == 1:
             Worker(
                 job,

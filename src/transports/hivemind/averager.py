@@ -42,19 +42,13 @@ from .faults import HivemindFaults
 from .grace import Window
 from .orphan import leave_with_parent
 from .presence import Presence
+from .quiet_logs import quiet_hivemind_records
 from .reducer import Runner
 from .state_tag import StaleStateError, stale_verdict, tag_or_none
 from .strikes import Strikes
 from .throttle import Throttle
 
 logger = logging.getLogger(__name__)
-
-
-def _not_a_missed_group(record: logging.LogRecord) -> bool:
-    """Drops hivemind's ERROR and traceback for a step that found no group: the transport handles that
-    (its peer averages alone, one warning line)."""
-    error = record.exc_info[1] if record.exc_info else record.msg
-    return not (isinstance(error, AllreduceException) and "could not find a group" in str(error))
 
 
 class Averager(Presence, DecentralizedAverager):
@@ -90,7 +84,7 @@ class Averager(Presence, DecentralizedAverager):
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl+C is the parent's: it closes us cleanly
         # A SIGKILLed trainer's presence is not refreshed by its orphan (orphan.py), which leaves no socket either.
         leave_with_parent(cleanup=self._remove_client_socket)
-        logging.getLogger("hivemind.averaging.averager").addFilter(_not_a_missed_group)
+        logging.getLogger("hivemind.averaging.averager").addFilter(quiet_hivemind_records)
         # The process's torch work is per-part (512 KB): one thread runs it faster than a pool whose
         # threads wait for each other (the checks' wall time in a 25M-value round was about twice as long).
         torch.set_num_threads(1)

@@ -148,21 +148,27 @@ class StateServer:
         self.shared.append(tensors)
         self.take_snapshot()
 
-    def download_successor(self, tag: Tag, timeout: float, stop: Callable[[], bool]) -> State | None:
+    def download_successor(
+        self, tag: Tag, timeout: float, stop: Callable[[], bool], ready: Callable[[], bool] | None = None
+    ) -> State | None:
         """The state the group commits next after the state tagged ``tag`` (its previous tag is ``tag``),
         waited for within ``timeout`` seconds; failing that, the state tagged ``tag`` itself; None if no peer
-        served either, or once ``stop()``. A state with any other history is never returned."""
+        served either, or once ``stop()``. A state with any other history is never returned. ``ready()``: a
+        peer has committed a round after ``tag`` (its presence says so): after a first download, the next
+        waits for it (before: a download every second while the group finished its round, ~30 of them)."""
         deadline = time.monotonic() + timeout
-        want, best = list(tag), None
+        want, best, tries = list(tag), None, 0
         while not stop():
-            try:
-                got = self.download(max(1.0, deadline - time.monotonic()))
-            except TransportError:
-                got = None
-            if got is not None and got[0].get("prev_tag") == want:
-                return got  # the round the group is finishing
-            if got is not None and got[0].get("tag") == want:
-                best = got  # the group's state now: taken if the newer one does not come in time
+            if tries == 0 or ready is None or ready():
+                tries += 1
+                try:
+                    got = self.download(max(1.0, deadline - time.monotonic()))
+                except TransportError:
+                    got = None
+                if got is not None and got[0].get("prev_tag") == want:
+                    return got  # the round the group is finishing
+                if got is not None and got[0].get("tag") == want:
+                    best = got  # the group's state now: taken if the newer one does not come in time
             if time.monotonic() + 1.0 > deadline:
                 break
             time.sleep(1.0)

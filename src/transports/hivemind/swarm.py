@@ -61,6 +61,8 @@ class Swarm:
         missed its refresh."""
 
     def declare(self, **fields: Any) -> None:
+        if fields.get("busy"):
+            fields["since"] = get_dht_time()  # when its reduce began: a joiner reads how late in it it comes
         self._mine.update(fields)
         if self.averager is not None and not self._res.closed:
             self.averager.declare_presence(dict(self._mine))
@@ -154,7 +156,10 @@ class Swarm:
         """Wait until a live peer has committed more than ``rounds`` rounds (True): at most ``timeout``
         seconds, or twice the swarm's last round time if that is longer, or until ``stop()`` (False). A
         swarm that has committed no round yet starts its first one with this peer (False). Even a swarm that
-        committed a moment ago is waited for: it may commit again before this peer counts as running rounds."""
+        committed a moment ago is waited for: it may commit again before this peer counts as running rounds.
+        A swarm in its first round's reduce for over ``matchmaking_time`` is waited for too (a join line pasted
+        ~30 s after the first peer started: before, the joiner met the next round a round behind, an ERROR with a
+        traceback on both peers, its first round dropped)."""
         start = time.monotonic()
         self.declare(joining=True)
         try:
@@ -164,7 +169,12 @@ class Swarm:
                 if any(o["round"] > rounds for o in running):
                     return True
                 just = [o.get("committed_at") for o in running if o["round"] == rounds]
-                if not running or None in just:  # nobody else, or peers that start their first round with us
+                # In their first round's reduce for over matchmaking_time (alone, it ends at twice that): a joiner
+                # starting from the state before it would hardly matchmake in time, and would meet the next round
+                # a round behind. It waits for that round instead; earlier in it, it tries to make it.
+                late = [o for o in running if o["round"] == rounds and o.get("busy") and o.get("since") is not None]
+                late = [o for o in late if get_dht_time() - o["since"] > self._res.config.matchmaking_time]
+                if not running or (None in just and not late):  # nobody else, or peers that start with us
                     return False
                 periods = [o["period"] for o in running if isinstance(o.get("period"), (int, float))]
                 if time.monotonic() - start >= max([timeout, *(2 * p for p in periods)]):
@@ -185,7 +195,9 @@ class Swarm:
         timeout = deadlines(config).retries  # a round's time, as long as its reduce may retry
         if not self.wait_for_round(tag[0], timeout=timeout, stop=stop):
             return
-        fresh = server.download_successor((tag[0], tag[1]), timeout, stop)
+        fresh = server.download_successor(
+            (tag[0], tag[1]), timeout, stop, ready=lambda: self.ahead(tag[0], timeout=2.0)
+        )
         if fresh is None or fresh[0].get("prev_tag") != list(tag):
             return  # keep the state downloaded first: its first round may then be a round behind (re-sync)
         values = [broadcast_values(fresh, i, tensors) for i, tensors in enumerate(server.shared)]

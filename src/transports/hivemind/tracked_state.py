@@ -19,6 +19,7 @@ from .handle import Outcome
 from .resources import Resources
 from .state_server import State, StateServer, broadcast_values
 from .state_tag import INITIAL_TAG, Tag, next_tag, valid_tag
+from .swarm import Swarm
 
 logger = logging.getLogger(__name__)
 
@@ -34,12 +35,13 @@ class TrackedState:
     """The state tag (rounds committed, hash chain of their results) and the one before the last commit.
     Read and changed under the transport's lock."""
 
-    def __init__(self, *, server: StateServer, resources: Resources, lock: threading.RLock) -> None:
+    def __init__(self, *, server: StateServer, resources: Resources, lock: threading.RLock, swarm: Swarm) -> None:
+        """``swarm``: the others' presence, which says when a peer has committed the round a re-sync waits for."""
         self.keys: frozenset[str] = frozenset()  # the reduce keys whose results count
         self.tag: Tag = INITIAL_TAG
         self.prev_tag: Tag | None = None
         self.on_resync: Loader | None = None
-        self._server, self._res, self._lock = server, resources, lock
+        self._server, self._res, self._lock, self._swarm = server, resources, lock, swarm
 
     def track(self, keys: frozenset[str], on_resync: Loader) -> None:
         with self._lock:
@@ -85,7 +87,12 @@ class TrackedState:
         if self.on_resync is None:
             raise TransportError("hivemind: this peer's state is older than its group's and nothing can reload it")
         timeout = deadlines(self._res.config).retries if timeout is None else timeout
-        best = self._server.download_successor(group_tag, timeout, stop=lambda: self._res.closed or outcome.abandoned)
+        best = self._server.download_successor(
+            group_tag,
+            timeout,
+            stop=lambda: self._res.closed or outcome.abandoned,
+            ready=lambda: self._swarm.ahead(group_tag[0], timeout=2.0),
+        )
         if best is None:
             raise TransportError(
                 f"hivemind: this peer is behind its group (round {group_tag[0]}) and no peer served that state"

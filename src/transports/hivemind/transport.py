@@ -74,8 +74,8 @@ class HivemindTransport(Transport, Membership):
         self._server = StateServer(
             joining=joining, resources=self._res, lock=self._lock, tags=lambda: self._state.served()
         )
-        self._state = TrackedState(server=self._server, resources=self._res, lock=self._lock)
         self._swarm = Swarm(resources=self._res, key=keys.presence_key)
+        self._state = TrackedState(server=self._server, resources=self._res, lock=self._lock, swarm=self._swarm)
         windows = RoundWindows(quorum=config.quorum_rule, matchmaking_time=config.matchmaking_time)
         self._attempts = Attempts(
             resources=self._res,

@@ -1,0 +1,33 @@
+"""hivemind's log records that the transport handles itself: none of them is an ERROR with a traceback.
+
+hivemind logs an exception that ends an averaging step, and a failed state download from one donor, as an
+ERROR with its traceback. Where the transport handles the case, that is noise a user takes for a failure:
+
+- a step that found no group (the peer averages alone: one warning line of the transport's);
+- a group whose state tags differ (a retry without the stale peers, or the group's state: the transport's
+  warning lines);
+- a donor that left (a peer killed or restarted, whose record in the DHT has not expired yet): hivemind
+  tries the next donor; one WARNING line without the traceback says which one failed.
+"""
+
+import logging
+
+from hivemind.averaging.allreduce import AllreduceException
+
+from .state_tag import StaleStateError
+
+__all__ = ["quiet_hivemind_records"]
+
+
+def quiet_hivemind_records(record: logging.LogRecord) -> bool:
+    """A ``logging`` filter for ``hivemind.averaging.averager``: False drops ``record``; a failed download from
+    one donor becomes a WARNING line without the traceback."""
+    error = record.exc_info[1] if record.exc_info else record.msg
+    if isinstance(error, StaleStateError):
+        return False
+    if isinstance(error, AllreduceException) and "could not find a group" in str(error):
+        return False
+    if record.funcName == "_load_state_from_peers" and record.levelno >= logging.ERROR:
+        record.levelno, record.levelname = logging.WARNING, logging.getLevelName(logging.WARNING)
+        record.exc_info, record.exc_text = None, None  # the next donor is tried
+    return True
