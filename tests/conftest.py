@@ -31,7 +31,6 @@ UNIT_MODULES = frozenset(
         "test_time_to_loss_bench",
         "test_train_plot",
         "test_train_sinks",
-        "test_join_command",
     }
 )
 TIERS = ("unit", "integration", "slow")

@@ -111,7 +111,8 @@ def test_a_rank_without_a_secret_is_refused_and_told_how_to_set_one(tmp_path):
     assert f"set {SECRET_ENV} or [transport] secret_file on every rank" in rank1
 
 
-@pytest.mark.parametrize("role", ["silent", "junk"])
+# silent waits out the whole join timeout (~23 s): the slow suite runs it; junk is refused in the default run
+@pytest.mark.parametrize("role", [pytest.param("silent", marks=pytest.mark.slow), "junk"])
 def test_a_non_member_holding_a_rank_slot_is_refused_within_the_timeout(role):
     """A process that joined the rendezvous without diloco's check: it says nothing, or sends random bytes."""
     results = _group([(_member(), {SECRET_ENV: SECRET}), (_member(), {SECRET_ENV: SECRET}), ([role], {})])
