@@ -97,6 +97,7 @@ def test_the_in_process_commands_of_the_trainer_doc_run(tmp_path: Path) -> None:
     assert (tmp_path / "runs" / "compare.png").is_file() and (tmp_path / "runs" / "long" / "plot.png").is_file()
 
 
+@pytest.mark.slow  # ~21 s: the default run was over its 10 minutes; tests/test_elastic.py covers the features
 @pytest.mark.timeout(300)
 def test_the_commands_of_the_elastic_doc_run(tmp_path: Path) -> None:
     picked = [c for c in commands("elastic.md") if not _skipped(c) and not _slow(c)]

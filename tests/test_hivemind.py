@@ -436,6 +436,7 @@ def _diloco_peer(transport: HivemindTransport, seed: int):
     return diloco, one_round
 
 
+@pytest.mark.slow  # ~15 s; the default run keeps the group of three's resync below (and stays under 10 minutes)
 @pytest.mark.timeout(150)
 def test_a_peer_that_fell_behind_takes_its_groups_state_then_averages_with_it():
     cfg = dict(run_id="behind", secret="b", target_group_size=2, **FAST)
