@@ -768,6 +768,33 @@ def test_diloco_peers_agree_after_every_round_through_a_kill_and_a_restart(tmp_p
             p.kill()
 
 
+def test_an_averager_stopped_during_a_round_cancels_its_groups_without_a_traceback():
+    """hivemind's shutdown calls ``finalize`` on each running group's future (an AttributeError traceback, seen
+    on a first peer's Ctrl+C mid-round in docs/wan.md's sequence); ours cancels the runner or the pending group.
+    The averager is built bare (no process, no p2p): only its shutdown runs."""
+    import asyncio
+
+    from transports.hivemind.averager import Averager
+
+    class Runner:
+        cancelled = False
+
+        def finalize(self, *, cancel: bool = False) -> None:
+            self.cancelled = cancel
+
+    async def shut_down() -> tuple[asyncio.Future, Runner]:
+        averager, runner = Averager.__new__(Averager), Runner()
+        registered, pending = asyncio.get_running_loop().create_future(), asyncio.get_running_loop().create_future()
+        registered.set_result(runner)
+        averager.client_mode, averager._running_groups = True, {b"a": registered, b"b": pending}
+        averager._parent_pid = -1  # no process of its own: hivemind's __del__ leaves it alone
+        await averager._shutdown(1.0)
+        return pending, runner
+
+    pending, runner = asyncio.run(shut_down())
+    assert pending.cancelled() and runner.cancelled
+
+
 @pytest.mark.timeout(90)
 def test_ctrl_c_during_a_round_shuts_the_peer_down_with_nothing_left_behind(tmp_path):
     """SIGINT (what Ctrl+C sends to the foreground process) while the peer waits for groupmates."""

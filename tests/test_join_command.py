@@ -229,6 +229,14 @@ def test_a_stale_state_verdict_is_no_error_with_a_traceback_in_hiveminds_log() -
     verdict = StaleVerdict(kind=Stale.BEHIND, group_tag=(1, b"g"), own_tag=(0, b"o"), stale=1)
     assert not quiet_hivemind_records(record(StaleStateError(verdict)))
     assert quiet_hivemind_records(record(RuntimeError("a bug")))
+    # A groupmate stopped mid-round (seen: the first peer's Ctrl+C in docs/wan.md's sequence): hivemind logs the
+    # uncommitted round twice, as raised and as wrapped; the transport's own warning says it retries.
+    from hivemind.averaging.allreduce import AllreduceException
+    from hivemind.averaging.matchmaking import MatchmakingException
+
+    broken = "round not committed: partial all-reduce: reducer Qm failed: sent 0 parts, expected 1"
+    assert not quiet_hivemind_records(record(AllreduceException(broken)))
+    assert not quiet_hivemind_records(record(MatchmakingException(f"Unable to run All-Reduce: {broken}")))
     # A donor that left (seen: a restarted first peer's old record): one WARNING line, without the traceback.
     donor = record(RuntimeError("ControlFailure('Connect failed. msg=routing: not found')"))
     donor.funcName = "_load_state_from_peers"

@@ -154,8 +154,15 @@ class Averager(Presence, DecentralizedAverager):
                 os.remove(maddr.removeprefix("/unix"))
 
     async def _shutdown(self, timeout: float | None) -> None:
+        """hivemind's, less its bug: it calls ``finalize`` on a running group's future (a traceback mid-round)."""
         try:
-            await super()._shutdown(timeout)
+            if not self.client_mode:
+                await self.remove_p2p_handlers(self._p2p, namespace=self.prefix)
+            for future in self._running_groups.values():
+                if future.done() and not future.cancelled() and future.exception() is None:
+                    future.result().finalize(cancel=True)
+                else:
+                    future.cancel()
         finally:  # hivemind leaves the replica's client socket in /tmp (one file per averager, never reused)
             if getattr(self, "_p2p", None) is not None:
                 await self._p2p.shutdown()

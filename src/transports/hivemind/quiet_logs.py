@@ -6,6 +6,8 @@ ERROR with its traceback. Where the transport handles the case, that is noise a 
 - a step that found no group (the peer averages alone: one warning line of the transport's);
 - a group whose state tags differ (a retry without the stale peers, or the group's state: the transport's
   warning lines);
+- a round not committed (a groupmate left or failed mid-round: the transport retries among the survivors
+  and says so in one warning line with hivemind's reason);
 - a donor that left (a peer killed or restarted, whose record in the DHT has not expired yet): hivemind
   tries the next donor; one WARNING line without the traceback says which one failed.
 """
@@ -26,6 +28,8 @@ def quiet_hivemind_records(record: logging.LogRecord) -> bool:
     if isinstance(error, StaleStateError):
         return False
     if isinstance(error, AllreduceException) and "could not find a group" in str(error):
+        return False
+    if isinstance(error, Exception) and "round not committed" in str(error):  # averager._confirm's, and its wrapper
         return False
     if record.funcName == "_load_state_from_peers" and record.levelno >= logging.ERROR:
         record.levelno, record.levelname = logging.WARNING, logging.getLevelName(logging.WARNING)
