@@ -252,6 +252,10 @@ def test_an_interrupted_run_names_its_resume_command(tmp_path: Path) -> None:
         f"diloco train --resume --name r --set 'train.runs_dir=\"{tmp_path}\"' --set 'transport.secret=\"...\"'"
     )
     assert resume_command("r", build_config((), [])) == "diloco train --resume --name r"
+    # A run folder that holds the secret (join.secret, written when the join command was printed): the resume
+    # reads it there, so the hint asks for nothing (it asked for the secret on the command line, visible in ps).
+    stored = resume_command("r", config, secret_stored=True)
+    assert stored == f"diloco train --resume --name r --set 'train.runs_dir=\"{tmp_path}\"'"
 
 
 @pytest.mark.timeout(60)

@@ -17,6 +17,7 @@ from diloco_core import FP32, DiLoCoConfig, TransportError, codec_for
 
 from .export_cli import EXPORT_EXAMPLE, configure_export_parser, export_main
 from .interrupts import INTERRUPTS
+from .join import SECRET_FILE
 from .log_tag import configure_logging
 from .plan_cli import PLAN_EXAMPLE, configure_plan_parser, plan_main
 from .plot_cli import configure_plot_parser, plot_main
@@ -174,7 +175,10 @@ def _train(args: argparse.Namespace, argv: list[str]) -> int:
     # Under ``diloco torchrun`` the hint repeats its launcher options (the wrapper passes them down).
     torchrun_args = os.environ.get(TORCHRUN_ARGS_ENV)
     launcher = ["diloco", "torchrun", *shlex.split(torchrun_args)] if torchrun_args is not None else ["diloco"]
-    again = resume_command(name, config, launcher=launcher)
+
+    def again() -> str:  # once the run has started: a secret it stored is read back by the resume
+        return resume_command(name, config, launcher=launcher, secret_stored=(run_dir / SECRET_FILE).is_file())
+
     try:
         result = train(
             config, run_dir, resume=args.resume, show_progress=not args.quiet, command=command, named=bool(args.name)
@@ -182,7 +186,7 @@ def _train(args: argparse.Namespace, argv: list[str]) -> int:
     except KeyboardInterrupt:
         INTERRUPTS.ignore()  # a second Ctrl+C (or torchrun's SIGTERM) adds nothing
         if os.environ.get("RANK", "0") == "0":
-            print(_interrupted(run_dir, again), file=sys.stderr)
+            print(_interrupted(run_dir, again()), file=sys.stderr)
         _exit_now(INTERRUPTS.status)
     if not result.rank0:  # a process of a multi-process run without rank 0, which reports
         return 0
@@ -198,7 +202,7 @@ def _train(args: argparse.Namespace, argv: list[str]) -> int:
     if not math.isfinite(result.eval_after):
         print("the eval loss is not finite: training diverged (states that were not finite were not checkpointed)")
     if result.steps < t.steps:
-        print(f"stopped at step {result.steps} of {t.steps} (train.stop_after); resume with: {again}")
+        print(f"stopped at step {result.steps} of {t.steps} (train.stop_after); resume with: {again()}")
     if result.rounds:
         # DDP all-reduces the gradient, as many values as a round's pseudo-gradient, at every step, in fp32.
         codec = codec_for(config.diloco.codec, config.diloco.codec_block)

@@ -50,12 +50,15 @@ def agree_run_dir(transport: Transport, run_dir: Path, *, timeout: float) -> Pat
     return run_dir.with_name(name)
 
 
-def resume_command(name: str, config: RunConfig, *, launcher: Sequence[str] = ("diloco",)) -> str:
+def resume_command(
+    name: str, config: RunConfig, *, launcher: Sequence[str] = ("diloco",), secret_stored: bool = False
+) -> str:
     """The command line that continues run ``name``: its runs_dir where not the default, and a placeholder
-    for each [transport] secret (never saved with the run). ``launcher``: what comes before ``train``."""
+    for each [transport] secret (never saved with the config) unless ``secret_stored``: the run folder holds it
+    (``join.SECRET_FILE``), which a resume reads. ``launcher``: what comes before ``train``."""
     argv = [*launcher, "train", "--resume", "--name", name]
     if config.train.runs_dir != TrainConfig.runs_dir:
         argv += ["--set", f"train.runs_dir={json.dumps(config.train.runs_dir)}"]
     spec = transport_spec(config.transport)
-    secrets = [f'transport.{k}="..."' for k in sorted(spec.secret_keys) if k in spec.section]
+    secrets = [] if secret_stored else [f'transport.{k}="..."' for k in sorted(spec.secret_keys) if k in spec.section]
     return shlex.join(argv) + "".join(f" --set '{s}'" for s in secrets)
