@@ -12,8 +12,8 @@ import time
 from pathlib import Path
 
 import pytest
+from joinable_peer import JoinablePeer
 
-from diloco_core import Membership
 from transports.hivemind.config import HivemindConfig
 from transports.hivemind.secret import read_secret
 
@@ -50,23 +50,6 @@ def test_a_secret_file_others_may_read_and_unset_sources_are_clear_errors(tmp_pa
         HivemindConfig(secret="x", secret_file=str(path))
 
 
-class _Peer(Membership):
-    """What print_join reads of a hivemind transport."""
-
-    def __init__(self, generated: str | None) -> None:
-        self.join_addresses = ["/ip4/127.0.0.1/tcp/1/p2p/Qm"]
-        self.join_settings = {} if generated is None else {"secret": generated}
-
-    def attach(self, state, timeout):
-        raise NotImplementedError
-
-    def state_dict(self):
-        raise NotImplementedError
-
-    def load_state_dict(self, state):
-        raise NotImplementedError
-
-
 @pytest.mark.parametrize("given", ["generated", "argv"])
 def test_the_join_command_names_a_private_file_instead_of_the_secret(tmp_path, capsys, caplog, given):
     from diloco_train.config import RunConfig
@@ -78,7 +61,7 @@ def test_the_join_command_names_a_private_file_instead_of_the_secret(tmp_path, c
     command = ["diloco", "train", "--name", "wan", "--set", "transport.kind=hivemind"]
     if given == "argv":
         command += ["--set", f"transport.secret={json.dumps(secret)}"]
-    peer = _Peer(secret if given == "generated" else None)
+    peer = JoinablePeer("/ip4/127.0.0.1/tcp/1/p2p/Qm", generated=secret if given == "generated" else None)
     spec = transport_spec(section)
     print_join(peer, spec=spec, config=RunConfig(transport=spec.section), command=command, run_dir=tmp_path)
     printed = capsys.readouterr().err

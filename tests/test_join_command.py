@@ -8,6 +8,7 @@ import shlex
 from pathlib import Path
 
 import pytest
+from joinable_peer import JoinablePeer
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -26,26 +27,8 @@ FIRST = [  # docs/wan.md's first peer, with a few settings of a small run
 ]
 
 
-def _peer():
-    from diloco_core import Membership
-
-    class Peer(Membership):
-        """What print_join reads of a hivemind transport: its addresses, no generated secret."""
-
-        def __init__(self) -> None:
-            self.join_addresses = [ADDRESS]
-            self.join_settings: dict = {}
-
-        def attach(self, state, timeout):
-            raise NotImplementedError
-
-        def state_dict(self):
-            raise NotImplementedError
-
-        def load_state_dict(self, state):
-            raise NotImplementedError
-
-    return Peer()
+def _peer() -> JoinablePeer:
+    return JoinablePeer(ADDRESS)  # no generated secret
 
 
 def _printed_join(capsys) -> list[str]:
