@@ -29,7 +29,8 @@ def quiet_hivemind_records(record: logging.LogRecord) -> bool:
         return False
     if isinstance(error, AllreduceException) and "could not find a group" in str(error):
         return False
-    if isinstance(error, Exception) and "round not committed" in str(error):  # averager._confirm's, and its wrapper
+    # An uncommitted round: raised by our confirmation, and again as hivemind wraps it.
+    if isinstance(error, Exception) and "round not committed" in str(error):
         return False
     if record.funcName == "_load_state_from_peers" and record.levelno >= logging.ERROR:
         record.levelno, record.levelname = logging.WARNING, logging.getLevelName(logging.WARNING)
