@@ -22,6 +22,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from convergence import Outcome, protocol, run_one
 
+from diloco_train.plot import read_metrics
+
 
 def _wire(codec: str, *, rounds_ef: bool, ddp_ef: bool) -> list[str]:
     return [
@@ -31,6 +33,9 @@ def _wire(codec: str, *, rounds_ef: bool, ddp_ef: bool) -> list[str]:
         f"train.ddp_error_feedback={str(ddp_ef).lower()}",
     ]
 
+
+TOPK = ["diloco.codec_block=4096", "diloco.codec_density=0.015625", "diloco.codec_value_bits=2"]
+"""The sparse rows' codec: k = 64 of each block of 4096 values, 2-bit values (SparseLoCo's regime)."""
 
 # name -> overrides. The int8 / int4 rows were measured before the warm start's DDP gradients had error
 # feedback (train.ddp_error_feedback, on by default since): they keep it off, as measured.
@@ -48,6 +53,20 @@ CODECS: dict[str, list[str]] = {
     # the warm start averages each worker's AdamW update instead of its gradient (train.warm_start_sync)
     "sign-ef-updateswarm": [*_wire("sign", rounds_ef=True, ddp_ef=True), "train.warm_start_sync=updates"],
     "sign-noef-updateswarm": [*_wire("sign", rounds_ef=False, ddp_ef=False), "train.warm_start_sync=updates"],
+    # issue 31: sparse Top-k (2-bit values, 1/64 of each block of 4096 kept) and the dense 2-bit codec
+    "topk-ef-int4warm": [*_wire("topk", rounds_ef=True, ddp_ef=True), *TOPK, "train.ddp_wire_dtype=int4"],
+    "topk-ef-updateswarm": [*_wire("topk", rounds_ef=True, ddp_ef=True), *TOPK, "train.warm_start_sync=updates"],
+    "topk-noef-updateswarm": [*_wire("topk", rounds_ef=False, ddp_ef=False), *TOPK, "train.warm_start_sync=updates"],
+    "topk-ef-nowarm": [*_wire("topk", rounds_ef=True, ddp_ef=True), *TOPK, "train.ddp_warm_start=0"],
+    "topk4-ef-updateswarm": [
+        *_wire("topk", rounds_ef=True, ddp_ef=True),
+        *TOPK,
+        "diloco.codec_value_bits=4",
+        "train.warm_start_sync=updates",
+    ],
+    "int2-ef-int4warm": [*_wire("int2", rounds_ef=True, ddp_ef=True), "train.ddp_wire_dtype=int4"],
+    "int2-ef-updateswarm": [*_wire("int2", rounds_ef=True, ddp_ef=True), "train.warm_start_sync=updates"],
+    "int2-noef-updateswarm": [*_wire("int2", rounds_ef=False, ddp_ef=False), "train.warm_start_sync=updates"],
 }
 
 
@@ -63,6 +82,14 @@ def _outcome(*, name: str, mode: str, workers: int, seed: int, args: argparse.Na
         return Outcome(**{**o.__dict__, "name": name})
     run = name if mode == "ddp" else f"diloco-4-{name}"
     return run_one(name=run, mode=mode, workers=workers, seed=seed, out=Path(args.out), overrides=common + extra)
+
+
+def _rounds_bytes(outcome: Outcome, *, args: argparse.Namespace) -> int:
+    """Bytes the run's outer rounds sent (its round records'), the warm start's left out."""
+    folder = Path(args.baseline) / f"diloco-4-s{outcome.seed}"
+    if outcome.name != "fp32" or not (folder / "metrics.jsonl").is_file():
+        folder = Path(args.out) / f"diloco-4-{outcome.name}-s{outcome.seed}"
+    return sum(r["bytes_sent"] for r in read_metrics(folder) if r.get("type") == "round")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -101,8 +128,9 @@ def main(argv: list[str] | None = None) -> int:
     ddp = args.ddp_mb * 1e6 if args.ddp_mb else statistics.fmean(o.bytes_sent for o in outcomes["ddp-4"])
     fp32 = statistics.fmean(o.eval_loss for o in outcomes["fp32"]) if "fp32" in outcomes else float("nan")
     lines = [
-        "| wire | error feedback | seeds | eval loss (mean) | spread | vs fp32 | MB sent / worker | traffic vs DDP |",
-        "|---|---|---|---|---|---|---|---|",
+        "| wire | error feedback | seeds | eval loss (mean) | spread | vs fp32 | MB sent / worker | traffic vs DDP"
+        + " | rounds alone: MB, vs DDP |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     results = {}
     for name in names:
@@ -110,6 +138,7 @@ def main(argv: list[str] | None = None) -> int:
         loss = statistics.fmean(o.eval_loss for o in mine)
         spread = max(o.eval_loss for o in mine) - min(o.eval_loss for o in mine)
         sent = statistics.fmean(o.bytes_sent for o in mine)
+        rounds = statistics.fmean(_rounds_bytes(o, args=args) for o in mine)
         wire, _, rest = name.partition("-")
         ef, _, warm = rest.partition("-")
         wire += f" ({warm.removesuffix('warm')} warm start)" if warm else ""
@@ -117,12 +146,14 @@ def main(argv: list[str] | None = None) -> int:
             "eval_loss": loss,
             "spread": spread,
             "bytes": sent,
+            "rounds_bytes": rounds,
             "vs_fp32": loss / fp32 - 1,
             "seeds": len(mine),
         }
         lines.append(
             f"| {wire} | {'-' if not ef else ef == 'ef'} | {len(mine)} | {loss:.4f} | {spread:.4f} "
-            f"| {100 * (loss / fp32 - 1):+.2f}% | {sent / 1e6:.1f} | 1/{ddp / sent:.1f} |"
+            f"| {100 * (loss / fp32 - 1):+.2f}% | {sent / 1e6:.1f} | 1/{ddp / sent:.1f} "
+            f"| {rounds / 1e6:.2f}, 1/{ddp / max(rounds, 1):.0f} |"
         )
     text = "\n".join(lines) + "\n"
     within = [n for n in names if n != "fp32" and results[n]["vs_fp32"] <= 0.01]
