@@ -267,7 +267,7 @@ def test_block_codecs_meet_their_byte_targets():
     n = 25_000_000 + 192 + 1  # a 25M-parameter round: pseudo-gradient, zeros up to a block, the RMS
     assert INT8.payload_bytes(n) / FP32.payload_bytes(n) <= 0.27  # 0.254 (bench/codec_bytes.py)
     assert INT4.payload_bytes(n) / FP32.payload_bytes(n) <= 0.15  # 0.129
-    assert INT2.payload_bytes(n) / FP32.payload_bytes(n) <= 0.08  # 0.078
+    assert INT2.payload_bytes(n) / FP32.payload_bytes(n) <= 0.07  # 0.066
 
 
 @pytest.mark.parametrize(
@@ -286,7 +286,7 @@ def test_cast_codecs_refuse_values_their_dtype_would_turn_into_inf(name, ok, bad
     assert codec.encode(torch.zeros(0)).numel() == 0
 
 
-@pytest.mark.parametrize("codec", [INT8, INT4, INT2], ids=lambda c: c.name)
+@pytest.mark.parametrize("codec", [INT8, INT4], ids=lambda c: c.name)  # int2: the same workspace, slower
 def test_block_codecs_reuse_buffers_per_thread_and_survive_pickling(codec):
     """Threads encoding and summing with one codec at once (each keeps its own chunk buffers) get what one
     thread alone gets; a pickled copy (a process's averager) encodes the same."""

@@ -75,8 +75,10 @@ def test_a_block_encodes_alike_alone_and_in_a_chunk_of_many_whatever_the_threads
 
 
 def test_copies_and_other_blocks_stay_int2_codecs_and_bad_settings_are_refused():
+    x = torch.randn(1000)
     for codec in (pickle.loads(pickle.dumps(INT2)), codec_for("int2", block=64)):
         assert isinstance(codec, Int2Codec) and codec.bits == 2 and codec.fused is False
+    assert torch.equal(pickle.loads(pickle.dumps(INT2)).encode(x), INT2.encode(x))  # a process's averager's copy
     assert codec_for("int2", block=16).payload_bytes(16) == 8  # side by side, every scale stays aligned
     with pytest.raises(ValueError, match="bits=4 is invalid: the int2 codec sends 2 bits per value"):
         Int2Codec("int2", bits=4)

@@ -1,13 +1,14 @@
 """The 2-bit codec: per block one fp32 scale and each value's nearest of four levels, -1, -1/3, +1/3, +1 times it.
 
-The scale is min(absmax, 1.5 x RMS) of the block, not its absmax: with the absmax, most values of a block
-fall on +-absmax / 3, far above their size wherever one value stands out, and the round trip lost 36% of
-a Gaussian block's squared norm (as much as the 1-bit sign codec), 106% of a Laplace one's; with 1.5 RMS
-(near the best even spacing for Gaussian values) it loses 12% and 20%, clipping the few values beyond the
-scale to it. No level is zero (it would cost one of four codes and leave the levels lopsided): a zero
-inside a nonzero block decodes to +scale / 3, a block of zeros to +0.0, and a block of one repeated value
-(the guard's tail blocks) exactly, its RMS being its absmax. A value costs 2 bits, so a payload is 1/16 of
-fp32 plus 4 bytes per block (0.078x at block 256). It drops much, so it is meant for error feedback.
+The scale is min(absmax, 1.5 x RMS) of the block, not its absmax: with the absmax most values fall on
++-absmax / 3, far above their size wherever one value stands out, and a round trip lost 36% of a Gaussian
+block's squared norm (as much as the 1-bit sign codec), 106% of a Laplace one's; with 1.5 RMS (near the
+best even spacing for Gaussian values) 12% and 20%, the few values beyond the scale clipped to it. No level
+is zero (it would cost one of four codes and leave the levels lopsided): a zero inside a nonzero block
+decodes to +scale / 3, a block of zeros to +0.0, a block of one repeated value (the guard's tail blocks)
+exactly, its RMS being its absmax. A payload is 1/16 of fp32 plus 4 bytes per block (0.066x at block 256).
+It drops much: meant for error feedback, whose residual stays within c / (1 - c) of the largest block absmax
+fed, c = 1 - 1.5 / sqrt(block) (the scale is at least 1.5 / sqrt(block) of the absmax: no value loses more).
 """
 
 from __future__ import annotations
