@@ -21,7 +21,7 @@ from diloco_core import DiLoCo, DiLoCoConfig, codec_for
 from diloco_core.feedback import ErrorFeedback
 from transports import InProcessGroup
 
-N, WIRES = 25_000_000, ("fp32", "fp16", "int8", "int4", "sign")
+N, WIRES = 25_000_000, ("fp32", "fp16", "int8", "int4", "int2", "sign")
 
 
 def _bytes_sent(wire: str) -> int:

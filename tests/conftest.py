@@ -17,6 +17,7 @@ UNIT_MODULES = frozenset(
         "test_merge",
         "test_optimizer",
         "test_overlap",
+        "test_int2_codec",
         "test_sign_codec",
         "test_simulated_link",
         "test_export",

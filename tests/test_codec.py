@@ -11,7 +11,8 @@ from hypothesis import strategies as st
 from threads import in_threads
 
 from diloco_core import BF16, CODECS, FP16, FP32, INT4, INT8, DiLoCoConfig, codec_for, reference_mean
-from diloco_core.codecs.names import check_codec
+from diloco_core.codecs.int2 import Int2Codec
+from diloco_core.codecs.names import INT2, check_codec
 from diloco_core.codecs.sign import SignCodec
 
 
@@ -41,12 +42,12 @@ def test_received_payloads_are_checked():
 
 
 def test_codecs_by_name_and_clear_errors():
-    assert {n: codec_for(n) for n in ("fp32", "fp16", "bf16", "int8", "int4", "sign")} == CODECS
+    assert {n: codec_for(n) for n in ("fp32", "fp16", "bf16", "int8", "int4", "int2", "sign")} == CODECS
     assert codec_for(FP16) is FP16 and codec_for("fp16", block=64) is FP16  # casts have no blocks
     assert codec_for("int8", block=64).block == 64 and codec_for("int4").block == 256
     with pytest.raises(
         ValueError,
-        match=r"codec='int3' is invalid: expected one of \['bf16', 'fp16', 'fp32', 'int4', 'int8', 'sign'\]",
+        match=r"codec='int3' is invalid: expected one of \['bf16', 'fp16', 'fp32', 'int2', 'int4', 'int8', 'sign'\]",
     ):
         codec_for("int3")
     for bad in (8, 100, 2**17, 256.0, True):
@@ -67,10 +68,11 @@ def test_reference_mean_sums_decoded_payloads_in_order_in_fp32():
     assert torch.equal(reference_mean(xs, FP32), ((xs[0] + xs[1]) + xs[2]) / 3)
 
 
-# -- block codecs: int8 and int4 with one fp32 scale per block ---------------------------------------------
+# -- block codecs: int8, int4 and int2 with one fp32 scale per block ---------------------------------------
 
 BLOCK_CODECS = [codec_for(name, block=b) for name in ("int8", "int4") for b in (16, 256)]
-ROUND_TRIP_CODECS = BLOCK_CODECS + [codec_for("sign", block=b) for b in (32, 256)]  # sign's bound: its own
+INT2_CODECS = [codec_for("int2", block=b) for b in (16, 256)]  # its bound: its own (a scale below the absmax)
+ROUND_TRIP_CODECS = BLOCK_CODECS + INT2_CODECS + [codec_for("sign", block=b) for b in (32, 256)]  # sign's too
 
 
 def _check_sign(codec, x: torch.Tensor, got: torch.Tensor) -> None:
@@ -104,6 +106,9 @@ def _check_round_trip(codec, x: torch.Tensor) -> torch.Tensor:
         _check_sign(codec, x, got)
         return payload
     absmax = _per_value_absmax(codec, x).double()
+    if isinstance(codec, Int2Codec):
+        _check_int2(codec, x, got, payload)
+        return payload
     # within half a step (scale = absmax / q) of each value, up to fp32 rounding: a few ulps of the absmax
     # (and nothing below fp32's smallest normal number, where the scale itself is subnormal); in fp64, so
     # that the bound itself cannot overflow next to fp32's max
@@ -111,6 +116,19 @@ def _check_round_trip(codec, x: torch.Tensor) -> torch.Tensor:
     assert torch.equal(got[absmax == 0], torch.zeros_like(got[absmax == 0]))  # zero blocks: exact zeros
     assert torch.equal(got[x == 0], torch.zeros_like(got[x == 0]))  # zeros in any block: exact zeros
     return payload
+
+
+def _check_int2(codec, x: torch.Tensor, got: torch.Tensor, payload: torch.Tensor) -> None:
+    """Within scale / 3 of each value up to the scale (its nearest of +-scale / 3, +-scale), the rest clipped
+    to +-scale (within absmax - scale), up to fp32 rounding; blocks of one value exact, zero blocks +0.0."""
+    absmax, b = _per_value_absmax(codec, x).double(), codec.block
+    scale = payload[: 4 * -(-x.numel() // b)].view(torch.float32).double().repeat_interleave(b)[: x.numel()]
+    assert (scale <= absmax).all() and (got.abs().double() <= scale).all()
+    bound = torch.maximum(scale / 3, absmax - scale)
+    assert ((got.double() - x.double()).abs() <= bound + absmax * 2**-21 + 2**-126).all()
+    for values, decoded in zip(x.split(b), got.split(b)) if x.numel() else ():
+        if bool((values == values[0]).all()):  # -0.0 and 0.0 too: to +0.0
+            assert torch.equal(decoded, values) and not torch.signbit(decoded[values == 0]).any()
 
 
 FP32_MAX = torch.finfo(torch.float32).max
@@ -125,7 +143,8 @@ extremes = st.sampled_from([0.0, -0.0, 1e-45, -1e-38, 1e-30, -3.0, 1e30, 1e38, -
     start_block=st.integers(0, 3),
 )
 def test_block_codecs_round_trip_within_their_bound_per_block(values, codec, start_block):
-    """int8 / int4: within half a step of each value; sign: its signs times the block's mean |x|."""
+    """int8 / int4: within half a step of each value; int2: a third of its scale, or clipped to it; sign: its
+    signs times the block's mean |x|."""
     x = torch.tensor(values, dtype=torch.float32)
     payload = _check_round_trip(codec, x)
     whole = codec.decode(payload, torch.empty(x.numel()))
@@ -175,7 +194,7 @@ def test_huge_values_next_to_tiny_ones_stay_finite_and_within_half_a_step(codec,
     assert torch.equal(mean, got)  # one contributor: its decoded values, finite
 
 
-@pytest.mark.parametrize("codec", BLOCK_CODECS, ids=lambda c: f"{c.name}-{c.block}")
+@pytest.mark.parametrize("codec", BLOCK_CODECS + INT2_CODECS, ids=lambda c: f"{c.name}-{c.block}")
 def test_non_finite_input_is_a_clear_error_naming_where(codec):
     for bad in (float("nan"), float("inf"), float("-inf")):
         with pytest.raises(ValueError, match=f"{codec.name} cannot encode NaN or infinite values"):
@@ -187,7 +206,7 @@ def test_non_finite_input_is_a_clear_error_naming_where(codec):
     values=st.lists(finite, min_size=1, max_size=600),
     bad=st.sampled_from([float("nan"), float("inf"), float("-inf")]),
     where=st.integers(0, 599),
-    codec=st.sampled_from(BLOCK_CODECS),
+    codec=st.sampled_from(BLOCK_CODECS + INT2_CODECS),
 )
 def test_one_non_finite_value_anywhere_is_refused(values, bad, where, codec):
     x = torch.tensor(values, dtype=torch.float32)
@@ -199,7 +218,7 @@ def test_one_non_finite_value_anywhere_is_refused(values, bad, where, codec):
     assert start <= i < stop  # the message names a range that holds it
 
 
-@pytest.mark.parametrize("codec", [INT8, INT4], ids=lambda c: c.name)
+@pytest.mark.parametrize("codec", [INT8, INT4, INT2], ids=lambda c: c.name)
 def test_block_codecs_refuse_corrupt_payloads(codec):
     payload = codec.encode(torch.randn(600))
     codec.check(payload, 600)
@@ -207,8 +226,8 @@ def test_block_codecs_refuse_corrupt_payloads(codec):
         codec.check(payload[:-1], 600)
     with pytest.raises(ValueError, match="torch.uint8"):
         codec.check(payload.view(torch.int8), 600)
-    # NaN, inf, negative, and finite but so large that the block's codes would decode to inf
-    for bad in (float("nan"), float("inf"), -1.0, FP32_MAX / codec.qmax * 1.01):
+    # NaN, inf, negative, and finite but so large that the block's codes would decode to inf (int2's: +-scale)
+    for bad in (float("nan"), float("inf"), -1.0, *([FP32_MAX / codec.qmax * 1.01] if codec.qmax > 1 else [])):
         corrupt = payload.clone()
         corrupt[4:8].view(torch.float32).fill_(bad)  # the second block's scale
         with pytest.raises(ValueError, match="NaN, infinite or negative scale"):
@@ -221,7 +240,7 @@ def test_block_codecs_refuse_corrupt_payloads(codec):
         assert torch.equal(into, torch.ones(600))  # refused before anything was written
 
 
-@pytest.mark.parametrize("codec", BLOCK_CODECS, ids=lambda c: f"{c.name}-{c.block}")
+@pytest.mark.parametrize("codec", BLOCK_CODECS + INT2_CODECS, ids=lambda c: f"{c.name}-{c.block}")
 def test_reference_mean_with_block_codecs_sums_decoded_payloads_in_order(codec):
     g = torch.Generator().manual_seed(0)
     xs = [torch.randn(3, 100, generator=g) * (i + 1) for i in range(3)]
@@ -231,7 +250,7 @@ def test_reference_mean_with_block_codecs_sums_decoded_payloads_in_order(codec):
     torch.testing.assert_close(got, sum(xs) / 3, atol=float(sum(x.abs().max() for x in xs)) / codec.qmax, rtol=0)
 
 
-@pytest.mark.parametrize("codec", [INT8, INT4], ids=lambda c: c.name)
+@pytest.mark.parametrize("codec", [INT8, INT4, INT2], ids=lambda c: c.name)
 def test_the_fused_block_mean_equals_the_plain_definition_bit_for_bit_across_chunks(codec):
     """``Codec.mean_of`` decodes, sums and divides chunk by chunk (``BlockCodec.mean_of``): over several
     chunks, a partial last block and three contributions it must equal decode-sum-divide value for value."""
@@ -248,6 +267,7 @@ def test_block_codecs_meet_their_byte_targets():
     n = 25_000_000 + 192 + 1  # a 25M-parameter round: pseudo-gradient, zeros up to a block, the RMS
     assert INT8.payload_bytes(n) / FP32.payload_bytes(n) <= 0.27  # 0.254 (bench/codec_bytes.py)
     assert INT4.payload_bytes(n) / FP32.payload_bytes(n) <= 0.15  # 0.129
+    assert INT2.payload_bytes(n) / FP32.payload_bytes(n) <= 0.07  # 0.066
 
 
 @pytest.mark.parametrize(
@@ -266,7 +286,7 @@ def test_cast_codecs_refuse_values_their_dtype_would_turn_into_inf(name, ok, bad
     assert codec.encode(torch.zeros(0)).numel() == 0
 
 
-@pytest.mark.parametrize("codec", [INT8, INT4], ids=lambda c: c.name)
+@pytest.mark.parametrize("codec", [INT8, INT4], ids=lambda c: c.name)  # int2: the same workspace, slower
 def test_block_codecs_reuse_buffers_per_thread_and_survive_pickling(codec):
     """Threads encoding and summing with one codec at once (each keeps its own chunk buffers) get what one
     thread alone gets; a pickled copy (a process's averager) encodes the same."""

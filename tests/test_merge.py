@@ -10,7 +10,7 @@ from diloco_core import MEAN, DiLoCo, DiLoCoConfig, LeftOut, Merge, MergeRule, c
 from diloco_core.merge import combined
 
 ROBUST = Merge(rule=MergeRule.ROBUST)
-CODECS = ["fp32", "fp16", "bf16", "int8", "int4", "sign"]
+CODECS = ["fp32", "fp16", "bf16", "int8", "int4", "int2", "sign"]
 
 
 def _honest(k: int, n: int = 1000, seed: int = 0) -> list[torch.Tensor]:

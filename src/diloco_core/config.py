@@ -197,11 +197,11 @@ class DiLoCoConfig:
     """Nesterov momentum for the outer SGD. With momentum 0 both forms are the same plain SGD step."""
     codec: str = field(default="fp32", metadata=choice(sorted(CODECS)))
     """The codec the pseudo-gradients travel in (``diloco_core.codecs.CODECS``): fp32, fp16 or bf16 (casts),
-    int8, int4 or sign (``codec_block`` values per fp32 scale). Sums are always accumulated in fp32."""
+    int8, int4, int2 or sign (``codec_block`` values per fp32 scale). Sums are always accumulated in fp32."""
     wire_dtype: str | None = field(default=None, repr=False, compare=False)
     """Deprecated alias of ``codec`` (int4 and sign are not dtypes): given, it sets ``codec`` and warns."""
     codec_block: int = 256
-    """Values per scale of the int8, int4 and sign codecs: a power of two in [16, 65536] ([32, 65536] for sign)."""
+    """Values per scale of the int8, int4, int2 and sign codecs: a power of two in [16, 65536] ([32, 65536] for sign)."""
     error_feedback: bool = field(default=True, metadata=boolean())
     """Add what a lossy codec dropped of this worker's pseudo-gradients to its next one (not for fp32).
     Saved in ``DiLoCo.state_dict()``; not served to joiners, who start from a zero residual."""

@@ -10,7 +10,7 @@ import torch
 from .base import Codec
 from .kernels import compiled
 
-__all__ = ["INT4", "INT8", "BlockCodec", "check_block"]
+__all__ = ["INT4", "INT8", "BlockCodec", "check_block", "row_sums"]
 
 
 class BlockCodec(Codec):
@@ -102,12 +102,7 @@ class BlockCodec(Codec):
             src = blocks_of(flat, part, x)
             if fused is not None and j - i > 1 and fused(src, scales[i:j], codes[i:j].view(torch.int8)):
                 continue  # else eager, which names a NaN's place
-            absmax = torch.maximum(src.amax(1), src.amin(1).neg_())
-            if not bool(torch.isfinite(absmax).all()):
-                raise ValueError(
-                    f"{self.name} cannot encode NaN or infinite values (one is in [{part.start}, {part.stop}))"
-                )
-            scale = torch.div(absmax, q, out=scales[i:j])
+            scale = torch.div(self._absmax(src, part), q, out=scales[i:j])
             # absmax / q rounds up for absmax = fp32's max at q = 127: q * scale would decode to inf
             torch.where(torch.isinf(scale * q), scale.nextafter(scale.new_zeros(())), scale, out=scale)
             torch.div(src, torch.where(scale > 0, scale, 1.0)[:, None], out=x).round_().clamp_(-q, q)
@@ -118,6 +113,15 @@ class BlockCodec(Codec):
             packed = torch.bitwise_left_shift(c[:, half:], 4, out=codes[i:j].view(torch.int8))
             packed.bitwise_or_(c[:, :half].bitwise_and_(15))
         return out
+
+    def _absmax(self, src: torch.Tensor, part: slice) -> torch.Tensor:
+        """Each row's largest magnitude; ``ValueError`` naming ``part`` where a value is NaN or infinite."""
+        absmax = torch.maximum(src.amax(1), src.amin(1).neg_())
+        if not bool(torch.isfinite(absmax).all()):
+            raise ValueError(
+                f"{self.name} cannot encode NaN or infinite values (one is in [{part.start}, {part.stop}))"
+            )
+        return absmax
 
     def _rows(
         self, scales: torch.Tensor, codes: torch.Tensor, *, i: int, j: int, out: torch.Tensor, small: torch.Tensor
@@ -192,6 +196,13 @@ def blocks_of(flat: torch.Tensor, part: slice, x: torch.Tensor) -> torch.Tensor:
     x.view(-1)[part.stop - part.start :].zero_()
     x.view(-1)[: part.stop - part.start].copy_(flat[part])
     return x
+
+
+def row_sums(rows: torch.Tensor) -> torch.Tensor:
+    """Each row's sum in the same order whatever the number of rows (a transport encodes a slice alone that
+    another encodes in a larger chunk): sums of at most 256 values, which torch never splits across threads."""
+    n = rows.shape[1]
+    return rows.view(rows.shape[0], -1, min(n, 256)).sum(2).sum(1) if n > 256 else rows.sum(1)
 
 
 class _Workspace(threading.local):

@@ -4,13 +4,15 @@ from __future__ import annotations
 
 from .base import BF16, FP16, FP32, Codec
 from .block import INT4, INT8
+from .int2 import Int2Codec
 from .sign import SignCodec
 
-__all__ = ["CODECS", "SIGN", "check_codec", "codec_for"]
+__all__ = ["CODECS", "INT2", "SIGN", "check_codec", "codec_for"]
 
 SIGN = SignCodec("sign")
+INT2 = Int2Codec("int2")
 
-CODECS: dict[str, Codec] = {c.name: c for c in (FP32, FP16, BF16, INT8, INT4, SIGN)}
+CODECS: dict[str, Codec] = {c.name: c for c in (FP32, FP16, BF16, INT8, INT4, INT2, SIGN)}
 """The codecs config can name (block codecs with the default block of 256 values)."""
 
 

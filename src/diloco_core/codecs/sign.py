@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from .block import BlockCodec, blocks_of
+from .block import BlockCodec, blocks_of, row_sums
 
 __all__ = ["SignCodec"]
 
@@ -53,14 +53,14 @@ class SignCodec(BlockCodec):
             magnitudes = torch.abs(src, out=spare)
             counts = torch.full((j - i, 1), float(self.block), device=flat.device)
             counts[-1] = part.stop - part.start - (j - i - 1) * self.block  # a partial last block: its own values
-            scale = torch.div(_row_sums(magnitudes), counts[:, 0], out=scales[i:j])
+            scale = torch.div(row_sums(magnitudes), counts[:, 0], out=scales[i:j])
             if not bool(torch.isfinite(scale).all()):
                 if not bool(torch.isfinite(src).all()):
                     raise ValueError(
                         f"{self.name} cannot encode NaN or infinite values (one is in [{part.start}, {part.stop}))"
                     )
                 # a sum past fp32's max: those rows divided first (the mean is at most the largest |x|)
-                divided = _row_sums(magnitudes.div_(counts)).clamp_(max=torch.finfo(torch.float32).max)
+                divided = row_sums(magnitudes.div_(counts)).clamp_(max=torch.finfo(torch.float32).max)
                 torch.where(torch.isfinite(scale), scale, divided, out=scale)
             packed = codes[i:j].view(torch.int8)
             if fused is not None and j - i > 1:
@@ -83,10 +83,3 @@ class SignCodec(BlockCodec):
         bits = out.view(torch.int32)
         bits.copy_(small).bitwise_left_shift_(31)  # the fp32 sign bit alone
         return bits.bitwise_or_(scales[i:j].view(torch.int32)[:, None]).view(torch.float32)
-
-
-def _row_sums(rows: torch.Tensor) -> torch.Tensor:
-    """Each row's sum in the same order whatever the number of rows (a transport encodes a slice alone that
-    another encodes in a larger chunk): sums of at most 256 values, which torch never splits across threads."""
-    n = rows.shape[1]
-    return rows.view(rows.shape[0], -1, min(n, 256)).sum(2).sum(1) if n > 256 else rows.sum(1)
