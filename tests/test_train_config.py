@@ -31,6 +31,7 @@ def test_defaults_and_trainer_defaults() -> None:
         (["train.mode=ddp"], "fp32"),  # the DDP baseline stays exact
         (["diloco.codec=fp32"], "fp32"),
         (["diloco.codec=sign"], "int4"),  # sign gradients lost 3.4%: not the warm start's default
+        (["diloco.codec=int2"], "int4"),  # as coarse as sign
         (["diloco.codec=sign", "train.ddp_wire_dtype=sign"], "sign"),  # named: as named
         (["train.mode=ddp", "train.ddp_wire_dtype=int8"], "int8"),
     ],

@@ -32,13 +32,14 @@ def warm_start_steps(config: RunConfig, transport: Transport | None) -> int:
 
 def ddp_wire(config: RunConfig) -> str:
     """The codec of DDP's gradients: ``train.ddp_wire_dtype``, or where unset fp32 in ddp mode (the baseline) and
-    the rounds' codec in diloco's warm start, int4 where the rounds go 1-bit (sign gradients lost 3.4%)."""
+    the rounds' codec in diloco's warm start, int4 where the rounds go below 4 bits a value (sign gradients lost
+    3.4%: AdamW's second moment takes in the codec's noise; int2 and topk are as coarse)."""
     t, codec = config.train, config.diloco.codec
     if t.ddp_wire_dtype is not None:
         return t.ddp_wire_dtype
     if t.mode != "diloco":
         return "fp32"
-    return "int4" if codec == "sign" else codec
+    return "int4" if codec in ("sign", "int2", "topk") else codec
 
 
 @dataclass(frozen=True)
