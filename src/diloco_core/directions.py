@@ -1,16 +1,12 @@
-"""Radial-directional averaging (RDA, Decoupled DiLoCo, arXiv 2604.21428; ``DiLoCoConfig.rda``): per tensor t, the
-step is the workers' mean norm along their mean unit direction,
-
-    merged_t = (Σ w_i ||Δ_i,t|| / Σ w_i) · unit(Σ w_i unit(Δ_i,t)),
-
-so it keeps the workers' step length as M grows, where the plain mean of M partly disagreeing pseudo-gradients
-shrinks towards 1/√M of it. A worker sends each tensor's unit direction in its place, then each norm as a run of
-whole codec blocks of that one value (block codecs carry it to fp32 rounding, where a block shared with other
-values would wreck it; casts round it as any value), in the round's own reduce: the guard's work weights and
-rescale give both weighted means, and every worker joins them from the same reduced values: the same step on all.
-The robust merge judges the norms apart from the directions (``Merge.apart``: distances of another scale), and
-reads each run at its value ``MIN_JUDGED``: a transport's part that cuts fewer than ``MIN_JUDGED`` values off the
-runs' start or end leaves those unjudged, never that one. No state of its own.
+"""Radial-directional averaging (RDA, Decoupled DiLoCo, arXiv 2604.21428; ``DiLoCoConfig.rda``): per tensor t,
+merged_t = (Σ w_i ||Δ_i,t|| / Σ w_i) · unit(Σ w_i unit(Δ_i,t)), the workers' mean norm along their mean direction:
+it keeps their step length as M grows, where the plain mean of M partly disagreeing ones shrinks towards 1/√M.
+A worker sends each tensor's unit direction in its place, then each norm as a run of whole codec blocks of that one
+value (block codecs carry it to fp32 rounding, where a block shared with other values would wreck it; casts round
+it as any value), in the round's own reduce: the guard's work weights and rescale give both weighted means, and
+every worker joins them from the same reduced values: the same step on all, no state. The robust merge judges the
+norms apart from the directions (``Merge.apart``: distances of another scale); a run is read at its value
+``MIN_JUDGED``, which a transport's part that cuts fewer than ``MIN_JUDGED`` values off the runs (unjudged) misses.
 """
 
 from __future__ import annotations
@@ -38,8 +34,7 @@ class Directions:
         self.views, self.flat, self.codec, self.numel = reduce.views, reduce.flat, codec, reduce.body.numel()
         self.at = at = sent_size(self.numel, tensors=0, block=codec.block)
         """Where the norm runs begin (the robust merge judges the values before it apart from them)."""
-        self.norms = self.flat[at : sent_size(self.numel, tensors=len(self.views), block=codec.block)]
-        self.norms = self.norms.view(len(self.views), -1)
+        self.norms = self.flat[at : sent_size(at, tensors=len(self.views), block=codec.block)].view(len(self.views), -1)
 
     def split(self) -> None:
         """Before sending: each tensor becomes its unit direction (zeros stay zeros), its norm fills its run."""
