@@ -323,7 +323,7 @@ def test_pieces_are_the_decoded_values_slice_by_slice(codec, n, stop, size):
     values up to ``stop``, none larger than ``size`` rounded up to a whole block, equal to ``decode`` exactly."""
     payloads = [codec.encode(torch.randn(n) * (i + 1)) for i in range(3)]
     whole = torch.stack([codec.decode(p, torch.empty(n)) for p in payloads])
-    pieces = [piece.clone() for piece in codec.pieces(payloads, n, stop=stop, size=size)]
+    pieces = [piece.clone() for piece in codec.pieces(payloads, n, span=range(stop), size=size)]
     assert all(p.dtype == torch.float32 and p.shape[0] == 3 for p in pieces)
     assert all(p.shape[1] <= max(size, codec.block) for p in pieces)
     got = torch.cat(pieces, dim=1) if pieces else torch.empty(3, 0)

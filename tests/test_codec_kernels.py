@@ -66,8 +66,8 @@ def test_fused_kernels_equal_the_eager_code_bit_for_bit(bits, block, n):
     assert torch.equal(_bits(fused.decode(payloads[0], got)), _bits(eager.decode(payloads[0], want)))
     assert torch.equal(_bits(reference_mean(xs, fused)), _bits(reference_mean(xs, eager)))
     stop = n - block - 5  # what the robust merge judges: pieces to a stop inside a block, kernel-decoded
-    got = torch.cat([p.clone() for p in fused.pieces(payloads, n, stop=stop, size=2**15)], dim=1)
-    want = torch.cat([p.clone() for p in eager.pieces(payloads, n, stop=stop, size=2**15)], dim=1)
+    got = torch.cat([p.clone() for p in fused.pieces(payloads, n, span=range(stop), size=2**15)], dim=1)
+    want = torch.cat([p.clone() for p in eager.pieces(payloads, n, span=range(stop), size=2**15)], dim=1)
     assert got.shape == (3, stop) and torch.equal(_bits(got), _bits(want))
 
 

@@ -77,6 +77,7 @@ def settings_of(c: DiLoCoConfig, *, codec: Codec, outer_lr: float, fragments: Se
         "norm_clip": c.norm_clip,
         "merge": c.merge,
         "outlier_ratio": c.outlier_ratio,
+        "rda": c.rda,
         "overlap": c.overlap,
         "fragments": len(fragments),
         "overlap_steps": c.overlap_steps,

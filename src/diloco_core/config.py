@@ -218,6 +218,10 @@ class DiLoCoConfig:
     contribution whose distance to its nearest majority is more than ``outlier_ratio`` times the median such
     distance, or at a negative cosine with a majority of the others (3 contributors or more), and averages the
     rest; where none is left out, the plain mean bit for bit. ``mean``: the plain mean (``MERGE_RULES``)."""
+    rda: bool = field(default=False, metadata=boolean())
+    """Radial-directional averaging (``diloco_core.directions``): each tensor's update is the workers' mean norm
+    along their mean unit direction, not the plain mean, whose length shrinks towards 1/√M of theirs as M workers
+    partly disagree: for many workers, or an outer lr that should not depend on M. Not with ``overlap = "eager"``."""
     outlier_ratio: float = field(default=3.0, metadata=number(gt=1, noun="a finite number"))
     """``merge = "robust"``: how many times the median spread a contribution's spread may be (``diloco_core.merge``)."""
     overlap: str = field(default="none", metadata=choice(OVERLAP_MODES))
@@ -265,6 +269,8 @@ class DiLoCoConfig:
                 f"fragments={p}, overlap_steps={tau}, merge_alpha={alpha:g} are streaming's settings: "
                 f"set overlap='streaming' or leave them at 1, 0, 0 (overlap={mode!r})"
             )
+        if self.rda and mode == "eager":
+            raise ValueError("rda=True needs each round's own mean, but overlap='eager' steps with the last one's")
         if self.round_seconds is not None and mode != "none":
             raise ValueError(
                 f"round_seconds={self.round_seconds:g} ends rounds by time, but overlap={mode!r} schedules them by "

@@ -94,6 +94,8 @@ class DiLoCo:
             raise ValueError("model has no trainable parameters")
         self.local = [local_of(p) for p in self.params]
         """What this rank holds of ``params``: each DTensor's local shard (FSDP2), else the parameter itself."""
+        if config.rda and any(t is not p for t, p in zip(self.local, self.params)):
+            raise ValueError("rda=True needs each tensor's whole norm, but FSDP2 islands hold shards: set rda=False")
         self.model_state = ModelState(model, self.params, config.global_device)
         """The model's entries by name, its frozen parameters and buffers (synchronized and checkpointed)."""
         self.codec = codec_for(config.codec, config.codec_block)

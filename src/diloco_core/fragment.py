@@ -10,6 +10,7 @@ import torch
 
 from .codecs.base import Codec
 from .config import DiLoCoConfig
+from .directions import Directions, sent_size
 from .feedback import ErrorFeedback
 from .flat import FlatBuffer, norm_of
 from .guard import ContributionGuard
@@ -35,8 +36,8 @@ class Settled:
 class Fragment:
     """Fragment ``index``: the local tensors it synchronizes (``local``), its contiguous slice ``flat`` of
     the global copy (``views``: one per tensor), and its reduce buffer ``[pseudo-gradient | guard tail]``
-    (``reduce``) with its own contribution guard and error-feedback residual. ``param`` is its outer
-    parameter: the global slice, whose gradient is the reduced mean."""
+    (``reduce``; RDA: ``[directions | norms | guard tail]``) with its own contribution guard and error-feedback
+    residual. ``param`` is its outer parameter: the global slice, whose gradient is the reduced mean."""
 
     def __init__(
         self,
@@ -50,13 +51,18 @@ class Fragment:
         error_feedback: bool,
         compare: bool,
         merge: Merge,
+        rda: bool = False,
     ) -> None:
-        """``merge``: how the contributions are merged; it judges the pseudo-gradient, never the guard's tail."""
+        """``merge``: how the contributions are merged; it judges the pseudo-gradient, never the guard's tail.
+        ``rda``: the pseudo-gradient travels as directions and norms (``diloco_core.directions``)."""
         self.key, self.local, self.flat, self.views, self.codec = key, list(local), flat, list(views), codec
-        self.merge = dataclasses.replace(merge, judged=flat.numel())
-        self.guard = ContributionGuard(codec, norm_clip=norm_clip, numel=flat.numel(), compare=compare)
-        self.reduce = FlatBuffer(self.local, flat.device, extra=self.guard.tail_size)
-        self.feedback = ErrorFeedback(codec, self.reduce.flat, fed=flat.numel(), on=error_feedback)
+        n = flat.numel()
+        sent = sent_size(n, tensors=len(self.local), block=codec.block) if rda else n  # the values judged
+        self.guard = ContributionGuard(codec, norm_clip=norm_clip, numel=sent, compare=compare)
+        self.reduce = FlatBuffer(self.local, flat.device, extra=sent - n + self.guard.tail_size)
+        self.directions = Directions(self.reduce, codec) if rda else None
+        self.merge = dataclasses.replace(merge, judged=sent, apart=self.directions.at if self.directions else None)
+        self.feedback = ErrorFeedback(codec, self.reduce.flat, fed=n, on=error_feedback)
         self.param = torch.nn.Parameter(flat, requires_grad=False)
         self.param.grad = self.reduce.body
 
@@ -68,6 +74,8 @@ class Fragment:
         torch.sub(self.flat if start is None else start, pg, out=pg)
         norm = norm_of(pg)
         excluded, clipped, sent_norm = self.guard.admit(pg, norm)
+        if self.directions is not None and not excluded:
+            self.directions.split()
         return norm, excluded, clipped, sent_norm
 
     def send(
@@ -78,7 +86,7 @@ class Fragment:
         when the residual took a value past what the wire carries)."""
         flat = self.reduce.flat
         if work != 1.0 and not excluded:
-            self.reduce.body.mul_(work)
+            flat[: self.guard.numel].mul_(work)  # RDA's norms too
         # the tail first: the residual is what the codec drops of the very values sent (its blocks at the pad)
         self.guard.mark(flat, excluded=excluded, norm=norm, global_flat=self.flat, work=work)
         if not excluded:
@@ -92,6 +100,8 @@ class Fragment:
     def settle(self, result: ReduceResult, *, excluded: bool) -> Settled:
         """After the reduce: the mean rescaled to the valid contributions, the residual committed."""
         tally = self.guard.settle(self.reduce.flat, result.num_contributors)
+        if self.directions is not None:
+            self.directions.join()
         if not excluded:  # an excluded worker still owes the residual it had
             self.feedback.commit()
         return Settled(result=result, valid=tally.valid, contributors_norm=tally.norm, work=tally.work)
@@ -137,6 +147,7 @@ def cut(
                 error_feedback=config.error_feedback,
                 compare=compare,
                 merge=Merge(rule=MergeRule(config.merge), outlier_ratio=config.outlier_ratio),
+                rda=config.rda,
             )
         )
         start, first = start + n, first + len(g)

@@ -16,11 +16,15 @@ part's reducer), so this is the one place a rule is written.
   round) the result is ``MEAN``'s, bit for bit. A contribution left out moves the result by nothing; one kept
   is within ``outlier_ratio`` median spreads of a majority and does not point away from it: bounded influence.
 
-A merge judges the values before ``judged`` (the pseudo-gradient); values from ``judged`` on (the contribution
-guard's tail: flags, digests) are always the plain mean over every contributor, as the guard's arithmetic needs.
-A transport that merges a slice of the values on its own says where the slice starts (``start``); a slice
-judges its own values, so on a transport that cuts the values into parts (hivemind, torch with more than 3
-ranks) an outlier is left out of the parts where it is one.
+A merge judges the values before ``judged`` (the pseudo-gradient), those from ``apart`` on apart from those
+before (RDA's norms after its directions); values from ``judged`` on (the contribution guard's tail: flags,
+digests) are always the plain mean over every contributor, as the guard's arithmetic needs. A transport that
+merges a slice of the values on its own says where the slice starts (``start``); a slice judges its own values,
+so on a transport that cuts the values into parts (hivemind, torch with more than 3 ranks) an outlier is left
+out of the parts where it is one.
+
+A contribution's weight is shaped in three places, one home each: its work (``guard.py``: w Δ sent, divided by
+Σ w), this rule (left out or not), and RDA (``directions.py``: each tensor's norm and direction averaged apart).
 """
 
 from __future__ import annotations
@@ -61,6 +65,8 @@ class Merge:
     rule: MergeRule = MergeRule.MEAN
     judged: int | None = None
     """Values (from the start of the reduced tensors) the rule judges; the rest are plain means. None: all."""
+    apart: int | None = None
+    """Where the judged values' second slice begins, judged on its own (RDA's norms: ``directions``)."""
     outlier_ratio: float = 3.0
     """``ROBUST``: a contribution whose spread is more than this times the median spread is left out."""
 
@@ -79,20 +85,24 @@ class Merge:
         ``who`` (one name per payload; their index where not given)."""
         assert payloads, "a merge needs at least one contribution"
         n, k = out.numel(), len(payloads)
-        judged = n if self.judged is None else max(0, min(n, self.judged - start))
-        if self.rule is MergeRule.MEAN or k < 3 or judged < MIN_JUDGED:
-            codec.mean_of(payloads, out, scratch)
-            return ()
-        gone, sent = self._outliers(codec.pieces(payloads, n, stop=judged, size=CHUNK), k=k)
+        end = n + start if self.judged is None else self.judged
+        apart, judged = (max(0, min(n, e - start)) for e in (self.apart or 0, end))
+        verdicts = []  # (lo, hi, left out, how many sent any value): each slice judged by its own values
+        for lo, hi in ((0, apart), (apart, judged)):
+            if self.rule is MergeRule.ROBUST and k >= 3 and hi - lo >= MIN_JUDGED:
+                pieces = codec.pieces(payloads, n, span=range(lo, hi), size=CHUNK)
+                verdicts.append((lo, hi, *self._outliers(pieces, k=k)))
         codec.mean_of(payloads, out, scratch)
-        if gone:  # the judged values: the mean of those kept (an attacked round; the tail stays everyone's)
-            kept = [p for i, p in enumerate(payloads) if i not in gone]
-            body = codec.mean_of(kept, torch.empty_like(out), scratch)[:judged]
-            if sent < k:  # as the plain mean would count those kept that sent anything: the guard's rescale
-                body.mul_(len(kept) * sent / ((sent - len(gone)) * k))  # (contributors / valid) gives their mean
-            out[:judged] = body
-        names = list(who) or [str(i) for i in range(k)]
-        return tuple(LeftOut(names[i], ratio, cosine) for i, (ratio, cosine) in gone.items())
+        names, left_out = list(who) or [str(i) for i in range(k)], []
+        for lo, hi, gone, sent in verdicts:
+            if gone:  # the slice's values: the mean of those kept (an attacked round; the tail stays everyone's)
+                kept = [p for i, p in enumerate(payloads) if i not in gone]
+                body = codec.mean_of(kept, torch.empty_like(out), scratch)[lo:hi]
+                if sent < k:  # as the plain mean would count those kept that sent anything: the guard's rescale
+                    body.mul_(len(kept) * sent / ((sent - len(gone)) * k))  # (contributors / valid) gives their mean
+                out[lo:hi] = body
+            left_out += [LeftOut(names[i], ratio, cosine) for i, (ratio, cosine) in gone.items()]
+        return combined(left_out)
 
     def _outliers(self, pieces: Iterable[torch.Tensor], *, k: int) -> tuple[dict[int, tuple[float, float]], int]:
         """The ``k`` contributions far from the others or pointing away from them (their index: (ratio, cosine)),

@@ -86,14 +86,14 @@ class Codec(ABC):
         """``out = decode(payload)`` in fp32: the mean of one payload (its values divided by 1: exact)."""
         return self.mean_of([payload], out)
 
-    def pieces(self, payloads: Sequence[torch.Tensor], numel: int, *, stop: int, size: int) -> Iterator[torch.Tensor]:
-        """The decoded values ``[0, stop)`` of ``payloads`` (of ``numel`` values each), a piece at a time: one
-        (payloads, about ``size``) fp32 tensor per consecutive slice, valid until the next is asked for, so a judge
-        of contributions reads them in cache-sized pieces, never decoded whole. Here, for codecs whose payload is
-        the values cast; the others (block codecs) decode a piece of each payload on its own."""
+    def pieces(self, payloads: Sequence[torch.Tensor], numel: int, *, span: range, size: int) -> Iterator[torch.Tensor]:
+        """The decoded values ``span`` (from a block's start) of ``payloads`` (of ``numel`` values each), a piece at
+        a time: one (payloads, about ``size``) fp32 tensor per consecutive slice, valid until the next is asked for,
+        so a judge of contributions reads them in cache-sized pieces, never decoded whole. Here, for codecs whose
+        payload is the values cast; the others (block codecs) decode a piece of each payload on its own."""
         assert self.elementwise_dtype is not None, f"{self.name} must say how its payloads decode piece by piece"
-        for start in range(0, stop, size):
-            yield torch.stack([p[start : min(stop, start + size)] for p in payloads]).float()
+        for i in range(span.start, span.stop, size):
+            yield torch.stack([p[i : min(span.stop, i + size)] for p in payloads]).float()
 
     def prepare(self, like: torch.Tensor, *, payloads: Sequence[int] = (2,)) -> None:
         """Get ready to encode, decode, and average ``payloads`` payloads of up to ``like.numel()`` values on

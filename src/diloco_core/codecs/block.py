@@ -163,15 +163,16 @@ class BlockCodec(Codec):
             torch.div(acc.view(-1)[: part.stop - part.start], len(payloads), out=out[part])
         return out
 
-    def pieces(self, payloads: Sequence[torch.Tensor], numel: int, *, stop: int, size: int) -> Iterator[torch.Tensor]:
+    def pieces(self, payloads: Sequence[torch.Tensor], numel: int, *, span: range, size: int) -> Iterator[torch.Tensor]:
         """As ``Codec.pieces``: whole blocks, about ``size`` values a piece, decoded into one small reused buffer
         (by the fused kernel of the mean of one payload where ``prepare`` compiled it; a partial block eagerly)."""
-        parts, b, blocks = [self._parts(p, numel) for p in payloads], self.block, -(-stop // self.block)
+        parts, b, stop = [self._parts(p, numel) for p in payloads], self.block, span.stop
+        blocks = -(-stop // b)
         rows = max(1, min(blocks, size // b))
         held = torch.empty(len(payloads), rows, b, device=payloads[0].device)
         small = torch.empty(rows if self.bits < 8 else 0, b, dtype=torch.int8, device=held.device)
         fused = self._fused("mean", held.device, numel, payloads=1)
-        for i in range(0, blocks, rows):
+        for i in range(span.start // b, blocks, rows):
             j = min(blocks, i + rows)
             whole = min(j, numel // b)  # blocks i:whole are whole: those in the kernel
             whole = whole if fused is not None and whole - i > 1 else i
