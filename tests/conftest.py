@@ -18,6 +18,7 @@ UNIT_MODULES = frozenset(
         "test_optimizer",
         "test_overlap",
         "test_sign_codec",
+        "test_sparse_codec",
         "test_simulated_link",
         "test_export",
         "test_train_checkpoint",

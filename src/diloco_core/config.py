@@ -10,6 +10,7 @@ from typing import Any
 
 from .codecs.block import check_block
 from .codecs.names import CODECS
+from .codecs.sparse import DENSITY
 
 __all__ = [
     "MERGE_RULES",
@@ -196,12 +197,16 @@ class DiLoCoConfig:
     nesterov: bool = field(default=True, metadata=boolean())
     """Nesterov momentum for the outer SGD. With momentum 0 both forms are the same plain SGD step."""
     codec: str = field(default="fp32", metadata=choice(sorted(CODECS)))
-    """The codec the pseudo-gradients travel in (``diloco_core.codecs.CODECS``): fp32, fp16 or bf16 (casts),
-    int8, int4 or sign (``codec_block`` values per fp32 scale). Sums are always accumulated in fp32."""
+    """The codec the pseudo-gradients travel in (``diloco_core.codecs.CODECS``): fp32, fp16, bf16 (casts), int8,
+    int4, sign (``codec_block`` values per fp32 scale), topk (the largest of them: docs/codecs.md). Sums are in fp32."""
     wire_dtype: str | None = field(default=None, repr=False, compare=False)
     """Deprecated alias of ``codec`` (int4 and sign are not dtypes): given, it sets ``codec`` and warns."""
     codec_block: int = 256
-    """Values per scale of the int8, int4 and sign codecs: a power of two in [16, 65536] ([32, 65536] for sign)."""
+    """Values per scale of the int8, int4, sign and topk codecs: a power of two in [16, 65536] ([32, 65536] for sign)."""
+    codec_density: float = field(default=DENSITY, metadata=number(gt=0, le=0.5))
+    """topk: the share of a block's values sent, its largest |x|, round(density * codec_block) >= 1 of them."""
+    codec_value_bits: int = field(default=2, metadata=rule(lambda v: v in (2, 4) and _is_int(v), "2 or 4"))
+    """topk: bits per value sent (2 or 4), besides its index in the block (log2(codec_block) bits)."""
     error_feedback: bool = field(default=True, metadata=boolean())
     """Add what a lossy codec dropped of this worker's pseudo-gradients to its next one (not for fp32).
     Saved in ``DiLoCo.state_dict()``; not served to joiners, who start from a zero residual."""
@@ -252,8 +257,10 @@ class DiLoCoConfig:
             object.__setattr__(self, "wire_dtype", None)
         check_fields(self)
         check_block(self.codec_block, "codec_block")
-        ok = self.codec != "sign" or self.codec_block >= 32
-        check_field("codec_block", self.codec_block, ok, "a power of two in [32, 65536] for codec='sign'")
+        b, d = self.codec_block, self.codec_density
+        check_field("codec_block", b, self.codec != "sign" or b >= 32, "a power of two in [32, 65536] for codec='sign'")
+        ok = self.codec != "topk" or d * b >= 0.5
+        check_field("codec_density", d, ok, f"a number in [{0.5 / b:g}, 0.5] at codec_block={b}: one value per block")
         mode, w = self.overlap, self.eager_fresh_weight
         p, tau, alpha = self.fragments, self.overlap_steps, self.merge_alpha
         if mode != "eager" and w is not None:

@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from .agreement import check_settings, settings_of
-from .codecs.names import codec_for
+from .codecs.names import codec_of
 from .config import DiLoCoConfig, outer_lr_for
 from .diloco_state import load_state, state_of
 from .eager import Eager
@@ -96,7 +96,7 @@ class DiLoCo:
         """What this rank holds of ``params``: each DTensor's local shard (FSDP2), else the parameter itself."""
         self.model_state = ModelState(model, self.params, config.global_device)
         """The model's entries by name, its frozen parameters and buffers (synchronized and checkpointed)."""
-        self.codec = codec_for(config.codec, config.codec_block)
+        self.codec = codec_of(config)
         """How pseudo-gradients travel (``config.codec`` names it)."""
         names = self.model_state.names
         groups = (

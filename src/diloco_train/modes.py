@@ -9,7 +9,8 @@ from typing import Any
 
 import torch
 
-from diloco_core import DiLoCo, RoundReport, Transport, codec_for
+from diloco_core import DiLoCo, RoundReport, Transport
+from diloco_core.codecs.names import codec_of
 from diloco_core.config import outer_lr_for
 from diloco_core.feedback import ErrorFeedback
 from diloco_core.flat import FlatBuffer
@@ -32,13 +33,14 @@ def warm_start_steps(config: RunConfig, transport: Transport | None) -> int:
 
 def ddp_wire(config: RunConfig) -> str:
     """The codec of DDP's gradients: ``train.ddp_wire_dtype``, or where unset fp32 in ddp mode (the baseline) and
-    the rounds' codec in diloco's warm start, int4 where the rounds go 1-bit (sign gradients lost 3.4%)."""
+    the rounds' codec in diloco's warm start, int4 where the rounds go 1-bit (sign gradients lost 3.4%) or sparse
+    (topk: its gradients unmeasured, each step's AdamW update would see 1/64 of them)."""
     t, codec = config.train, config.diloco.codec
     if t.ddp_wire_dtype is not None:
         return t.ddp_wire_dtype
     if t.mode != "diloco":
         return "fp32"
-    return "int4" if codec == "sign" else codec
+    return "int4" if codec in ("sign", "topk") else codec
 
 
 @dataclass(frozen=True)
@@ -68,7 +70,7 @@ class Sync:
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.timeout = config.diloco.reduce_timeout
         # DDP's gradients travel on their own wire, with their own error feedback
-        self.wire = codec_for(ddp_wire(config), block=config.diloco.codec_block)
+        self.wire = codec_of(config.diloco, ddp_wire(config))
         self.feedback: ErrorFeedback | None = None
         mode = config.train.mode
         self.warm = warm_start_steps(config, transport) if mode == "diloco" else 0  # DDP steps before DiLoCo
