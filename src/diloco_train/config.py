@@ -91,7 +91,7 @@ class TrainConfig:
         default=None, metadata=rule(lambda v: v is None or v in CODECS, f"one of {sorted(CODECS)}")
     )
     """The wire of DDP's gradients (ddp mode, diloco's warm start): a codec name as ``diloco.codec``. None: fp32 in
-    ddp mode; in diloco's warm start the rounds' ``diloco.codec`` (int4 by default; int4 where the rounds go 1-bit):
+    ddp mode; in diloco's warm start the rounds' ``diloco.codec`` (int4 by default; int4 where they are sign or topk):
     at 100 Mbit/s an fp32 warm start was 36 s of the old default's 78 s to DDP's loss; an int4 one reached that
     loss at the same step on 2 of 3 seeds, 40 steps later on the third (docs/results.md, "Time to a target loss")."""
     warm_start_sync: str = field(default="gradients", metadata=choice(WARM_START_SYNCS))

@@ -2,17 +2,14 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from .base import BF16, FP16, FP32, Codec
 from .block import INT4, INT8
 from .sign import SignCodec
 from .sparse import DENSITY, TopKCodec
 
-if TYPE_CHECKING:
-    from ..config import DiLoCoConfig
-
-__all__ = ["CODECS", "SIGN", "check_codec", "codec_for", "codec_of"]
+__all__ = ["CODECS", "SIGN", "WireSettings", "check_codec", "codec_for", "codec_of"]
 
 SIGN = SignCodec("sign")
 
@@ -34,7 +31,16 @@ def codec_for(name: str | Codec, block: int = 256, *, density: float = DENSITY, 
     return codec if type(block) is int and block == codec.block else codec.with_block(block)
 
 
-def codec_of(config: DiLoCoConfig, name: str | None = None) -> Codec:
+class WireSettings(Protocol):
+    """A config's wire settings (``DiLoCoConfig``'s, which imports this module)."""
+
+    codec: str
+    codec_block: int
+    codec_density: float
+    codec_value_bits: int
+
+
+def codec_of(config: WireSettings, name: str | None = None) -> Codec:
     """The codec ``name`` (``config.codec`` if None) at ``config``'s block, and topk's density and value bits."""
     d, bits = config.codec_density, config.codec_value_bits
     return codec_for(name or config.codec, config.codec_block, density=d, value_bits=bits)
