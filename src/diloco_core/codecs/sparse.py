@@ -30,12 +30,13 @@ class TopKCodec(Codec):
     """Per block of ``block`` values: keep the k values of largest |x|, ties broken by the lowest index first;
     scale = the largest kept |x|; each kept value becomes the nearest level of a grid without zero, ±(2j + 1) /
     (2^bits - 1) for j < 2^(bits - 1) (2 bits: ±1/3, ±1; 4 bits: ±1/15 ... ±1), decoded as scale times its level:
-    within scale / (2^bits - 1) of the value, and the largest one exact (level 1). Every value not kept decodes
-    to +0.0, as does a block of zeros (scale 0). So a block of one repeated value keeps its first k positions
+    within scale / (2^bits - 1) of the value, and the largest one exact (level 1); a kept zero (in a block of
+    fewer than k non-zero values) decodes to scale / (2^bits - 1). Every value not kept decodes to +0.0, as does
+    a block of zeros (scale 0). So a block of one repeated value keeps its first k positions
     and decodes exactly there, at its first position too: the contribution guard's tail (valid flag, work,
     digest) is read there. Payload, one uint8 tensor: ``ceil(numel / block)`` fp32 scales (as bytes), then per
     block ``ceil(k * width / 8)`` bytes: its k fields of width = log2(block) + bits bits, ``index << bits |
-    code`` (code j: level +j, code 2^(bits-1) + j: -j), by ascending index, bit i of the stream being bit i % 8
+    code`` (code j: the j-th level, code 2^(bits-1) + j: its negative), by ascending index, bit i of the stream being bit i % 8
     of byte i // 8. A partial last block is encoded zero-padded, with the same k: where it holds fewer than k
     values, its padding fills the rest (indices below k), decoded and dropped."""
 
@@ -45,7 +46,7 @@ class TopKCodec(Codec):
         check_block(block)
         if not (isinstance(density, (int, float)) and not isinstance(density, bool) and 0 < density <= 0.5):
             raise ValueError(f"density={density!r} is invalid: expected a number in (0, 0.5]")
-        if value_bits not in (2, 4) or isinstance(value_bits, bool) or not isinstance(value_bits, int):
+        if not isinstance(value_bits, int) or value_bits not in (2, 4):  # True == 1, 2.0 is no int
             raise ValueError(f"value_bits={value_bits!r} is invalid: expected 2 or 4")
         self.block, self.density, self.value_bits = block, density, value_bits
         self.k = int(density * block + 0.5)  # rounded half up
@@ -122,7 +123,7 @@ class TopKCodec(Codec):
         """Blocks i:j of a received payload as (positions from block i's start, decoded values), k per block;
         ``ValueError`` where it is malformed: its shape or dtype, a NaN, infinite or negative scale, indices not
         strictly increasing in a block, or past the last block's own values (its padding, where fewer than k)."""
-        Codec.check(self, payload, numel)
+        Codec.check(self, payload, numel)  # its shape and dtype (``self.check`` is this)
         blocks, b = -(-numel // self.block), self.block
         scale = payload[4 * i : 4 * j].clone().view(torch.float32)  # copied: a payload may start at any byte
         if not bool((torch.isfinite(scale) & (scale >= 0)).all()):
