@@ -1,9 +1,10 @@
 """Bytes on the wire and codec speed for a 25M-parameter flat model:
 
-    python bench/codec_bytes.py
+    python bench/codec_bytes.py [--values 918656] [--bytes-only]
 
 Prints ``RoundReport.bytes_sent`` of one DiLoCo round between 2 in-process workers for each wire
-(and its ratio to fp32), then, on one thread, the time to encode 25M values, to add one payload's
+(and its ratio to fp32; topk at 2 and 4 bits, density 1/64 and 1/32, block 256 and 4096, e.g.
+``topk2-1/64-b256``), then, on one thread, the time to encode 25M values, to add one payload's
 decoded values into an fp32 sum, to average two payloads (``Codec.mean_of``: what a transport does
 with 2 workers), and error feedback's own cost per round (``ErrorFeedback.feed``: add the residual,
 encode, decode, subtract); int8 and int4 with their fused CPU kernels and without (``-eager``).
@@ -11,6 +12,7 @@ encode, decode, subtract); int8 and int4 with their fused CPU kernels and withou
 
 from __future__ import annotations
 
+import argparse
 import copy
 import threading
 import time
@@ -18,19 +20,33 @@ import time
 import torch
 
 from diloco_core import DiLoCo, DiLoCoConfig, codec_for
+from diloco_core.codecs.names import codec_of
 from diloco_core.feedback import ErrorFeedback
 from transports import InProcessGroup
 
-N, WIRES = 25_000_000, ("fp32", "fp16", "int8", "int4", "int2", "sign")
+N, WIRES = 25_000_000, {w: {"codec": w} for w in ("fp32", "fp16", "int8", "int4", "int2", "sign")}
+TOPK = {
+    f"topk{bits}-1/{round(1 / d)}-b{block}": {
+        "codec": "topk",
+        "codec_value_bits": bits,
+        "codec_density": d,
+        "codec_block": block,
+    }
+    for bits in (2, 4)
+    for d in (1 / 64, 1 / 32)
+    for block in (256, 4096)
+}
+WIRES.update(TOPK)
 
 
-def _bytes_sent(wire: str) -> int:
+def _bytes_sent(settings: dict, n: int) -> int:
     group, sent = InProcessGroup(2), {}
 
     def worker(rank: int) -> None:
-        model = torch.nn.Linear(N // 5, 5, bias=False)  # 25M trainable values
+        model = torch.nn.Linear(n, 1, bias=False)  # n trainable values
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
-        dl = DiLoCo(model, opt, transport=group.transport(rank), config=DiLoCoConfig(inner_steps=1, codec=wire))
+        config = DiLoCoConfig(inner_steps=1, **settings)
+        dl = DiLoCo(model, opt, transport=group.transport(rank), config=config)
         model.weight.grad = torch.full_like(model.weight, 1e-3 * (rank + 1))
         sent[rank] = dl.step().bytes_sent
 
@@ -71,12 +87,18 @@ def _eager(name: str):
 
 
 def main() -> None:
-    sent = {w: _bytes_sent(w) for w in WIRES}
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--values", type=int, default=N, help="parameters of the flat model (the tiny model: 918656)")
+    parser.add_argument("--bytes-only", action="store_true", help="bytes per round only, no timings")
+    args = parser.parse_args()
+    sent = {w: _bytes_sent(settings, args.values) for w, settings in WIRES.items()}
     for w in WIRES:
         print(f"{w}: bytes_sent {sent[w]:,} = {sent[w] / sent['fp32']:.4f} x fp32")
+    if args.bytes_only:
+        return
     torch.set_num_threads(1)
-    for w in [*WIRES[1:], "int8-eager", "int4-eager"]:
-        codec = _eager(w.removesuffix("-eager")) if w.endswith("-eager") else codec_for(w)
+    for w in [*list(WIRES)[1:], "int8-eager", "int4-eager"]:
+        codec = _eager(w.removesuffix("-eager")) if w.endswith("-eager") else codec_of(DiLoCoConfig(**WIRES[w]))
         encode, add, mean, feed = _times(codec)
         print(
             f"{w}, 1 thread, 25M values: encode {encode:.0f} ms, decode {add:.0f} ms, mean of 2 {mean:.0f} ms,"

@@ -20,6 +20,7 @@ UNIT_MODULES = frozenset(
         "test_overlap",
         "test_int2_codec",
         "test_sign_codec",
+        "test_sparse_codec",
         "test_simulated_link",
         "test_export",
         "test_train_checkpoint",

@@ -10,7 +10,7 @@ import sys
 import pytest
 
 SRC = pathlib.Path(__file__).resolve().parents[1] / "src"
-CORE_BUDGET = 3516  # the core after the renovation (issue 27); a raise says why in its commit, never here
+CORE_BUDGET = 3900  # issue 31 (int2, topk, RDA: new concepts, each in its own file; rules.py split from config.py); a raise says why in its commit, never here
 FILE_BUDGET = 300  # lines per .py file under src/: a longer file holds more than one concept
 
 

@@ -42,12 +42,12 @@ def test_received_payloads_are_checked():
 
 
 def test_codecs_by_name_and_clear_errors():
-    assert {n: codec_for(n) for n in ("fp32", "fp16", "bf16", "int8", "int4", "int2", "sign")} == CODECS
+    assert {n: codec_for(n) for n in ("fp32", "fp16", "bf16", "int8", "int4", "int2", "sign", "topk")} == CODECS
     assert codec_for(FP16) is FP16 and codec_for("fp16", block=64) is FP16  # casts have no blocks
     assert codec_for("int8", block=64).block == 64 and codec_for("int4").block == 256
     with pytest.raises(
         ValueError,
-        match=r"codec='int3' is invalid: expected one of \['bf16', 'fp16', 'fp32', 'int2', 'int4', 'int8', 'sign'\]",
+        match=r"codec='int3' is invalid: expected one of \['bf16', 'fp16', 'fp32', 'int2', 'int4', 'int8', 'sign', 'topk'\]",
     ):
         codec_for("int3")
     for bad in (8, 100, 2**17, 256.0, True):
@@ -316,7 +316,10 @@ def test_wire_dtype_is_a_deprecated_alias_of_codec():
         DiLoCoConfig(codec="int8", wire_dtype="fp16")  # neither silently wins
 
 
-@pytest.mark.parametrize("codec", [FP32, FP16, *ROUND_TRIP_CODECS], ids=lambda c: f"{c.name}-{c.block}")
+TOPK = [codec_for("topk"), codec_for("topk", 16, density=0.25, value_bits=4)]
+
+
+@pytest.mark.parametrize("codec", [FP32, FP16, *ROUND_TRIP_CODECS, *TOPK], ids=lambda c: str(c.identity))
 @pytest.mark.parametrize(("n", "stop", "size"), [(1000, 1000, 64), (1000, 777, 300), (300, 5, 4096), (513, 0, 32)])
 def test_pieces_are_the_decoded_values_slice_by_slice(codec, n, stop, size):
     """What a judge of contributions reads (``Codec.pieces``): consecutive slices of every payload's decoded

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 import pytest
 
 from diloco_core import DiLoCoConfig
-from diloco_core.config import Rule, boolean, check_fields, choice, integer, number, rule, string
+from diloco_core.rules import Rule, boolean, check_fields, choice, integer, number, rule, string
 from diloco_train.config import TrainConfig
 from diloco_train.data import DataConfig
 from diloco_train.model import ModelConfig

@@ -44,10 +44,11 @@ def _reference(n: int, codec) -> list[torch.Tensor]:
 
 
 @pytest.mark.parametrize(
-    "wire_dtype", ["fp32", "fp16", "bf16", "int8", "int4", "int8/16", "int4/16", "int2/16", "sign/32"]
+    "wire_dtype", ["fp32", "fp16", "bf16", "int8", "int4", "int8/16", "int4/16", "int2/16", "sign/32", "topk/32"]
 )
 def test_mean_over_contributors_in_every_wire_dtype(world, wire_dtype):
-    name, _, block = wire_dtype.partition("/")  # block 16: several blocks, a partial one, torch's shards
+    # block 16: several blocks, a partial one, torch's shards (topk at 32: one value of each block)
+    name, _, block = wire_dtype.partition("/")
     codec = codec_for(name, block=int(block or 256))
     results = _ok(world.run(_reduce, name, codec.block))
     n = world.world_size

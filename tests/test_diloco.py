@@ -178,7 +178,9 @@ def _train(dl: DiLoCo, opt: torch.optim.Optimizer, rank: int, steps: range) -> N
 
 
 # lossy ones with error feedback; block 16: the 74 parameters in five blocks, the last one partial
-@pytest.mark.parametrize("wire_dtype", ["fp32", "bf16", "int8", "int4", "int8/16", "int4/16", "int2/16", "sign/32"])
+@pytest.mark.parametrize(
+    "wire_dtype", ["fp32", "bf16", "int8", "int4", "int8/16", "int4/16", "int2/16", "sign/32", "topk/32"]
+)
 def test_resume_from_a_saved_round_is_bit_identical(wire_dtype):
     wire_dtype, _, block = wire_dtype.partition("/")
     cfg = DiLoCoConfig(inner_steps=3, codec=wire_dtype, codec_block=int(block or 256))
@@ -671,6 +673,7 @@ WIRES = [
     ("int4", True),
     ("int2", True),
     ("sign", True),
+    ("topk", True),  # its 3 values and the padding kept (k = 4): the guard's flags exact
     ("fp32", True),
     ("fp16", True),
     ("fp16", False),

@@ -87,8 +87,38 @@ def test_sent_values_sum_to_the_fed_pseudo_gradients_minus_a_bounded_residual(co
     assert ((sent - (fed - fb.residual.double())).abs() <= slack + 2**-126).all()
 
 
+TOPK = [codec_for("topk", 16, density=0.25, value_bits=2), codec_for("topk", 64, density=1 / 32, value_bits=4)]
+
+
+@settings(max_examples=30, deadline=None, derandomize=True)
+@given(
+    codec=st.sampled_from(TOPK),
+    n=st.integers(1, 300),
+    rounds=st.integers(1, 20),
+    seed=st.integers(0, 2**16),
+    exponents=st.lists(st.integers(-20, 20), min_size=1, max_size=5),
+)
+def test_topk_carries_exactly_what_it_dropped_and_what_was_sent_sums_to_what_was_fed(codec, n, rounds, seed, exponents):
+    fb = ErrorFeedback(codec, torch.zeros(n), fed=n, on=True)
+    fed, sent = torch.zeros(n, dtype=torch.float64), torch.zeros(n, dtype=torch.float64)
+    slack = torch.zeros(n, dtype=torch.float64)  # fp32 rounding of each round's Δ + e and of its residual
+    for delta in _pseudo_grads(n, rounds, seed, exponents):
+        flat, decoded = _send(codec, fb, delta)
+        fb.commit()
+        fed += delta.double()
+        sent += decoded.double()
+        slack += (flat.abs() + decoded.abs()).double() * 2**-23
+        assert torch.equal(fb.residual, flat - decoded)  # exactly what the peers lost of it
+        dropped = decoded == 0
+        assert torch.equal(fb.residual[dropped], flat[dropped])  # a value not sent is carried whole
+        assert int((~dropped).sum()) <= codec.k * -(-n // codec.block)
+    assert ((sent - (fed - fb.residual.double())).abs() <= slack + 2**-126).all()
+
+
 @pytest.mark.parametrize(
-    "codec", [*BLOCK_CODECS[:2], codec_for("int2", block=16), FP16, BF16], ids=lambda c: f"{c.name}-{c.block}"
+    "codec",
+    [*BLOCK_CODECS[:2], codec_for("int2", block=16), FP16, BF16, TOPK[0]],
+    ids=lambda c: f"{c.name}-{c.block}",
 )
 def test_a_failed_reduce_does_not_advance_the_residual_and_its_retry_matches_a_round_that_never_failed(codec):
     n = 300

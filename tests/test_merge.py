@@ -10,7 +10,7 @@ from diloco_core import MEAN, DiLoCo, DiLoCoConfig, LeftOut, Merge, MergeRule, c
 from diloco_core.merge import combined
 
 ROBUST = Merge(rule=MergeRule.ROBUST)
-CODECS = ["fp32", "fp16", "bf16", "int8", "int4", "int2", "sign"]
+CODECS = ["fp32", "fp16", "bf16", "int8", "int4", "int2", "sign", "topk"]
 
 
 def _honest(k: int, n: int = 1000, seed: int = 0) -> list[torch.Tensor]:
@@ -145,10 +145,10 @@ def test_merge_and_outlier_ratio_are_validated():
         DiLoCoConfig(outlier_ratio=1)
 
 
-def _train(world: int, *, insider: float | None, merge: str = "robust", rounds: int = 4):
+def _train(world: int, *, insider: float | None, merge: str = "robust", rounds: int = 4, codec: str = "fp32"):
     """``world`` workers train a small model; with ``insider``, the last worker sends its update times that. The
     honest workers are ranks 0 and 1, with the same data whatever the world size."""
-    cfg = DiLoCoConfig(inner_steps=3, outer_lr=0.7, merge=merge)
+    cfg = DiLoCoConfig(inner_steps=3, outer_lr=0.7, merge=merge, codec=codec)
 
     torch.manual_seed(0)  # here, not in the threads: they share torch's generator
     start = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 16)).state_dict()
@@ -178,10 +178,12 @@ def _train(world: int, *, insider: float | None, merge: str = "robust", rounds: 
     return run_threads(world, worker)
 
 
-@pytest.mark.parametrize("scale", [1e6, -1e6, -10.0, -1.0])
-def test_an_insider_among_three_workers_leaves_the_two_honest_workers_run_bit_for_bit(scale):
-    alone = _train(2, insider=None)
-    attacked = _train(3, insider=scale)
+@pytest.mark.parametrize(
+    ("scale", "codec"), [(1e6, "fp32"), (-1e6, "fp32"), (-10.0, "fp32"), (-1.0, "fp32"), (1e6, "topk")]
+)
+def test_an_insider_among_three_workers_leaves_the_two_honest_workers_run_bit_for_bit(scale, codec):
+    alone = _train(2, insider=None, codec=codec)
+    attacked = _train(3, insider=scale, codec=codec)
     for reports, params in attacked:
         assert all([o.who for o in r.outliers] == ["rank 2"] for r in reports), [r.outliers for r in reports]
         assert all(torch.equal(a, b) for a, b in zip(params, alone[0][1]))

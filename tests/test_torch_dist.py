@@ -45,8 +45,11 @@ def test_buckets_and_shards_cut_at_codec_blocks_so_every_path_matches_reference(
     cases = [(w, 256, None) for w in ("fp16", "bf16", "int8", "int4", "sign")] if world_size == 4 else []
     # ~100-value buckets: cut at multiples of the block (96 values at block 16; one block of 256)
     cases += [(w, b, 0.0004) for w in ("int8", "int4") for b in (16, 256)] + [("fp16", 256, 0.0004)]
-    # partial last shards: each decoded at its own length (not zero-padded)
-    cases += [("sign", 32, 0.0004), ("int2", 16, 0.0004)]
+    cases += [
+        ("sign", 32, 0.0004),
+        ("int2", 16, 0.0004),
+    ]  # partial last shards: each decoded at its own length (not zero-padded)
+    cases += [("topk", 32, 0.0004)] + ([("topk", 256, None)] if world_size == 4 else [])  # 1 and 4 values a block
     try:
         for wire, block, bucket_mb in cases:
             results = world.run(functools.partial(_reduce_big, wire_dtype=wire, block=block, bucket_mb=bucket_mb))

@@ -33,6 +33,7 @@ def test_defaults_and_trainer_defaults() -> None:
         (["diloco.codec=sign"], "int4"),  # sign gradients lost 3.4%: not the warm start's default
         (["diloco.codec=int2"], "int4"),  # as coarse as sign
         (["diloco.codec=sign", "train.ddp_wire_dtype=sign"], "sign"),  # named: as named
+        (["diloco.codec=topk"], "int4"),  # sparse gradients each step: unmeasured, not the warm start's default
         (["train.mode=ddp", "train.ddp_wire_dtype=int8"], "int8"),
     ],
 )

@@ -2,7 +2,8 @@
 
 from .codecs.base import BF16, FP16, FP32, CastCodec, Codec
 from .codecs.block import INT4, INT8, BlockCodec
-from .codecs.names import CODECS, SIGN, codec_for
+from .codecs.names import CODECS, INT2, SIGN, codec_for
+from .codecs.sparse import TopKCodec
 from .codecs.wire import reference_mean
 from .config import DiLoCoConfig
 from .diloco import DiLoCo
@@ -20,6 +21,7 @@ __all__ = [
     "CODECS",
     "FP16",
     "FP32",
+    "INT2",
     "INT4",
     "INT8",
     "MEAN",
@@ -44,6 +46,7 @@ __all__ = [
     "RoundReport",
     "RunState",
     "StateReplaced",
+    "TopKCodec",
     "Transport",
     "TransportError",
     "codec_for",

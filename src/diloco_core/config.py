@@ -4,42 +4,19 @@ from __future__ import annotations
 
 import math
 import warnings
-from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass, field, fields
-from typing import Any
+from dataclasses import dataclass, field
 
 from .codecs.block import check_block
 from .codecs.names import CODECS
+from .codecs.sparse import DENSITY
+from .rules import boolean, check_field, check_fields, choice, integer, is_int, number, rule, string
 
-__all__ = [
-    "MERGE_RULES",
-    "OVERLAP_MODES",
-    "DiLoCoConfig",
-    "Rule",
-    "boolean",
-    "check_field",
-    "check_fields",
-    "choice",
-    "codec_from_alias",
-    "from_mapping",
-    "integer",
-    "is_finite_number",
-    "number",
-    "outer_lr_for",
-    "rule",
-    "string",
-]
+__all__ = ["MERGE_RULES", "OVERLAP_MODES", "DiLoCoConfig", "codec_from_alias", "outer_lr_for"]
 
 OVERLAP_MODES = ("none", "streaming", "eager")
+"""How a round's reduce meets training (``DiLoCoConfig.overlap``, docs/overlap.md)."""
 MERGE_RULES = ("robust", "mean")
 """``DiLoCoConfig.merge``'s values: ``diloco_core.merge.MergeRule``'s."""
-"""How a round's reduce meets training (``DiLoCoConfig.overlap``, docs/overlap.md)."""
-
-
-def check_field(name: str, value: object, ok: bool, valid: str) -> None:
-    """Raise ``ValueError`` naming the field, the value and the valid range unless ``ok``."""
-    if not ok:
-        raise ValueError(f"{name}={value!r} is invalid: expected {valid}")
 
 
 def codec_from_alias(wire_dtype: object, *, stacklevel: int = 2) -> object:
@@ -56,109 +33,6 @@ def codec_from_alias(wire_dtype: object, *, stacklevel: int = 2) -> object:
     return wire_dtype
 
 
-def is_finite_number(value: object) -> bool:
-    """An int or float (not a bool) that is neither NaN nor infinite."""
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-
-
-Bound = float | Callable[[Any], float] | None
-"""A range's end: a number, or a callable of the config where the range depends on another field."""
-
-
-@dataclass(frozen=True, kw_only=True)
-class Rule:
-    """A config field's valid values, declared in its metadata (``field(default=1, metadata=integer(low=1))``)
-    and checked by ``check_fields``: ``test`` holds and the value lies between ``low`` and ``high`` (None: no
-    end; ``*_open``: the end itself is out), or it is None where ``unset``."""
-
-    test: Callable[[Any], bool]
-    noun: str
-    """What the value is, in words: ``an integer``, ``a finite number of seconds``, ``true or false``."""
-    low: Bound = None
-    high: Bound = None
-    low_open: bool = False
-    high_open: bool = False
-    unset: bool = False
-    valid: str | None = None
-    """The valid range in words, ``{low}`` and ``{high}`` filled in; None: the noun and the ends, e.g. ``an
-    integer in [0, 19]``, ``a number > 0 (or unset)``."""
-
-    def check(self, config: object, name: str, value: Any) -> None:
-        """Raise ``ValueError`` naming the field, the value and the valid range unless ``value`` is valid."""
-        if self.unset and value is None:
-            return
-        low = self.low(config) if callable(self.low) else self.low
-        high = self.high(config) if callable(self.high) else self.high
-        ok = self.test(value) and (low is None or value > low or (value == low and not self.low_open))
-        ok = ok and (high is None or value < high or (value == high and not self.high_open))
-        check_field(name, value, ok, self._words(low, high))
-
-    def _words(self, low: float | None, high: float | None) -> str:
-        if self.valid is not None:
-            return self.valid.format(low=low, high=high)
-        words = self.noun
-        if low is not None and high is not None:
-            words += f" in {'(' if self.low_open else '['}{low}, {high}{')' if self.high_open else ']'}"
-        elif low is not None:
-            words += f" {'>' if self.low_open else '>='} {low}"
-        return f"{words} (or unset)" if self.unset else words
-
-
-def _is_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def integer(low: Bound = None, high: Bound = None, *, unset: bool = False, valid: str | None = None) -> dict[str, Rule]:
-    """Field metadata: an int (a bool is none here) in [low, high]; None too where ``unset``."""
-    return {"rule": Rule(test=_is_int, noun="an integer", low=low, high=high, unset=unset, valid=valid)}
-
-
-def number(
-    *,
-    gt: float | None = None,
-    ge: float | None = None,
-    lt: float | None = None,
-    le: float | None = None,
-    noun: str = "a number",
-    unset: bool = False,
-    valid: str | None = None,
-) -> dict[str, Rule]:
-    """Field metadata: a finite int or float (not a bool) above ``gt`` or from ``ge``, below ``lt`` or up to ``le``."""
-    low, high = ge if gt is None else gt, le if lt is None else lt
-    ends = {"low": low, "high": high, "low_open": gt is not None, "high_open": lt is not None}
-    return {"rule": Rule(test=is_finite_number, noun=noun, unset=unset, valid=valid, **ends)}
-
-
-def choice(options: Iterable[object]) -> dict[str, Rule]:
-    """Field metadata: one of ``options`` (the message lists them in this order)."""
-    valid = tuple(options)
-    return rule(lambda v: v in valid, f"one of {list(valid)}")
-
-
-def boolean() -> dict[str, Rule]:
-    """Field metadata: a bool (TOML's true or false)."""
-    return rule(lambda v: isinstance(v, bool), "true or false")
-
-
-def string(*, empty: bool = True, valid: str | None = None) -> dict[str, Rule]:
-    """Field metadata: a string (not empty unless ``empty``)."""
-    words = valid or ("a string" if empty else "a non-empty string")
-    return rule(lambda v: isinstance(v, str) and (empty or v != ""), words)
-
-
-def rule(test: Callable[[Any], bool], valid: str) -> dict[str, Rule]:
-    """Field metadata: valid where ``test(value)``, ``valid`` in words."""
-    return {"rule": Rule(test=test, noun=valid)}
-
-
-def check_fields(config: object) -> None:
-    """Check every field of the dataclass ``config`` that declares a ``Rule``, in field order (a bound taken from
-    another field sees it checked): the first invalid one raises ``ValueError`` naming it, its value and range."""
-    for f in fields(config):  # type: ignore[arg-type]
-        if "rule" in f.metadata:
-            f.metadata["rule"].check(config, f.name, getattr(config, f.name))
-
-
 def outer_lr_for(num_workers: int, momentum: float) -> float:
     """The outer learning rate for ``num_workers`` workers at outer ``momentum`` (Nesterov), when unset.
 
@@ -169,7 +43,7 @@ def outer_lr_for(num_workers: int, momentum: float) -> float:
     of 2 and more diverged or lost to 1.4 at M = 4, and 0.5 at momentum 0.5 was best for M = 1
     (docs/results.md). The scaling-law paper (arXiv 2503.09799) finds the same growth with M.
     """
-    if not _is_int(num_workers) or num_workers < 1:
+    if not is_int(num_workers) or num_workers < 1:
         raise ValueError(f"num_workers={num_workers!r} is invalid: expected an integer >= 1")
     return (1 + 0.2 * math.log2(num_workers)) * (1 - momentum)
 
@@ -196,12 +70,16 @@ class DiLoCoConfig:
     nesterov: bool = field(default=True, metadata=boolean())
     """Nesterov momentum for the outer SGD. With momentum 0 both forms are the same plain SGD step."""
     codec: str = field(default="fp32", metadata=choice(sorted(CODECS)))
-    """The codec the pseudo-gradients travel in (``diloco_core.codecs.CODECS``): fp32, fp16 or bf16 (casts),
-    int8, int4, int2 or sign (``codec_block`` values per fp32 scale). Sums are always accumulated in fp32."""
+    """The codec the pseudo-gradients travel in (``diloco_core.codecs.CODECS``): fp32, fp16, bf16 (casts), int8,
+    int4, int2, sign (``codec_block`` values per fp32 scale), topk (the largest of them: docs/codecs.md). Sums are in fp32."""
     wire_dtype: str | None = field(default=None, repr=False, compare=False)
     """Deprecated alias of ``codec`` (int4 and sign are not dtypes): given, it sets ``codec`` and warns."""
     codec_block: int = 256
-    """Values per scale of the int8, int4, int2 and sign codecs: a power of two in [16, 65536] ([32, 65536] for sign)."""
+    """Values per scale of the int8, int4, int2, sign and topk codecs: a power of two in [16, 65536] ([32, 65536] for sign)."""
+    codec_density: float = field(default=DENSITY, metadata=number(gt=0, le=0.5))
+    """topk: the share of a block's values sent, its largest |x|, round(density * codec_block) >= 1 of them."""
+    codec_value_bits: int = field(default=2, metadata=rule(lambda v: v in (2, 4) and is_int(v), "2 or 4"))
+    """topk: bits per value sent (2 or 4), besides its index in the block (log2(codec_block) bits)."""
     error_feedback: bool = field(default=True, metadata=boolean())
     """Add what a lossy codec dropped of this worker's pseudo-gradients to its next one (not for fp32).
     Saved in ``DiLoCo.state_dict()``; not served to joiners, who start from a zero residual."""
@@ -256,8 +134,10 @@ class DiLoCoConfig:
             object.__setattr__(self, "wire_dtype", None)
         check_fields(self)
         check_block(self.codec_block, "codec_block")
-        ok = self.codec != "sign" or self.codec_block >= 32
-        check_field("codec_block", self.codec_block, ok, "a power of two in [32, 65536] for codec='sign'")
+        b, d = self.codec_block, self.codec_density
+        check_field("codec_block", b, self.codec != "sign" or b >= 32, "a power of two in [32, 65536] for codec='sign'")
+        ok = self.codec != "topk" or d * b >= 0.5
+        check_field("codec_density", d, ok, f"a number in [{0.5 / b:g}, 0.5] at codec_block={b}: one value per block")
         mode, w = self.overlap, self.eager_fresh_weight
         p, tau, alpha = self.fragments, self.overlap_steps, self.merge_alpha
         if mode != "eager" and w is not None:
@@ -282,18 +162,3 @@ class DiLoCoConfig:
             torch.device(self.global_device)
         except RuntimeError as e:
             raise ValueError(f"global_device={self.global_device!r} is invalid: {e}") from None
-
-
-def from_mapping(cls: type, section: Mapping[str, Any], where: str) -> Any:
-    """Build the dataclass ``cls`` from a config section, rejecting unknown keys with the valid ones."""
-    if not isinstance(section, Mapping):
-        raise ValueError(f"[{where}] must be a table of key = value, got {type(section).__name__}")
-    accepted = [f.name for f in fields(cls) if f.init]
-    unknown = sorted(set(section) - set(accepted))
-    if unknown:
-        valid = [f.name for f in fields(cls) if f.init and f.repr]  # a deprecated alias is accepted, not shown
-        raise ValueError(f"unknown key(s) {unknown} in [{where}]; valid keys: {valid}")
-    try:
-        return cls(**section)
-    except ValueError as e:
-        raise ValueError(f"[{where}] {e}") from None

@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from .agreement import check_settings, settings_of
-from .codecs.names import codec_for
+from .codecs.names import codec_of
 from .config import DiLoCoConfig, outer_lr_for
 from .diloco_state import load_state, state_of
 from .eager import Eager
@@ -98,7 +98,7 @@ class DiLoCo:
             raise ValueError("rda=True needs each tensor's whole norm, but FSDP2 islands hold shards: set rda=False")
         self.model_state = ModelState(model, self.params, config.global_device)
         """The model's entries by name, its frozen parameters and buffers (synchronized and checkpointed)."""
-        self.codec = codec_for(config.codec, config.codec_block)
+        self.codec = codec_of(config)
         """How pseudo-gradients travel (``config.codec`` names it)."""
         names = self.model_state.names
         groups = (

@@ -13,7 +13,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import NoReturn
 
-from diloco_core import FP32, DiLoCoConfig, TransportError, codec_for
+from diloco_core import FP32, DiLoCoConfig, TransportError
+from diloco_core.codecs.names import codec_of
 
 from .export_cli import EXPORT_EXAMPLE, configure_export_parser, export_main
 from .interrupts import INTERRUPTS
@@ -205,7 +206,7 @@ def _train(args: argparse.Namespace, argv: list[str]) -> int:
         print(f"stopped at step {result.steps} of {t.steps} (train.stop_after); resume with: {again()}")
     if result.rounds:
         # DDP all-reduces the gradient, as many values as a round's pseudo-gradient, at every step, in fp32.
-        codec = codec_for(config.diloco.codec, config.diloco.codec_block)
+        codec = codec_of(config.diloco)
         as_fp32 = FP32.payload_bytes(1 << 20) / codec.payload_bytes(1 << 20)  # 1 << 20: whole codec blocks
         ddp = result.round_bytes / result.rounds * as_fp32 * result.steps_run
         print(

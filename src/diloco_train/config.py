@@ -16,18 +16,8 @@ else:  # Python 3.10: the same parser as a package (a dependency there)
     import tomli as tomllib
 
 from diloco_core import CODECS, DiLoCoConfig
-from diloco_core.config import (
-    boolean,
-    check_field,
-    check_fields,
-    choice,
-    codec_from_alias,
-    from_mapping,
-    integer,
-    number,
-    rule,
-    string,
-)
+from diloco_core.config import codec_from_alias
+from diloco_core.rules import boolean, check_field, check_fields, choice, from_mapping, integer, number, rule, string
 from transports import transport_spec
 
 from .data import DataConfig
@@ -91,7 +81,7 @@ class TrainConfig:
         default=None, metadata=rule(lambda v: v is None or v in CODECS, f"one of {sorted(CODECS)}")
     )
     """The wire of DDP's gradients (ddp mode, diloco's warm start): a codec name as ``diloco.codec``. None: fp32 in
-    ddp mode; in diloco's warm start the rounds' ``diloco.codec`` (int4 by default; int4 where the rounds go 1-bit):
+    ddp mode; in diloco's warm start the rounds' ``diloco.codec`` (int4 by default; int4 where they are sign or topk):
     at 100 Mbit/s an fp32 warm start was 36 s of the old default's 78 s to DDP's loss; an int4 one reached that
     loss at the same step on 2 of 3 seeds, 40 steps later on the third (docs/results.md, "Time to a target loss")."""
     warm_start_sync: str = field(default="gradients", metadata=choice(WARM_START_SYNCS))

@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from diloco_core.config import boolean, check_field, check_fields, integer, number, string
+from diloco_core.rules import boolean, check_field, check_fields, integer, number, string
 
 from .documents import Document, Source, digest, is_val, local_source, stdlib_root, stdlib_source
 from .token_file import cache_folder, open_or_build

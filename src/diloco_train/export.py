@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from diloco_core.config import from_mapping
+from diloco_core.rules import from_mapping
 from diloco_core.streaming import strided_fragments
 
 from .checkpoint import checkpoint_path, checkpoint_ranks, list_checkpoints, load_checkpoint

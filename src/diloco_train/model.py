@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from diloco_core.config import check_field, check_fields, choice, integer, number
+from diloco_core.rules import check_field, check_fields, choice, integer, number
 
 __all__ = ["PRESETS", "Llama", "ModelConfig", "count_parameters"]
 

@@ -9,7 +9,8 @@ from typing import Any
 
 import torch
 
-from diloco_core import DiLoCo, RoundReport, Transport, codec_for
+from diloco_core import DiLoCo, RoundReport, Transport
+from diloco_core.codecs.names import codec_of
 from diloco_core.config import outer_lr_for
 from diloco_core.feedback import ErrorFeedback
 from diloco_core.flat import FlatBuffer
@@ -69,7 +70,7 @@ class Sync:
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.timeout = config.diloco.reduce_timeout
         # DDP's gradients travel on their own wire, with their own error feedback
-        self.wire = codec_for(ddp_wire(config), block=config.diloco.codec_block)
+        self.wire = codec_of(config.diloco, ddp_wire(config))
         self.feedback: ErrorFeedback | None = None
         mode = config.train.mode
         self.warm = warm_start_steps(config, transport) if mode == "diloco" else 0  # DDP steps before DiLoCo

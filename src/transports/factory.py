@@ -11,7 +11,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from diloco_core.config import from_mapping
+from diloco_core.rules import from_mapping
 from diloco_core.transport import Transport
 
 from .inprocess import InProcessConfig, InProcessGroup, InProcessTransport

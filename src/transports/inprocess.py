@@ -17,7 +17,7 @@ import torch
 
 from diloco_core import FP32, MEAN, Codec, Merge
 from diloco_core.codecs.names import check_codec
-from diloco_core.config import check_fields, integer, number, string
+from diloco_core.rules import check_fields, integer, number, string
 from diloco_core.transport import Capabilities, ReduceHandle, ReduceResult, Transport, TransportError, reduce_inputs
 
 from .inprocess_group import InProcessGroup, Slot

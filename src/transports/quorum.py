@@ -17,7 +17,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from diloco_core.config import check_fields, integer, number
+from diloco_core.rules import check_fields, integer, number
 
 __all__ = ["HISTORY", "MIN_GRACE", "QUORUM_KEYS", "SLACK_FACTOR", "Grace", "Quorum", "quorum_from"]
 

@@ -20,15 +20,18 @@ __all__ = ["BF16", "FP16", "FP32", "CastCodec", "Codec", "CodecId"]
 class CodecId:
     """What peers must share to average together: the codec, its values per scale, its payload layout.
     The settings check, the torch reduce header and hivemind's averager names compare it; ``str`` is its one
-    spelling where a string is needed: ``fp16``, ``int8b256``, ``int4b256v2`` (a block and layout not 1)."""
+    spelling where a string is needed: ``fp16``, ``int8b256``, ``int4b256v2`` (a block and layout not 1),
+    ``topk2k4b256`` (a ``variant``)."""
 
     name: str
     block: int
     layout: int
+    variant: str = ""
+    """What else its peers must share, after the name (topk: its value bits and values kept per block)."""
 
     def __str__(self) -> str:
         block = f"b{self.block}" if self.block != 1 else ""
-        return self.name + block + (f"v{self.layout}" if self.layout != 1 else "")
+        return self.name + self.variant + block + (f"v{self.layout}" if self.layout != 1 else "")
 
 
 class Codec(ABC):

@@ -3,7 +3,7 @@
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from diloco_core.config import check_field, check_fields, integer, number, rule, string
+from diloco_core.rules import check_field, check_fields, integer, number, rule, string
 
 from ..quorum import Quorum
 from .secret import check_sources

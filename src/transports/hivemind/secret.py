@@ -13,7 +13,7 @@ import os
 import stat
 from typing import Protocol
 
-from diloco_core.config import check_field
+from diloco_core.rules import check_field
 
 __all__ = ["SOURCES", "check_sources", "read_secret"]
 

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from diloco_core.config import check_field, check_fields, choice, number, rule, string
+from diloco_core.rules import check_field, check_fields, choice, number, rule, string
 
 __all__ = ["BACKEND_DEVICE", "TorchDistConfig", "init_process_group"]
 
