@@ -12,9 +12,11 @@ from diloco_core.guard import reset_if_nonfinite
 from diloco_train.config import TrainConfig
 from diloco_train.inner_optimizer import MuonAdamW, build_inner_optimizer
 from diloco_train.model import Llama, ModelConfig
+from diloco_train.schedule import set_lr
 
 SHAPE = ModelConfig(num_layers=2, hidden_size=32, num_heads=4, num_kv_heads=2, intermediate_size=64)
-MUON = TrainConfig(inner_optimizer="muon", lr=3e-3)
+MUON = TrainConfig(inner_optimizer="muon", lr=3e-3, muon_lr=0.03)
+SCALE = MUON.muon_lr / MUON.lr
 
 
 def _model() -> Llama:
@@ -22,10 +24,9 @@ def _model() -> Llama:
 
 
 def _train(model: Llama, optimizer: torch.optim.Optimizer, steps: range) -> None:
-    """Steps on batches of their own seed, each under its own learning rate (a schedule setting the groups')."""
+    """Steps on batches of their own seed, each under its own learning rate (as the schedule sets it)."""
     for step in steps:
-        for group in optimizer.param_groups:
-            group["lr"] = 1e-3 * (1 + step % 3)
+        set_lr(optimizer, 1e-3 * (1 + step % 3))
         x = torch.randint(0, 256, (2, 9), generator=torch.Generator().manual_seed(step))
         torch.nn.functional.cross_entropy(model(x[:, :-1]).flatten(0, 1), x[:, 1:].flatten()).backward()
         optimizer.step()
@@ -43,6 +44,8 @@ def test_adamw_is_torchs_adamw_with_the_groups_it_always_had() -> None:
     ]
     assert [g["weight_decay"] for g in optimizer.param_groups] == [t.weight_decay, 0.0]
     assert optimizer.defaults["betas"] == (t.beta1, t.beta2) and optimizer.defaults["lr"] == t.lr
+    set_lr(optimizer, 0.1 + 0.2)
+    assert all(g["lr"] == 0.1 + 0.2 for g in optimizer.param_groups)  # the schedule's lr, exactly
 
 
 def test_muon_takes_the_blocks_matrices_and_adamw_the_embedding_head_and_norms() -> None:
@@ -57,8 +60,9 @@ def test_muon_takes_the_blocks_matrices_and_adamw_the_embedding_head_and_norms()
     decay, no_decay = ([names[id(p)] for p in g["params"]] for g in optimizer.adamw.param_groups)
     assert decay == ["embed.weight", "lm_head.weight"] and all(n.endswith("norm.weight") for n in no_decay)
     assert len(muon) + len(decay) + len(no_decay) == len(names)
-    assert optimizer.muon.defaults["adjust_lr_fn"] == "match_rms_adamw"
-    assert [g["weight_decay"] for g in optimizer.param_groups] == [MUON.weight_decay, MUON.weight_decay, 0.0]
+    assert [g["weight_decay"] for g in optimizer.param_groups] == [MUON.weight_decay / SCALE, MUON.weight_decay, 0.0]
+    set_lr(optimizer, MUON.lr)  # the schedule's peak: muon_lr for Muon's matrices, lr for the rest
+    assert [g["lr"] for g in optimizer.param_groups] == pytest.approx([MUON.muon_lr, MUON.lr, MUON.lr], rel=1e-15)
 
 
 def test_a_step_is_torchs_muon_and_adamw_each_stepping_its_parameters() -> None:
@@ -67,7 +71,7 @@ def test_a_step_is_torchs_muon_and_adamw_each_stepping_its_parameters() -> None:
     hidden = [p for p in theirs.blocks.parameters() if p.ndim == 2]
     rest = [p for p in theirs.parameters() if all(p is not h for h in hidden)]
     pair = [
-        torch.optim.Muon(hidden, lr=MUON.lr, weight_decay=MUON.weight_decay, adjust_lr_fn="match_rms_adamw"),
+        torch.optim.Muon(hidden, weight_decay=MUON.weight_decay / SCALE),  # its lr: SCALE x AdamW's, below
         torch.optim.AdamW(
             [
                 {"params": [p for p in rest if p.ndim >= 2], "weight_decay": MUON.weight_decay},
@@ -78,9 +82,9 @@ def test_a_step_is_torchs_muon_and_adamw_each_stepping_its_parameters() -> None:
         ),
     ]
     for step in range(3):
-        for o in pair:
+        for o, scale in zip(pair, (SCALE, 1.0)):
             for group in o.param_groups:
-                group["lr"] = 1e-3 * (1 + step % 3)
+                group["lr"] = 1e-3 * (1 + step % 3) * scale
         x = torch.randint(0, 256, (2, 9), generator=torch.Generator().manual_seed(step))
         torch.nn.functional.cross_entropy(theirs(x[:, :-1]).flatten(0, 1), x[:, 1:].flatten()).backward()
         for o in pair:
@@ -94,8 +98,7 @@ def test_the_groups_lr_reaches_both_optimizers() -> None:
     model = _model()
     optimizer = build_inner_optimizer(model, MUON)
     before = copy.deepcopy(list(model.parameters()))
-    for group in optimizer.param_groups:
-        group["lr"] = 0.0  # no step, no decay: nothing moves
+    set_lr(optimizer, 0.0)  # no step, no decay: nothing moves
     model(torch.zeros(1, 4, dtype=torch.long)).sum().backward()
     optimizer.step()
     assert all(torch.equal(a, b) for a, b in zip(model.parameters(), before))

@@ -13,31 +13,30 @@ from .model import Llama
 __all__ = ["MuonAdamW", "build_inner_optimizer"]
 
 
-MUON_LR = "match_rms_adamw"
-"""torch's Muon scales its lr by 0.2 * sqrt(max(rows, columns)): the orthogonalized update's RMS, about
-1 / sqrt(max(rows, columns)), becomes 0.2 * lr, AdamW's typical one (Moonshot's "Muon is Scalable for LLM
-Training"), so one ``train.lr`` schedule and ``train.weight_decay`` drive both optimizers."""
-
-
 def build_inner_optimizer(model: Llama, t: TrainConfig) -> torch.optim.Optimizer:
     """``t.inner_optimizer``'s optimizer over ``model``. Matrices decay by ``t.weight_decay``, norms do not.
-    adamw: torch's AdamW, as it always was; muon: ``MuonAdamW`` (the decoder blocks' 2-D weights to Muon)."""
+    adamw: torch's AdamW, as it always was; muon: ``MuonAdamW``, the decoder blocks' 2-D weights to Muon.
+
+    Muon's group has ``lr_scale`` = muon_lr / lr: the schedule (``schedule.set_lr``) gives it ``t.muon_lr`` at
+    the peak. Muon decays by its own lr times its weight decay, set so that the product is AdamW's."""
     hidden = [p for p in model.blocks.parameters() if p.ndim == 2] if t.inner_optimizer == "muon" else []
-    muon = {id(p) for p in hidden}
-    rest = [p for p in model.parameters() if id(p) not in muon]
+    taken = {id(p) for p in hidden}
+    rest = [p for p in model.parameters() if id(p) not in taken]
     decay = [p for p in rest if p.ndim >= 2]
     no_decay = [p for p in rest if p.ndim < 2]
     groups = [{"params": decay, "weight_decay": t.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
     adamw = torch.optim.AdamW(groups, lr=t.lr, betas=(t.beta1, t.beta2))
     if not hidden:
         return adamw
-    return MuonAdamW(torch.optim.Muon(hidden, lr=t.lr, weight_decay=t.weight_decay, adjust_lr_fn=MUON_LR), adamw)
+    scale = t.muon_lr / t.lr
+    muon = torch.optim.Muon([{"params": hidden, "lr_scale": scale}], lr=t.muon_lr, weight_decay=t.weight_decay / scale)
+    return MuonAdamW(muon, adamw)
 
 
 class MuonAdamW(torch.optim.Optimizer):
     """torch's ``Muon`` and ``AdamW`` stepped together, as one optimizer.
 
-    ``param_groups`` is Muon's groups then AdamW's (the same dicts: a schedule's lr reaches both), ``state`` one
+    ``param_groups`` is Muon's groups then AdamW's (the same dicts: ``schedule.set_lr`` reaches both), ``state`` one
     dict that both optimizers hold (``state.clear()`` restarts both); ``state_dict`` is torch's format over
     those groups, so a checkpoint resumes exactly.
     """

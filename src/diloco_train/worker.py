@@ -33,7 +33,7 @@ from .modes import Sync
 from .pace import Pace, speed_of
 from .resume import checkpoint_due, commit_resume, confirm_loaded, load_worker, save_worker
 from .resume_from import resume_step, set_aside
-from .schedule import lr_at
+from .schedule import lr_at, set_lr
 from .shards import shard_of
 from .sinks import open_sinks
 
@@ -159,8 +159,7 @@ class Worker:
             round_before = sync.round
             t0 = time.perf_counter()
             lr = lr_at(sync.position(step), t)
-            for group in optimizer.param_groups:
-                group["lr"] = lr
+            set_lr(optimizer, lr)
             x, y = sampler.next()
             with autocast(self.device, t.bf16):
                 loss = loss_of(model, x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True))
