@@ -28,6 +28,7 @@ UNIT_MODULES = frozenset(
         "test_train_data",
         "test_train_data_hf",
         "test_train_model",
+        "test_inner_optimizer",
         "test_convergence_bench",
         "test_utilization_bench",
         "test_plan",

@@ -148,11 +148,17 @@ def test_a_hivemind_peer_resumes_exactly(tmp_path: Path) -> None:
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize(("warm", "stop_after"), [(4, 3), (4, 6), (6, 6)])
-def test_a_ddp_warm_start_hands_over_to_diloco_and_resumes_exactly(tmp_path: Path, warm: int, stop_after: int) -> None:
+@pytest.mark.parametrize(
+    ("warm", "stop_after", "inner"), [(4, 3, "adamw"), (4, 6, "adamw"), (6, 6, "adamw"), (4, 6, "muon")]
+)
+def test_a_ddp_warm_start_hands_over_to_diloco_and_resumes_exactly(
+    tmp_path: Path, warm: int, stop_after: int, inner: str
+) -> None:
     """``warm`` DDP steps (a gradient all-reduce each), then DiLoCo from those weights, a round every 3 steps.
-    Stopped inside the warm start, at its last step or after it, the resumed run repeats the losses."""
+    Stopped inside the warm start, at its last step or after it, the resumed run repeats the losses. muon: the
+    inner optimizer is Muon and AdamW (train.inner_optimizer), in DDP's steps and in DiLoCo's checkpoint."""
     common = ["--set", f"train.runs_dir={tmp_path!s}", *FAST, "--set", f"train.ddp_warm_start={warm}"]
+    common += ["--set", f"train.inner_optimizer={inner}"]
     assert main(["train", "--name", "whole", *common]) == 0
     records = [json.loads(line) for line in (tmp_path / "whole" / "metrics.jsonl").read_text().splitlines()]
     rounds = list(range(warm + 3, 13, 3))

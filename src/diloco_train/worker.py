@@ -24,6 +24,7 @@ from .data import BatchSampler, Corpus
 from .divergence import LossWatch, all_finite, newest_checkpoint
 from .evals import EvalSchedule, global_weights
 from .fsdp import evaluates, shard_model
+from .inner_optimizer import build_inner_optimizer
 from .interrupts import INTERRUPTS
 from .log_tag import set_worker
 from .metrics import Reporter, TrainResult
@@ -32,7 +33,7 @@ from .modes import Sync
 from .pace import Pace, speed_of
 from .resume import checkpoint_due, commit_resume, confirm_loaded, load_worker, save_worker
 from .resume_from import resume_step, set_aside
-from .schedule import lr_at
+from .schedule import lr_at, set_lr
 from .shards import shard_of
 from .sinks import open_sinks
 
@@ -111,10 +112,7 @@ class Worker:
         between = self.transport  # what DiLoCo averages over: the world, or the islands (FSDP2)
         if job.islands is not None:
             between = job.islands(model, shard_model(model, t.fsdp_shards, self.device))
-        decay = [p for p in model.parameters() if p.ndim >= 2]
-        no_decay = [p for p in model.parameters() if p.ndim < 2]
-        groups = [{"params": decay, "weight_decay": t.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-        optimizer = torch.optim.AdamW(groups, lr=t.lr, betas=(t.beta1, t.beta2))
+        optimizer = build_inner_optimizer(model, t)
         shard, num_shards = shard_of(t, rank=self.rank, world_size=self.world_size)
         fixed = self.transport is None or self.transport.capabilities.fixed_ranks
         set_worker(f"worker {self.rank}" if fixed else f"peer shard {shard}")
@@ -161,8 +159,7 @@ class Worker:
             round_before = sync.round
             t0 = time.perf_counter()
             lr = lr_at(sync.position(step), t)
-            for group in optimizer.param_groups:
-                group["lr"] = lr
+            set_lr(optimizer, lr)
             x, y = sampler.next()
             with autocast(self.device, t.bf16):
                 loss = loss_of(model, x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True))
