@@ -58,22 +58,6 @@ def test_it_loses_a_third_of_what_sign_loses_of_gaussian_blocks_and_less_than_si
         assert lost["int2"] <= most and lost["int2"] <= lost["sign"] / 2, lost
 
 
-def test_a_block_encodes_alike_alone_and_in_a_chunk_of_many_whatever_the_threads():
-    """Its RMS is a sum in a fixed order: one block of 65536 values alone would be a sum torch splits across
-    threads, as one row of a chunk it is not; a transport encodes a slice that starts at a block alone."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(4)
-    try:
-        codec, g = codec_for("int2", block=65536), torch.Generator().manual_seed(5)
-        x = torch.randn(3 * 65536 + 7, generator=g) * 100
-        whole = codec.encode(x)
-        for b in range(4):
-            alone = codec.encode(x[b * 65536 : (b + 1) * 65536])
-            assert torch.equal(alone[:4], whole[4 * b : 4 * b + 4])
-    finally:
-        torch.set_num_threads(threads)
-
-
 def test_copies_and_other_blocks_stay_int2_codecs_and_bad_settings_are_refused():
     x = torch.randn(1000)
     for codec in (pickle.loads(pickle.dumps(INT2)), codec_for("int2", block=64)):

@@ -39,14 +39,15 @@ def test_blocks_under_32_are_refused_since_side_by_side_payloads_would_misalign_
         DiLoCoConfig(codec="sign", codec_block=16)
 
 
-def test_a_block_encodes_alike_alone_and_in_a_chunk_of_many_whatever_the_threads():
+@pytest.mark.parametrize("name", ["sign", "int2"])  # their scales are sums (mean |x|, RMS) in a fixed order
+def test_a_block_encodes_alike_alone_and_in_a_chunk_of_many_whatever_the_threads(name):
     """Transports encode a slice that starts at a block alone; its scale must be the one the whole gave (one
     block of 65536 values alone is a sum torch would split across threads, as one row of a chunk it is not)."""
     threads = torch.get_num_threads()
     torch.set_num_threads(4)
     try:
-        codec, g = codec_for("sign", block=65536), torch.Generator().manual_seed(5)
-        x = torch.randn(4 * 65536, generator=g) * 100
+        codec, g = codec_for(name, block=65536), torch.Generator().manual_seed(5)
+        x = torch.randn(4 * 65536 + 7, generator=g) * 100
         whole = codec.encode(x)
         for b in range(4):
             alone = codec.encode(x[b * 65536 : (b + 1) * 65536])
