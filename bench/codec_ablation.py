@@ -57,6 +57,12 @@ CODECS: dict[str, list[str]] = {
     "topk-ef-int4warm": [*_wire("topk", rounds_ef=True, ddp_ef=True), *TOPK, "train.ddp_wire_dtype=int4"],
     "topk-ef-updateswarm": [*_wire("topk", rounds_ef=True, ddp_ef=True), *TOPK, "train.warm_start_sync=updates"],
     "topk-noef-updateswarm": [*_wire("topk", rounds_ef=False, ddp_ef=False), *TOPK, "train.warm_start_sync=updates"],
+    "topk-ef-int4warm75": [
+        *_wire("topk", rounds_ef=True, ddp_ef=True),
+        *TOPK,
+        "train.ddp_wire_dtype=int4",
+        "train.ddp_warm_start=75",
+    ],
     "topk-ef-nowarm": [*_wire("topk", rounds_ef=True, ddp_ef=True), *TOPK, "train.ddp_warm_start=0"],
     "topk4-ef-updateswarm": [
         *_wire("topk", rounds_ef=True, ddp_ef=True),

@@ -211,9 +211,11 @@ def test_diloco_steps_by_rda_blocking_and_streamed_bit_identically_on_every_work
     assert moved == 2 * 4  # every tensor twice in 4 steps (H = 2)
 
 
-def test_rda_is_refused_with_eager_updates_and_fsdp_shards():
+def test_rda_is_refused_with_eager_updates_the_topk_codec_and_fsdp_shards():
     with pytest.raises(ValueError, match="rda=True .* overlap='eager'"):
         DiLoCoConfig(rda=True, overlap="eager")
+    with pytest.raises(ValueError, match="rda=True .* codec='topk'"):  # its norms would decode to 0: no step at all
+        DiLoCoConfig(rda=True, codec="topk")
     model = torch.nn.Linear(2, 2)
     model.weight.to_local = lambda: model.weight.data.clone()  # a DTensor's local shard, duck-typed as flat.py does
     with pytest.raises(ValueError, match="rda=True .* FSDP2"):

@@ -79,6 +79,18 @@ def test_mean_of_is_the_reference_mean_bit_for_bit(codec, n, k, seed, ties):
     assert torch.equal(out, reference_mean(xs, codec))
 
 
+def test_a_payload_of_several_chunks_decodes_chunk_by_chunk_to_the_reference_mean():
+    """Decoding unpacks a chunk of blocks at a time (its bits as int64: the dense size): the chunks' seams, a
+    partial last block and three payloads summed in order give the plain definition's bits."""
+    codec, g = codec_for("topk", 256), torch.Generator().manual_seed(3)
+    xs = [torch.randn(2**20 + 300, generator=g) for _ in range(3)]
+    payloads = [codec.encode(x) for x in xs]
+    for p in payloads:
+        codec.check(p, xs[0].numel())
+    got = codec.mean_of(payloads, torch.empty(xs[0].numel()))
+    assert torch.equal(got, reference_mean(xs, codec))
+
+
 @pytest.mark.parametrize("codec", CODECS_UNDER_TEST, ids=lambda c: str(c.identity))
 @pytest.mark.parametrize("value", [1.0, -0.3, 3.0, 9.0, 0.0, -0.0, 1e-40, -FP32_MAX])
 def test_a_block_of_one_repeated_value_decodes_exactly_at_its_first_value(codec, value):

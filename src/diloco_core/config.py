@@ -151,6 +151,8 @@ class DiLoCoConfig:
             )
         if self.rda and mode == "eager":
             raise ValueError("rda=True needs each round's own mean, but overlap='eager' steps with the last one's")
+        if self.rda and self.codec == "topk":  # it keeps k values of a run of one norm: RDA reads the run past them
+            raise ValueError("rda=True sends each norm as a run of one value, which codec='topk' keeps only k of")
         if self.round_seconds is not None and mode != "none":
             raise ValueError(
                 f"round_seconds={self.round_seconds:g} ends rounds by time, but overlap={mode!r} schedules them by "

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import tomli_w
+import torch
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -161,6 +162,8 @@ class TrainConfig:
         ok = self.fsdp_shards == 1 or self.inner_optimizer == "adamw"
         valid = f"adamw with fsdp_shards={self.fsdp_shards} (muon: whole matrices, fsdp_shards=1)"
         check_field("inner_optimizer", self.inner_optimizer, ok, valid)
+        ok = self.inner_optimizer != "muon" or hasattr(torch.optim, "Muon")  # torch >= 2.9
+        check_field("inner_optimizer", self.inner_optimizer, ok, f"adamw: torch {torch.__version__} has no Muon")
         # None: the default, a twelfth of the steps where ranks are fixed (modes.warm_start_steps)
         w = self.ddp_warm_start
         ok = not w or (self.mode == "diloco" and w < self.steps)

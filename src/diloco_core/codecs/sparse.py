@@ -36,8 +36,8 @@ class TopKCodec(Codec):
     and decodes exactly there, at its first position too: the contribution guard's tail (valid flag, work,
     digest) is read there. Payload, one uint8 tensor: ``ceil(numel / block)`` fp32 scales (as bytes), then per
     block ``ceil(k * width / 8)`` bytes: its k fields of width = log2(block) + bits bits, ``index << bits |
-    code`` (code j: the j-th level, code 2^(bits-1) + j: its negative), by ascending index, bit i of the stream being bit i % 8
-    of byte i // 8. A partial last block is encoded zero-padded, with the same k: where it holds fewer than k
+    code`` (code j: the j-th level, code 2^(bits-1) + j: its negative), by ascending index, bit i of the stream
+    being bit i % 8 of byte i // 8. A partial last block is encoded zero-padded, with the same k: where it holds fewer than k
     values, its padding fills the rest (indices below k), decoded and dropped."""
 
     name = "topk"
@@ -140,8 +140,15 @@ class TopKCodec(Codec):
         positions = index.add_(torch.arange(0, (j - i) * b, b, device=payload.device)[:, None]).view(-1)
         return positions, (scale[:, None] * self._levels.to(payload.device)[code]).view(-1)
 
+    def _spans(self, numel: int) -> Iterator[tuple[int, int]]:
+        """Blocks ``i:j`` a chunk at a time: decoding unpacks each code bit into an int64 (a fifth of the codes'
+        bits are values' bits), so a whole payload at once would take temporaries the size of the dense values."""
+        blocks, rows = -(-numel // self.block), max(1, _ROWS // self.block)
+        return ((i, min(blocks, i + rows)) for i in range(0, blocks, rows))
+
     def check(self, payload: torch.Tensor, numel: int) -> None:
-        self._blocks(payload, numel, i=0, j=-(-numel // self.block))
+        for i, j in self._spans(numel):
+            self._blocks(payload, numel, i=i, j=j)
 
     def mean_of(
         self, payloads: Sequence[torch.Tensor], out: torch.Tensor, scratch: torch.Tensor | None = None
@@ -151,12 +158,13 @@ class TopKCodec(Codec):
         assert payloads, "a mean needs at least one contribution"
         n = out.numel()
         out.zero_()
-        for p in payloads:
-            positions, values = self._blocks(p, n, i=0, j=-(-n // self.block))
-            if n % self.block:  # the last block's padding is dropped
-                own = positions < n
-                positions, values = positions[own], values[own]
-            out.index_add_(0, positions, values)  # one add per value: a block's indices are distinct
+        for i, j in self._spans(n):
+            for p in payloads:  # in contributor order within each chunk: each value's sum is in that order
+                positions, values = self._blocks(p, n, i=i, j=j)
+                if j * self.block > n:  # the last block's padding is dropped
+                    own = positions < n - i * self.block
+                    positions, values = positions[own], values[own]
+                out[i * self.block : j * self.block].index_add_(0, positions, values)  # a block's indices differ
         return out.div_(len(payloads))
 
     def pieces(self, payloads: Sequence[torch.Tensor], numel: int, *, span: range, size: int) -> Iterator[torch.Tensor]:
