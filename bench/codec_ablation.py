@@ -70,6 +70,21 @@ CODECS: dict[str, list[str]] = {
         "diloco.codec_value_bits=4",
         "train.warm_start_sync=updates",
     ],
+    # the rounds 1-bit, the warm start's gradients 2-bit (int2 drops 12% of a Gaussian block, sign 36%)
+    "sign-ef-int2warm": [*_wire("sign", rounds_ef=True, ddp_ef=True), "train.ddp_wire_dtype=int2"],
+    "topk8-ef-int4warm": [
+        *_wire("topk", rounds_ef=True, ddp_ef=True),
+        "diloco.codec_block=4096",
+        "diloco.codec_density=0.125",  # 1/8: at 1/64 each value is sent ~1.5 times in the protocol's 100 rounds
+        "train.ddp_wire_dtype=int4",
+    ],
+    # the inner optimizer (issue 31): torch's Muon for the blocks' matrices at its default muon_lr 0.02
+    "fp32muon": ["train.inner_optimizer=muon"],
+    "sign-ef-int2warmmuon": [
+        *_wire("sign", rounds_ef=True, ddp_ef=True),
+        "train.ddp_wire_dtype=int2",
+        "train.inner_optimizer=muon",
+    ],
     "int2-ef-int4warm": [*_wire("int2", rounds_ef=True, ddp_ef=True), "train.ddp_wire_dtype=int4"],
     "int2-ef-updateswarm": [*_wire("int2", rounds_ef=True, ddp_ef=True), "train.warm_start_sync=updates"],
     "int2-noef-updateswarm": [*_wire("int2", rounds_ef=False, ddp_ef=False), "train.warm_start_sync=updates"],

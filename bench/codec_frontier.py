@@ -1,0 +1,68 @@
+"""The compression frontier: each codec row's traffic reduction against DDP (log axis) and its eval loss against
+fp32 DiLoCo, from one or more ``bench/codec_ablation.py`` folders (their results.json).
+
+Each row is drawn twice: its total traffic (warm start and rounds, filled) and its rounds alone (hollow), joined
+by a line; the bar is the row's spread over its seeds. The dashed lines mark the issue's goals: within +1% of
+fp32 at >= 100x (and the 500x moonshot).
+
+    python bench/codec_frontier.py runs/codecs --out docs/codec-frontier.png
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+
+def rows_of(folders: list[str]) -> dict[str, dict]:
+    """Every row but fp32 (the reference) of the folders' results.json, a later folder's row over an earlier's."""
+    rows: dict[str, dict] = {}
+    for folder in folders:
+        data = json.loads(Path(folder, "results.json").read_text())
+        for name, row in data["rows"].items():
+            if name != "fp32":
+                rows[name] = {**row, "ddp_bytes": data["ddp_bytes"]}
+    return rows
+
+
+def plot(rows: dict[str, dict], out: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 5))
+    for i, (name, row) in enumerate(sorted(rows.items(), key=lambda r: r[1]["bytes"])):
+        color = f"C{i % 10}"
+        total, rounds = row["ddp_bytes"] / row["bytes"], row["ddp_bytes"] / max(row["rounds_bytes"], 1)
+        y, err = 100 * row["vs_fp32"], 100 * row["spread"] / 2
+        label = f"{name} ({row['seeds']} seed{'s' if row['seeds'] > 1 else ''})"
+        ax.errorbar([total], [y], yerr=[err], fmt="o", color=color, label=label, capsize=3)
+        ax.plot([rounds], [y], "o", mfc="none", color=color)
+        ax.plot([total, rounds], [y, y], ":", color=color, lw=0.8)
+    ax.axhline(1.0, ls="--", color="grey", lw=0.8)
+    for goal in (100, 500):
+        ax.axvline(goal, ls="--", color="grey", lw=0.8)
+    ax.set_xscale("log")
+    ax.set_xlabel("traffic reduction vs DDP (x, log): filled = total with the warm start, hollow = rounds alone")
+    ax.set_ylabel("final eval loss vs fp32 DiLoCo (%)")
+    ax.set_title("Codecs on the convergence protocol (DiLoCo x4, H = 10, 1100 steps)")
+    ax.legend(fontsize=7, loc="upper left")
+    fig.tight_layout()
+    fig.savefig(out, dpi=120)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("folders", nargs="+", help="codec_ablation.py --out folders (results.json)")
+    p.add_argument("--out", default="codec-frontier.png")
+    args = p.parse_args(argv)
+    plot(rows_of(args.folders), Path(args.out))
+    print(f"written: {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
