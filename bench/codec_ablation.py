@@ -85,6 +85,7 @@ CODECS: dict[str, list[str]] = {
         "train.ddp_wire_dtype=int2",
         "train.inner_optimizer=muon",
     ],
+    "int2-ef-int2warm": _wire("int2", rounds_ef=True, ddp_ef=True),
     "int2-ef-int4warm": [*_wire("int2", rounds_ef=True, ddp_ef=True), "train.ddp_wire_dtype=int4"],
     "int2-ef-updateswarm": [*_wire("int2", rounds_ef=True, ddp_ef=True), "train.warm_start_sync=updates"],
     "int2-noef-updateswarm": [*_wire("int2", rounds_ef=False, ddp_ef=False), "train.warm_start_sync=updates"],
