@@ -1,6 +1,6 @@
 """One round of averaging 25M fp32 values between 2 peers on 127.0.0.1: our transport vs hivemind's
 ``DecentralizedAverager`` used directly with the same settings (OpenDiLoCo's path), fp32 and fp16 wire;
-and our int8 / int4 / sign wires against our fp32 one (the block codecs with their fused CPU kernels,
+and our int8 / int4 / int2 / sign / topk wires against our fp32 one (the block codecs with their fused CPU kernels,
 compiled first, as ``DiLoCo`` compiles them when built).
 
     python -m pytest bench/test_bench_hivemind.py --benchmark-only
@@ -83,7 +83,7 @@ def test_ours(benchmark, wire):
 
 
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("wire", ["fp32", "int8", "int4", "sign"])
+@pytest.mark.parametrize("wire", ["fp32", "int8", "int4", "int2", "sign", "topk"])
 def test_ours_wires(benchmark, wire):
     """Our wires against our fp32 round; a group forms as soon as both peers are in (target_group_size=2),
     so rounds do not wait out matchmaking_time and the ratio is the wire's."""

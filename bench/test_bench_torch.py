@@ -1,4 +1,4 @@
-"""The gloo transport against raw ``dist.all_reduce``, and its 16-bit and int8/int4 wires against its
+"""The gloo transport against raw ``dist.all_reduce``, and its 16-bit, int8/int4/int2, sign and topk wires against its
 fp32 one: 2 processes on 127.0.0.1, 25M fp32 values, side by side in one session (each call encodes,
 exchanges and decodes: the whole reduce of a round, error feedback aside; ``-eager``: the codec without its
 fused CPU kernels); and, with 3 processes, the robust merge (``diloco_core.merge``) beside the plain mean.
@@ -117,7 +117,7 @@ def trio(tmp_path_factory):
 
 
 @pytest.mark.parametrize(
-    "name", ["raw_baseline", "fp32", "fp16", "bf16", "int8", "int8-eager", "int4", "int4-eager", "sign"]
+    "name", ["raw_baseline", "fp32", "fp16", "bf16", "int8", "int8-eager", "int4", "int4-eager", "int2", "sign", "topk"]
 )
 def test_gloo_all_reduce_25m(benchmark, pair, name):
     benchmark.group = GROUP
