@@ -72,6 +72,12 @@ CODECS: dict[str, list[str]] = {
     ],
     # the rounds 1-bit, the warm start's gradients 2-bit (int2 drops 12% of a Gaussian block, sign 36%)
     "sign-ef-int2warm": [*_wire("sign", rounds_ef=True, ddp_ef=True), "train.ddp_wire_dtype=int2"],
+    # the warm start averages each worker's AdamW update in int2 (their magnitudes alike: 1.5 RMS fits them)
+    "sign-ef-int2updateswarm": [
+        *_wire("sign", rounds_ef=True, ddp_ef=True),
+        "train.ddp_wire_dtype=int2",
+        "train.warm_start_sync=updates",
+    ],
     "topk8-ef-int4warm": [
         *_wire("topk", rounds_ef=True, ddp_ef=True),
         "diloco.codec_block=4096",
