@@ -1,11 +1,12 @@
 """The compression frontier: each codec row's traffic reduction against DDP (log axis) and its eval loss against
-fp32 DiLoCo, from one or more ``bench/codec_ablation.py`` folders (their results.json).
+fp32 DiLoCo, from one or more ``bench/codec_ablation.py`` results (its ``--out`` folder's results.json, copied
+aside where one folder's rows were run with different seeds).
 
 Each row is drawn twice: its total traffic (warm start and rounds, filled) and its rounds alone (hollow), joined
 by a line; the bar is the row's spread over its seeds. The dashed lines mark the issue's goals: within +1% of
 fp32 at >= 100x (and the 500x moonshot).
 
-    python bench/codec_frontier.py runs/codecs --out docs/codec-frontier.png
+    python bench/codec_frontier.py runs/codecs/results.json --out docs/codec-frontier.png
 """
 
 from __future__ import annotations
@@ -15,11 +16,11 @@ import json
 from pathlib import Path
 
 
-def rows_of(folders: list[str]) -> dict[str, dict]:
-    """Every row but fp32 (the reference) of the folders' results.json, a later folder's row over an earlier's."""
+def rows_of(files: list[str]) -> dict[str, dict]:
+    """Every row but fp32 (the reference) of the results files, a later file's row over an earlier's."""
     rows: dict[str, dict] = {}
-    for folder in folders:
-        data = json.loads(Path(folder, "results.json").read_text())
+    for file in files:
+        data = json.loads(Path(file).read_text())
         for name, row in data["rows"].items():
             if name != "fp32":
                 rows[name] = {**row, "ddp_bytes": data["ddp_bytes"]}
@@ -56,10 +57,10 @@ def plot(rows: dict[str, dict], out: Path) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("folders", nargs="+", help="codec_ablation.py --out folders (results.json)")
+    p.add_argument("results", nargs="+", help="codec_ablation.py's results.json files")
     p.add_argument("--out", default="codec-frontier.png")
     args = p.parse_args(argv)
-    plot(rows_of(args.folders), Path(args.out))
+    plot(rows_of(args.results), Path(args.out))
     print(f"written: {args.out}")
     return 0
 
