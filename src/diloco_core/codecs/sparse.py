@@ -79,15 +79,13 @@ class TopKCodec(Codec):
 
     def encode(self, values: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         flat, n, b, k = values.reshape(-1), values.numel(), self.block, self.k
-        blocks = -(-n // b)
         if out is None:
             out = torch.empty(self.payload_spec(n)[0], dtype=torch.uint8, device=flat.device)
-        codes, rows = self._codes(out, blocks), max(1, _ROWS // b)
+        codes = self._codes(out, -(-n // b))
         tiebreak = torch.arange(b - 1, -1, -1, device=flat.device)  # among equal |x|, the lower index is larger
-        for i in range(0, blocks, rows):
-            j = min(blocks, i + rows)
-            part = flat[i * b : min(n, j * b)]
-            x = part.view(j - i, b) if part.numel() == (j - i) * b else _padded(part, (j - i) * b).view(j - i, b)
+        for i, j in self._spans(n):
+            part = flat[i * b : min(n, j * b)]  # a partial last block zero-padded, as ``Codec.pad`` pads it
+            x = torch.nn.functional.pad(part, (0, (j - i) * b - part.numel())).view(j - i, b)
             # |x|'s bits order as |x| does (NaN and inf above every finite value); the index below them
             key = (x.contiguous().view(torch.int32) & 0x7FFFFFFF).long().bitwise_left_shift_(self.index_bits)
             index = (b - 1) - (key.bitwise_or_(tiebreak).topk(k, 1, sorted=False).values & (b - 1))
@@ -141,8 +139,7 @@ class TopKCodec(Codec):
         return positions, (scale[:, None] * self._levels.to(payload.device)[code]).view(-1)
 
     def _spans(self, numel: int) -> Iterator[tuple[int, int]]:
-        """Blocks ``i:j`` a chunk at a time: decoding unpacks each code bit into an int64 (a fifth of the codes'
-        bits are values' bits), so a whole payload at once would take temporaries the size of the dense values."""
+        """Blocks ``i:j`` a chunk at a time (decoding unpacks each code bit into an int64: the dense size)."""
         blocks, rows = -(-numel // self.block), max(1, _ROWS // self.block)
         return ((i, min(blocks, i + rows)) for i in range(0, blocks, rows))
 
@@ -179,10 +176,3 @@ class TopKCodec(Codec):
             for p, out in zip(payloads, held):
                 out.index_add_(0, *self._blocks(p, numel, i=i, j=j))
             yield held[:, : min(stop, j * b) - i * b]
-
-
-def _padded(part: torch.Tensor, size: int) -> torch.Tensor:
-    """``part`` followed by zeros up to ``size`` values (a partial last block, as ``Codec.pad`` pads it)."""
-    x = part.new_zeros(size)
-    x[: part.numel()] = part
-    return x
