@@ -114,9 +114,9 @@ def _outcome(*, name: str, mode: str, workers: int, seed: int, args: argparse.Na
 
 def _rounds_bytes(outcome: Outcome, *, args: argparse.Namespace) -> int:
     """Bytes the run's outer rounds sent (its round records'), the warm start's left out."""
-    folder = Path(args.baseline) / f"diloco-4-s{outcome.seed}"
+    folder = Path(args.baseline) / f"diloco-4-s{outcome.seed}"  # read from there: its name was set to fp32
     if outcome.name != "fp32" or not (folder / "metrics.jsonl").is_file():
-        folder = Path(args.out) / f"diloco-4-{outcome.name}-s{outcome.seed}"
+        folder = Path(args.out) / f"{outcome.name}-s{outcome.seed}"  # trained here: the run's own name
     return sum(r["bytes_sent"] for r in read_metrics(folder) if r.get("type") == "round")
 
 

@@ -3,8 +3,8 @@ fp32 DiLoCo, from one or more ``bench/codec_ablation.py`` results (its ``--out``
 aside where one folder's rows were run with different seeds).
 
 Each row is drawn twice: its total traffic (warm start and rounds, filled) and its rounds alone (hollow), joined
-by a line; the bar is the row's spread over its seeds. The dashed lines mark the issue's goals: within +1% of
-fp32 at >= 100x (and the 500x moonshot).
+by a line; the bar is half the row's loss spread over its seeds (in % of its loss). The dashed lines mark the
+issue's goals: within +1% of fp32 at >= 100x (and the 500x moonshot).
 
     python bench/codec_frontier.py runs/codecs/results.json --out docs/codec-frontier.png
 """
@@ -37,7 +37,7 @@ def plot(rows: dict[str, dict], out: Path) -> None:
     for i, (name, row) in enumerate(sorted(rows.items(), key=lambda r: r[1]["bytes"])):
         color = f"C{i % 10}"
         total, rounds = row["ddp_bytes"] / row["bytes"], row["ddp_bytes"] / max(row["rounds_bytes"], 1)
-        y, err = 100 * row["vs_fp32"], 100 * row["spread"] / 2
+        y, err = 100 * row["vs_fp32"], 100 * row["spread"] / 2 / row["eval_loss"]  # half the spread, in %
         label = f"{name} ({row['seeds']} seed{'s' if row['seeds'] > 1 else ''})"
         ax.errorbar([total], [y], yerr=[err], fmt="o", color=color, label=label, capsize=3)
         ax.plot([rounds], [y], "o", mfc="none", color=color)
