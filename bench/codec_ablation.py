@@ -91,6 +91,13 @@ CODECS: dict[str, list[str]] = {
         "train.ddp_wire_dtype=int2",
         "train.inner_optimizer=muon",
     ],
+    "sign-ef-int2updateswarmmuon": [
+        *_wire("sign", rounds_ef=True, ddp_ef=True),
+        "train.ddp_wire_dtype=int2",
+        "train.warm_start_sync=updates",
+        "train.inner_optimizer=muon",
+    ],
+    "int2-ef-int2warmmuon": [*_wire("int2", rounds_ef=True, ddp_ef=True), "train.inner_optimizer=muon"],
     "int2-ef-int2warm": _wire("int2", rounds_ef=True, ddp_ef=True),
     "int2-ef-int4warm": [*_wire("int2", rounds_ef=True, ddp_ef=True), "train.ddp_wire_dtype=int4"],
     "int2-ef-updateswarm": [*_wire("int2", rounds_ef=True, ddp_ef=True), "train.warm_start_sync=updates"],
