@@ -37,6 +37,12 @@ def broadcast_values(downloaded: State, index: int, like: list[torch.Tensor]) ->
     return values
 
 
+def rounds_of(state: State) -> int:
+    """The rounds a served state has committed (-1: it tracks none)."""
+    tag = state[0].get("tag")
+    return tag[0] if tag is not None else -1
+
+
 class StateServer:
     """Peers serve a snapshot taken at each broadcast and at the start of each all-reduce (a point between
     rounds), plus the run state ``attach`` was given; a joiner serves nothing until it holds the run's state."""
@@ -68,6 +74,10 @@ class StateServer:
             meta = {"ready": True, "broadcasts": counts, "extra": extra_meta, "num_tensors": len(tensors)}
             meta.update(self._tags())
             self._snapshot = (meta, tensors)
+        if (
+            meta["tag"] is not None and self.averager is not None
+        ):  # joiners and late peers download from the peers with the newest state first
+            self.averager.state_sharing_priority = float(meta["tag"][0])
 
     def snapshot_soon(self) -> None:
         """Take a snapshot in a thread of its own (started on first use): a reduce that just committed asks
@@ -153,9 +163,12 @@ class StateServer:
     ) -> State | None:
         """The state the group commits next after the state tagged ``tag`` (its previous tag is ``tag``),
         waited for within ``timeout`` seconds; failing that, the state tagged ``tag`` itself; None if no peer
-        served either, or once ``stop()``. A state with any other history is never returned. ``ready()``: a
-        peer has committed a round after ``tag`` (its presence says so): after a first download, the next
-        waits for it (before: a download every second while the group finished its round, ~30 of them)."""
+        served either, or once ``stop()``. A state two or more rounds on is returned as soon as it comes: the
+        swarm went on (a peer stalled for rounds), nobody serves that successor any more, and such a state is
+        taken as a joiner takes the run's. A state of any other history (a round at or below ``tag``'s, another
+        chain) is never returned. ``ready()``: a peer has committed a round after ``tag`` (its presence says so):
+        after a first download, the next waits for it (before: a download every second while the group finished
+        its round, ~30 of them)."""
         deadline = time.monotonic() + timeout
         want, best, tries = list(tag), None, 0
         while not stop():
@@ -165,8 +178,8 @@ class StateServer:
                     got = self.download(max(1.0, deadline - time.monotonic()))
                 except TransportError:
                     got = None
-                if got is not None and got[0].get("prev_tag") == want:
-                    return got  # the round the group is finishing
+                if got is not None and (got[0].get("prev_tag") == want or rounds_of(got) > want[0] + 1):
+                    return got  # the round the group is finishing, or a later one (the swarm went on)
                 if got is not None and got[0].get("tag") == want:
                     best = got  # the group's state now: taken if the newer one does not come in time
             if time.monotonic() + 1.0 > deadline:

@@ -31,7 +31,7 @@ from hivemind.utils import get_dht_time
 from .deadlines import deadlines
 from .presence import presence_period
 from .resources import Resources
-from .state_server import StateServer, broadcast_values
+from .state_server import StateServer, broadcast_values, rounds_of
 from .state_tag import valid_tag
 
 logger = logging.getLogger(__name__)
@@ -198,7 +198,7 @@ class Swarm:
         fresh = server.download_successor(
             (tag[0], tag[1]), timeout, stop, ready=lambda: self.ahead(tag[0], timeout=2.0)
         )
-        if fresh is None or fresh[0].get("prev_tag") != list(tag):
+        if fresh is None or rounds_of(fresh) <= tag[0]:
             return  # keep the state downloaded first: its first round may then be a round behind (re-sync)
         values = [broadcast_values(fresh, i, tensors) for i, tensors in enumerate(server.shared)]
         for tensors, v in zip(server.shared, values):

@@ -1,0 +1,146 @@
+"""A hivemind peer that fell behind takes the swarm's state (``StateServer.download_successor``, issue 28): the
+round after its own, or, once the swarm went on past that round (a peer stalled for rounds: nobody serves that
+successor any more), the newest state served, at once; never an older state or one of another history. And
+donors are tried newest state first (``state_sharing_priority``: the rounds of the state a peer serves).
+
+The fast cases swap the state averager for one that serves scripted states (no processes); the last runs three
+real peers on 127.0.0.1 (``slow``)."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import os
+import threading
+import time
+
+import pytest
+import torch
+from stalls import stalled_rounds
+from threads import in_threads
+from world import FAST
+
+from transports.hivemind import HivemindConfig, HivemindTransport
+from transports.hivemind.auth import run_keys
+from transports.hivemind.faults import HivemindFaults
+from transports.hivemind.resources import Resources
+from transports.hivemind.state_server import StateServer
+from transports.hivemind.state_tag import INITIAL_TAG, next_tag
+
+TAGS = [INITIAL_TAG]
+for _ in range(4):
+    TAGS.append(next_tag(TAGS[-1], b"d" * 32))
+
+
+def _state(rounds: int) -> tuple[dict, list]:
+    """A served state of ``rounds`` committed rounds (tags of one chain), one broadcast of one tensor."""
+    prev = list(TAGS[rounds - 1]) if rounds else None
+    meta = {
+        "ready": True,
+        "broadcasts": [1],
+        "extra": {},
+        "num_tensors": 1,
+        "tag": list(TAGS[rounds]),
+        "prev_tag": prev,
+    }
+    return meta, [torch.full((3,), float(rounds))]
+
+
+class ScriptedDonors:
+    """The state averager's download, as the swarm serves it: each call returns the next scripted state."""
+
+    def __init__(self, states: list) -> None:
+        self.states, self.calls = list(states), 0
+        self.state_sharing_priority = 0.0
+
+    def load_state_from_peers(self, *, wait: bool, timeout: float) -> concurrent.futures.Future:
+        self.calls += 1
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        future.set_result(self.states.pop(0) if len(self.states) > 1 else self.states[0])
+        return future
+
+
+def _server(donors: ScriptedDonors, tags: dict | None = None) -> StateServer:
+    keys, _ = run_keys("catch-up", "secret", joining=False)
+    res = Resources(config=HivemindConfig(), faults=HivemindFaults(), part_size_bytes=2**16, keys=keys)
+    server = StateServer(joining=False, resources=res, lock=threading.RLock(), tags=lambda: dict(tags or {}))
+    server.averager = donors
+    return server
+
+
+def test_a_peer_two_rounds_behind_takes_the_newest_state_at_once():
+    donors = ScriptedDonors([_state(3)])  # the swarm committed rounds 2 and 3 while this peer (round 1) stalled
+    start = time.monotonic()
+    got = _server(donors).download_successor(TAGS[1], timeout=20.0, stop=lambda: False, ready=lambda: True)
+    assert got is not None and got[0]["tag"] == list(TAGS[3])
+    assert donors.calls == 1 and time.monotonic() - start < 5.0  # before: 20 s of downloads, then nothing
+
+
+def test_the_successor_is_still_preferred_and_older_or_foreign_states_never_taken():
+    got = _server(ScriptedDonors([_state(1), _state(2)])).download_successor(
+        TAGS[1], timeout=20.0, stop=lambda: False, ready=lambda: True
+    )
+    assert got is not None and got[0]["tag"] == list(TAGS[2])  # the round after this peer's own
+    foreign = _state(3)
+    foreign[0]["tag"] = [2, b"x" * 32]  # round 2 of another chain: not this one's successor
+    older = _state(0)
+    got = _server(ScriptedDonors([older, foreign])).download_successor(
+        TAGS[1], timeout=2.5, stop=lambda: False, ready=lambda: True
+    )
+    assert got is None
+
+
+def test_donors_are_ranked_by_the_rounds_of_the_state_they_serve():
+    donors = ScriptedDonors([_state(0)])
+    tags = {"tag": list(TAGS[3]), "prev_tag": list(TAGS[2])}
+    server = _server(donors, tags)
+    server.take_snapshot()
+    assert donors.state_sharing_priority == 3.0
+    untracked = ScriptedDonors([_state(0)])
+    _server(untracked, {"tag": None, "prev_tag": None}).take_snapshot()
+    assert untracked.state_sharing_priority == 0.0  # no rounds: hivemind's default
+
+
+N = 40
+MATCHMAKING = 20.0
+STALL = 8.0
+"""Peer 2 sleeps this long before its round 2: the others close rounds 2 and 3 without it (a window of about
+``MIN_WINDOW`` each), then wait for it before round 4."""
+
+
+def _grad(rank: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(90 + rank)
+    return torch.randn(N, generator=g) * 0.01 + 0.02 * (rank + 1)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_a_peer_stalled_for_two_rounds_takes_the_newest_state_and_meets_the_next_round():
+    cfg = {"run_id": f"catch-up-{os.getpid()}", "secret": "s", **FAST, "matchmaking_time": MATCHMAKING}
+    cfg |= {"quorum": 2, "grace_seconds": 1.0, "target_group_size": 3}
+    peers = [HivemindTransport(HivemindConfig(**cfg))]
+    peers += [HivemindTransport(HivemindConfig(**cfg, initial_peers=peers[0].join_addresses)) for _ in range(2)]
+    results: list = [None] * 3
+    stall = {(2, 2): STALL, (0, 4): STALL + 4.0, (1, 4): STALL + 4.0}
+    try:
+
+        def body(rank: int) -> None:
+            t = peers[rank]
+            rounds = 3 if rank == 2 else 4  # peer 2's second step takes round 3's state: its third is round 4
+            results[rank] = stalled_rounds(
+                t, rank=rank, grad=_grad, stall=stall, rounds=rounds, reduce_timeout=t.own_timeout
+            )
+
+        in_threads(body, 3, timeout=200, what="hivemind peers")
+    finally:
+        for p in peers:
+            p.close()
+    params = [p for p, _ in results]
+    assert all(torch.equal(params[0], p) for p in params[1:])
+    assert [o[0] if o else None for o in results[2][1]] == [3, None, 3], results[2][1]
+    # Before: peer 2 looked for round 2's state, which nobody served any more, for matchmaking_time (longer than
+    # the others' pause), and met round 4 after they had closed it without it.
+    for rank in (0, 1):
+        assert [o[0] for o in results[rank][1]] == [3, 2, 2, 3], results[rank][1]
+    moves = [sum(_grad(r) for r in range(3)) / 3, (_grad(0) + _grad(1)) / 2]
+    want = 1.0 - (2 * moves[0] + 2 * moves[1])
+    torch.testing.assert_close(params[0].view(-1), want, rtol=1e-5, atol=1e-5)
