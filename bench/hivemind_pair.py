@@ -40,9 +40,10 @@ def join_addresses(err: Path) -> list[str] | None:
     return None
 
 
-def peer(name: str, sets: list[str], runs_dir: Path) -> tuple[subprocess.Popen, Path]:
+def peer(name: str, sets: list[str], runs_dir: Path, *, verbose: bool = False) -> tuple[subprocess.Popen, Path]:
+    """A ``diloco train`` peer process writing its stderr to ``runs_dir/name.err`` (``verbose``: INFO lines too)."""
     err = runs_dir / f"{name}.err"
-    argv = [*CLI, "--name", name, *[a for s in [*COMMON, *sets] for a in ("--set", s)]]
+    argv = [*CLI, *(["-v"] if verbose else []), "--name", name, *[a for s in [*COMMON, *sets] for a in ("--set", s)]]
     with open(err, "w") as f:
         return subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=f), err
 

@@ -74,16 +74,19 @@ def goodput_of(runs: list[list[dict]], *, workers: int, wall: float) -> float:
 class Swarm:
     """Peer processes of one run, started with the first one's join addresses."""
 
-    def __init__(self, out: Path, sets: list[str]) -> None:
-        self.out, self.sets = out, sets
+    def __init__(self, out: Path, sets: list[str], *, verbose: bool = False) -> None:
+        self.out, self.sets, self.verbose = out, sets, verbose
         self.procs: dict[str, subprocess.Popen] = {}
         self.addresses: list[str] | None = None
+        self.started: dict[str, float] = {}  # monotonic time each process was started
+        self.first_step: dict[str, float] = {}  # seconds from its start to its first step's record (polled)
 
     def start(self, name: str, shard: int) -> None:
         sets = [*self.sets, f"train.runs_dir={json.dumps(str(self.out))}", f"train.shard={shard}"]
         if self.addresses is not None:
             sets.append(f"transport.initial_peers={json.dumps(self.addresses)}")
-        self.procs[name], err = peer(name, sets, self.out)
+        self.procs[name], err = peer(name, sets, self.out, verbose=self.verbose)
+        self.started[name] = time.monotonic()
         if self.addresses is None:
             deadline = time.monotonic() + 120
             while (found := join_addresses(err)) is None:
@@ -91,6 +94,12 @@ class Swarm:
                     raise RuntimeError(f"the first peer printed no join command: {err}")
                 time.sleep(0.2)
             self.addresses = found
+
+    def poll_first_steps(self) -> None:
+        """Note, for each process that has not trained yet, whether its first step is on record now."""
+        for name in self.procs.keys() - self.first_step.keys():
+            if any(r.get("type") == "step" for r in _metrics(self.out / name)):
+                self.first_step[name] = time.monotonic() - self.started[name]
 
     def rounds(self, name: str) -> int:
         return max((r["round"] for r in _metrics(self.out / name) if r.get("type") == "round"), default=0)
@@ -154,11 +163,11 @@ def schedule(args: argparse.Namespace) -> str:
     sets = [*HIVEMIND, "transport.target_group_size=4", "train.num_shards=4", "train.threads=1", f"train.steps={args.steps}",
             "train.checkpoint_every=0", f"train.eval_every={args.steps}", f"diloco.round_seconds={args.round_seconds}",
             f"transport.quorum={args.quorum}"]  # fmt: skip
-    results = []
+    results, restarted = [], []
     for faulty in (False, True):
         out = args.out / ("faults" if faulty else "fault-free")
         out.mkdir(parents=True, exist_ok=True)
-        swarm, start = Swarm(out, sets), time.monotonic()
+        swarm, start = Swarm(out, sets, verbose=args.verbose), time.monotonic()
         names = {p: f"peer{p}" for p in range(4)}
         events = _schedule(args.seed, peers=4, mean=args.mtbi_rounds * args.round_seconds, horizon=10**9)
         restarts: list[tuple[float, int]] = []
@@ -195,6 +204,7 @@ def schedule(args: argparse.Namespace) -> str:
                     names[p] = f"peer{p}-r{sum(n.startswith(f'peer{p}') for n in swarm.procs)}"
                     swarm.start(names[p], p)
                     print(f"{now:.0f}s: restarted as {names[p]}", file=sys.stderr)
+                swarm.poll_first_steps()
                 time.sleep(0.2)
             wall = time.monotonic() - start
         finally:
@@ -204,6 +214,12 @@ def schedule(args: argparse.Namespace) -> str:
         off = sum(min(args.restart_delay, wall - t) for t in kills)  # the schedule's own downtime (machines off)
         good = goodput_of(runs, workers=4, wall=wall)
         results.append((faulty, good, good * 4 * wall / (4 * wall - off), summary.get("eval_after"), done, wall))
+        joins = [
+            f"{n} {swarm.first_step[n]:.1f}s" if n in swarm.first_step else f"{n} never"
+            for n in swarm.procs
+            if "-r" in n
+        ]
+        restarted.append(", ".join(joins) or "none")
     lines = [
         f"quorum {args.quorum}, round_seconds {args.round_seconds:g}, seed {args.seed}",
         "",
@@ -213,6 +229,7 @@ def schedule(args: argparse.Namespace) -> str:
     for faulty, good, available, loss, done, wall in results:
         name = "faults" if faulty else "fault-free"
         lines.append(f"| {name} | {good:.3f} | {available:.3f} | {loss} | {done} | {wall:.0f} |")
+    lines += ["", f"restarted peers, from their start to their first step: {restarted[-1]}"]
     return "\n".join(lines)
 
 
@@ -229,6 +246,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--quorum", type=int, default=2, help="transport.quorum (0: every round waits for every peer)")
     p.add_argument("--timeout", type=float, default=1200.0)
+    p.add_argument("--verbose", action="store_true", help="the peers log INFO lines too (timestamped, in PEER.err)")
     args = p.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     text = kill(args) if args.scenario == "kill" else schedule(args)
