@@ -15,7 +15,8 @@ Not part of the test run. Two scenarios:
   ``--stall`` seconds. Goodput = the busy seconds of every peer process's steps up to its last committed round
   (work after it is lost) over 4 x the swarm's wall time, from when every peer has begun training until the
   first peer ends (evaluations only at the end: each peer evaluates, and the time would count as idle); also
-  over the peer-seconds less the schedule's restart delays (the machines it switched off); the final eval loss
+  over the peer-seconds less the schedule's restart delays (the machines it switched off), and less those and
+  the seconds it held processes stopped (what the swarm had to work with); the final eval loss
   of the first peer against the fault-free run's. ``--quorum`` (default 2; 0: the lock-step wait) is the
   peers' ``transport.quorum``.
 
@@ -172,6 +173,7 @@ def schedule(args: argparse.Namespace) -> str:
         events = _schedule(args.seed, peers=4, mean=args.mtbi_rounds * args.round_seconds, horizon=10**9)
         restarts: list[tuple[float, int]] = []
         kills: list[float] = []
+        stalls: list[float] = []
         done = 0
         try:
             for p in range(4):
@@ -195,6 +197,7 @@ def schedule(args: argparse.Namespace) -> str:
                         print(f"{now:.0f}s: killed {names[p]}", file=sys.stderr)
                     else:
                         os.kill(proc.pid, signal.SIGSTOP)
+                        stalls.append(now)
                         time.sleep(args.stall)
                         os.kill(proc.pid, signal.SIGCONT)
                         print(f"{now:.0f}s: stalled {names[p]} for {args.stall:g}s", file=sys.stderr)
@@ -212,8 +215,11 @@ def schedule(args: argparse.Namespace) -> str:
         runs = [_metrics(out / name) for name in swarm.procs]
         summary = next((r for r in _metrics(out / "peer0") if r.get("type") == "summary"), {})
         off = sum(min(args.restart_delay, wall - t) for t in kills)  # the schedule's own downtime (machines off)
+        stopped = sum(min(args.stall, wall - t) for t in stalls)  # and the time it held processes stopped
         good = goodput_of(runs, workers=4, wall=wall)
-        results.append((faulty, good, good * 4 * wall / (4 * wall - off), summary.get("eval_after"), done, wall))
+        useful = good * 4 * wall
+        shares = (good, useful / (4 * wall - off), useful / (4 * wall - off - stopped))
+        results.append((faulty, shares, summary.get("eval_after"), done, wall))
         joins = [
             f"{n} {swarm.first_step[n]:.1f}s" if n in swarm.first_step else f"{n} never"
             for n in swarm.procs
@@ -223,12 +229,15 @@ def schedule(args: argparse.Namespace) -> str:
     lines = [
         f"quorum {args.quorum}, round_seconds {args.round_seconds:g}, seed {args.seed}",
         "",
-        "| run | goodput | goodput of the peers not switched off | final eval loss (peer0) | interruptions | wall s |",
-        "|---|---|---|---|---|---|",
+        (
+            "| run | goodput | of the peers not switched off | of the peers neither off nor stopped "
+            "| final eval loss (peer0) | interruptions | wall s |"
+        ),
+        "|---|---|---|---|---|---|---|",
     ]
-    for faulty, good, available, loss, done, wall in results:
+    for faulty, (good, on, running), loss, done, wall in results:
         name = "faults" if faulty else "fault-free"
-        lines.append(f"| {name} | {good:.3f} | {available:.3f} | {loss} | {done} | {wall:.0f} |")
+        lines.append(f"| {name} | {good:.3f} | {on:.3f} | {running:.3f} | {loss} | {done} | {wall:.0f} |")
     lines += ["", f"restarted peers, from their start to their first step: {restarted[-1]}"]
     return "\n".join(lines)
 
