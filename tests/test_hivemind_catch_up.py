@@ -1,7 +1,8 @@
 """A hivemind peer that fell behind takes the swarm's state (``StateServer.download_successor``, issue 28): the
 round after its own, or, once the swarm went on past that round (a peer stalled for rounds: nobody serves that
-successor any more), the newest state served, at once; never an older state or one of another history. And
-donors are tried newest state first (``state_sharing_priority``: the rounds of the state a peer serves).
+successor any more), the newest state served, at once, as a joiner takes one; never an older state, nor one a
+round on from another history. And donors are tried newest state first (``state_sharing_priority``: the
+rounds of the state a peer serves).
 
 The fast cases swap the state averager for one that serves scripted states (no processes); the last runs three
 real peers on 127.0.0.1 (``slow``)."""
@@ -9,17 +10,14 @@ real peers on 127.0.0.1 (``slow``)."""
 from __future__ import annotations
 
 import concurrent.futures
-import os
 import threading
 import time
 
 import pytest
 import torch
-from stalls import stalled_rounds
-from threads import in_threads
-from world import FAST
+from hivemind_stalls import stalled_swarm
 
-from transports.hivemind import HivemindConfig, HivemindTransport
+from transports.hivemind import HivemindConfig
 from transports.hivemind.auth import run_keys
 from transports.hivemind.faults import HivemindFaults
 from transports.hivemind.resources import Resources
@@ -80,13 +78,23 @@ def test_the_successor_is_still_preferred_and_older_or_foreign_states_never_take
         TAGS[1], timeout=20.0, stop=lambda: False, ready=lambda: True
     )
     assert got is not None and got[0]["tag"] == list(TAGS[2])  # the round after this peer's own
-    foreign = _state(3)
-    foreign[0]["tag"] = [2, b"x" * 32]  # round 2 of another chain: not this one's successor
-    older = _state(0)
-    got = _server(ScriptedDonors([older, foreign])).download_successor(
+    other = _state(2)
+    other[0]["prev_tag"] = [1, b"x" * 16]  # one round on from another chain: not this peer's successor
+    got = _server(ScriptedDonors([_state(0), other])).download_successor(
         TAGS[1], timeout=2.5, stop=lambda: False, ready=lambda: True
     )
     assert got is None
+
+
+def test_a_state_two_rounds_on_is_taken_as_a_joiner_takes_one_whatever_its_chain():
+    """Its history cannot be checked against this peer's (a known limit: the groupmates' tag check at the next
+    round keeps another chain out of the mean)."""
+    other = _state(3)
+    other[0]["tag"], other[0]["prev_tag"] = [3, b"x" * 16], [2, b"y" * 16]
+    got = _server(ScriptedDonors([other])).download_successor(
+        TAGS[1], timeout=2.5, stop=lambda: False, ready=lambda: True
+    )
+    assert got is not None and got[0]["tag"] == [3, b"x" * 16]
 
 
 def test_donors_are_ranked_by_the_rounds_of_the_state_they_serve():
@@ -115,25 +123,16 @@ def _grad(rank: int) -> torch.Tensor:
 @pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_a_peer_stalled_for_two_rounds_takes_the_newest_state_and_meets_the_next_round():
-    cfg = {"run_id": f"catch-up-{os.getpid()}", "secret": "s", **FAST, "matchmaking_time": MATCHMAKING}
-    cfg |= {"quorum": 2, "grace_seconds": 1.0, "target_group_size": 3}
-    peers = [HivemindTransport(HivemindConfig(**cfg))]
-    peers += [HivemindTransport(HivemindConfig(**cfg, initial_peers=peers[0].join_addresses)) for _ in range(2)]
-    results: list = [None] * 3
     stall = {(2, 2): STALL, (0, 4): STALL + 4.0, (1, 4): STALL + 4.0}
-    try:
-
-        def body(rank: int) -> None:
-            t = peers[rank]
-            rounds = 3 if rank == 2 else 4  # peer 2's second step takes round 3's state: its third is round 4
-            results[rank] = stalled_rounds(
-                t, rank=rank, grad=_grad, stall=stall, rounds=rounds, reduce_timeout=t.own_timeout
-            )
-
-        in_threads(body, 3, timeout=200, what="hivemind peers")
-    finally:
-        for p in peers:
-            p.close()
+    # peer 2's second step takes round 3's state: its third is round 4
+    results = stalled_swarm(
+        name="catch-up",
+        grace=1.0,
+        matchmaking_time=MATCHMAKING,
+        grad=_grad,
+        stall=stall,
+        rounds=lambda r: 3 if r == 2 else 4,
+    )
     params = [p for p, _ in results]
     assert all(torch.equal(params[0], p) for p in params[1:])
     assert [o[0] if o else None for o in results[2][1]] == [3, None, 3], results[2][1]

@@ -4,15 +4,11 @@ round in phase; the window follows the arrival spread every member computes alik
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
-from stalls import stalled_rounds
-from threads import in_threads
-from world import FAST
+from hivemind_stalls import stalled_swarm
 
-from transports.hivemind import HivemindConfig, HivemindTransport
+from transports.hivemind import HivemindConfig
 from transports.hivemind.auth import unwrap_gather, wrap_gather
 from transports.hivemind.grace import MIN_WINDOW, RoundWindows, Window
 from transports.quorum import SLACK_FACTOR, Quorum
@@ -33,25 +29,11 @@ def _grad(rank: int) -> torch.Tensor:
 
 @pytest.mark.timeout(240)
 def test_a_round_closes_without_a_stalled_peer_which_takes_its_result_and_meets_the_next_in_phase():
-    cfg = {"run_id": f"quorum-{os.getpid()}", "secret": "s", **FAST, "matchmaking_time": MATCHMAKING}
-    cfg |= {"quorum": 2, "grace_seconds": GRACE, "target_group_size": 3}  # docs/wan.md: the full group at once
-    peers = [HivemindTransport(HivemindConfig(**cfg))]
-    peers += [HivemindTransport(HivemindConfig(**cfg, initial_peers=peers[0].join_addresses)) for _ in range(2)]
-    results: list = [None] * 3
     # peer 2 stalls before round 2 and misses it; the others pause before round 3, where it meets them
     stall = {(2, 2): STALL, (0, 3): STALL + 2.0, (1, 3): STALL + 2.0}
-    try:
-
-        def body(rank: int) -> None:
-            t = peers[rank]
-            results[rank] = stalled_rounds(
-                t, rank=rank, grad=_grad, stall=stall, rounds=4, reduce_timeout=t.own_timeout
-            )
-
-        in_threads(body, 3, timeout=200, what="hivemind peers")
-    finally:
-        for p in peers:
-            p.close()
+    results = stalled_swarm(
+        name="quorum", grace=GRACE, matchmaking_time=MATCHMAKING, grad=_grad, stall=stall, rounds=lambda r: 4
+    )
     params = [p for p, _ in results]
     assert all(torch.equal(params[0], p) for p in params[1:])  # the late peer took the same rounds
     for rank, (_, out) in enumerate(results):

@@ -74,10 +74,8 @@ class StateServer:
             meta = {"ready": True, "broadcasts": counts, "extra": extra_meta, "num_tensors": len(tensors)}
             meta.update(self._tags())
             self._snapshot = (meta, tensors)
-        if (
-            meta["tag"] is not None and self.averager is not None
-        ):  # joiners and late peers download from the peers with the newest state first
-            self.averager.state_sharing_priority = float(meta["tag"][0])
+            if meta["tag"] is not None and self.averager is not None:  # donors are tried newest state first
+                self.averager.state_sharing_priority = float(meta["tag"][0])
 
     def snapshot_soon(self) -> None:
         """Take a snapshot in a thread of its own (started on first use): a reduce that just committed asks
@@ -163,10 +161,12 @@ class StateServer:
     ) -> State | None:
         """The state the group commits next after the state tagged ``tag`` (its previous tag is ``tag``),
         waited for within ``timeout`` seconds; failing that, the state tagged ``tag`` itself; None if no peer
-        served either, or once ``stop()``. A state two or more rounds on is returned as soon as it comes: the
-        swarm went on (a peer stalled for rounds), nobody serves that successor any more, and such a state is
-        taken as a joiner takes the run's. A state of any other history (a round at or below ``tag``'s, another
-        chain) is never returned. ``ready()``: a peer has committed a round after ``tag`` (its presence says so):
+        served either, or once ``stop()``. A state two or more rounds (reduces) on is returned as soon as it
+        comes: the swarm went on (a peer stalled for rounds) and nobody serves that successor any more. It is
+        taken as a joiner takes the run's, from the donor hivemind tries first (the newest state): its history
+        cannot be checked against ``tag``, and the groupmates' tag check at the next round keeps another chain
+        from being averaged in. A state at or below ``tag``'s round, or one round on from another previous tag,
+        is never returned. ``ready()``: a peer has committed a round after ``tag`` (its presence says so):
         after a first download, the next waits for it (before: a download every second while the group finished
         its round, ~30 of them)."""
         deadline = time.monotonic() + timeout
