@@ -74,8 +74,8 @@ class StateServer:
             meta = {"ready": True, "broadcasts": counts, "extra": extra_meta, "num_tensors": len(tensors)}
             meta.update(self._tags())
             self._snapshot = (meta, tensors)
-            if meta["tag"] is not None and self.averager is not None:  # donors are tried newest state first
-                self.averager.state_sharing_priority = float(meta["tag"][0])
+            if rounds_of(self._snapshot) >= 0 and self.averager is not None:  # donors: the newest state first
+                self.averager.state_sharing_priority = float(rounds_of(self._snapshot))
 
     def snapshot_soon(self) -> None:
         """Take a snapshot in a thread of its own (started on first use): a reduce that just committed asks
