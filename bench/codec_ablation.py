@@ -84,25 +84,14 @@ CODECS: dict[str, list[str]] = {
         "diloco.codec_density=0.125",  # 1/8: at 1/64 each value is sent ~1.5 times in the protocol's 100 rounds
         "train.ddp_wire_dtype=int4",
     ],
-    # the inner optimizer (issue 31): torch's Muon for the blocks' matrices at its default muon_lr 0.02
-    "fp32muon": ["train.inner_optimizer=muon"],
-    "sign-ef-int2warmmuon": [
-        *_wire("sign", rounds_ef=True, ddp_ef=True),
-        "train.ddp_wire_dtype=int2",
-        "train.inner_optimizer=muon",
-    ],
-    "sign-ef-int2updateswarmmuon": [
-        *_wire("sign", rounds_ef=True, ddp_ef=True),
-        "train.ddp_wire_dtype=int2",
-        "train.warm_start_sync=updates",
-        "train.inner_optimizer=muon",
-    ],
-    "int2-ef-int2warmmuon": [*_wire("int2", rounds_ef=True, ddp_ef=True), "train.inner_optimizer=muon"],
     "int2-ef-int2warm": _wire("int2", rounds_ef=True, ddp_ef=True),
     "int2-ef-int4warm": [*_wire("int2", rounds_ef=True, ddp_ef=True), "train.ddp_wire_dtype=int4"],
     "int2-ef-updateswarm": [*_wire("int2", rounds_ef=True, ddp_ef=True), "train.warm_start_sync=updates"],
     "int2-noef-updateswarm": [*_wire("int2", rounds_ef=False, ddp_ef=False), "train.warm_start_sync=updates"],
 }
+# every row again with torch's Muon as the inner optimizer for the blocks' matrices (issue 31; its default
+# muon_lr 0.02): the row's name + "muon", e.g. fp32muon, int4-efmuon, sign-ef-int2updateswarmmuon
+CODECS |= {f"{name}muon": [*overrides, "train.inner_optimizer=muon"] for name, overrides in list(CODECS.items())}
 
 
 def _outcome(*, name: str, mode: str, workers: int, seed: int, args: argparse.Namespace, extra: list[str]) -> Outcome:
