@@ -36,8 +36,12 @@ def test_sync_bytes_follow_the_torch_transports_paths() -> None:
     assert sync_bytes(TINY, "fp32", workers=2) == 4 * TINY  # a ring of 2: each sends its half twice
     assert sync_bytes(TINY, "int4", workers=2) == int4.payload_bytes(TINY)  # one payload to the one peer
     assert sync_bytes(TINY, "fp32", workers=4, rule=MergeRule.MEAN) == 2 * 3 * TINY * 4 // 4
-    shard = -(-TINY // (4 * int4.block)) * int4.block  # scatter-gather: 3 shard payloads out, 3 fp32 shards out
-    assert sync_bytes(TINY, "int4", workers=4) == 3 * (int4.payload_bytes(shard) + 4 * shard)
+    assert sync_bytes(TINY, "int4", workers=8) == 7 * int4.payload_bytes(TINY)  # every payload to every peer
+    shard = -(-TINY // (9 * int4.block)) * int4.block  # scatter-gather: 8 shard payloads out, 8 fp32 shards out
+    assert sync_bytes(TINY, "int4", workers=9) == 8 * (int4.payload_bytes(shard) + 4 * shard)
+    assert sync_bytes(TINY, "int4", workers=9) < 8 * int4.payload_bytes(TINY)  # where it sends fewer bytes
+    topk = codec_for("topk")  # its payloads go to every peer up to 114 workers (each 1/114 of fp32 values)
+    assert sync_bytes(TINY, "topk", workers=114) == 113 * topk.payload_bytes(TINY)
     # Measured by the benchmark's calibration run (2 gloo workers, tiny model): 474,408 bytes per int4 round,
     # its buckets' payloads; the whole model's payload in one piece is within 0.2% of it.
     assert sync_bytes(TINY, "int4", workers=2) == pytest.approx(474_408, rel=2e-3)

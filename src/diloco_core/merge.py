@@ -20,7 +20,7 @@ A merge judges the values before ``judged`` (the pseudo-gradient), those from ``
 before (RDA's norms after its directions); values from ``judged`` on (the contribution guard's tail: flags,
 digests) are always the plain mean over every contributor, as the guard's arithmetic needs. A transport that
 merges a slice of the values on its own says where the slice starts (``start``); a slice judges its own values,
-so on a transport that cuts the values into parts (hivemind, torch with more than 3 ranks) an outlier is left
+so on a transport that cuts the values into parts (hivemind, torch on its scatter-gather path) an outlier is left
 out of the parts where it is one.
 
 A contribution's weight is shaped in three places, one home each: its work (``guard.py``: w Δ sent, divided by

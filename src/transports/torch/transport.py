@@ -7,11 +7,12 @@ the codec's payloads with point-to-point sends and has the codec decode them int
 order, which makes the result bit-identical on every rank and equal to
 ``diloco_core.reference_mean``:
 
-- up to 3 ranks: every rank sends its payload to every peer and sums all W in fp32
-  ((W-1)·P payload bytes out per rank; fp16 at W=2: half the bytes of an fp32 ring);
-- 4 or more: reduce-scatter of shard payloads (all-to-all; each shard encoded on its own), fp32 sums
-  per shard, then the fp32 shards are all-gathered ((W-1)/W·(P + 4N) bytes out per rank; fp16: 25%
-  under an fp32 ring).
+- every rank sends its payload to every peer and sums all W in fp32 ((W-1)·P payload bytes out per
+  rank; fp16 at W=2: half the bytes of an fp32 ring), while that sends no more than the path below
+  (``wire_bytes.path_of``: fp16 and bf16 up to 3 ranks, int8 4, int4 8, int2 16, sign 29, topk 114);
+- beyond: reduce-scatter of shard payloads (all-to-all; each shard encoded on its own), fp32 sums
+  per shard, then the fp32 shards are all-gathered ((W-1)/W·(P + 4N) bytes out per rank; fp16 at 4
+  ranks: 25% under an fp32 ring).
 
 Buckets and shards start at multiples of the codec's ``block`` (int8/int4: values per scale), so each
 piece encodes exactly as its part of the whole contribution: the mean is the reference mean, and a
@@ -133,7 +134,7 @@ class TorchDistTransport(Transport):
         buffers = Buffers(flat.device) if cached.busy else cached  # same key still in flight: fresh ones
         w = self._size
         left_out: list[LeftOut] = []  # what the merges of this rank's buckets or shards left out
-        path = path_of(codec, rule=merge.rule, world_size=w)  # fp32 all-gathered at 3 would be 1.5x a ring's bytes
+        path = path_of(codec, rule=merge.rule, world_size=w)  # the one that sends the fewest bytes (``wire_bytes``)
         if path is Path.RING:
             bucket_fn = self._ring  # a backend's sum: no payload seen, nothing to judge (fewer than 3: no majority)
         else:

@@ -15,16 +15,22 @@ __all__ = ["Path", "bytes_out", "path_of", "shard_numel"]
 
 class Path(enum.Enum):
     RING = "ring"  # torch's own all-reduce of fp32 buckets
-    GATHER = "gather"  # every rank sends its payload to every peer (up to 3 ranks)
-    SCATTER_GATHER = "scatter-gather"  # shard payloads all-to-all, fp32 shard sums all-gathered (4 or more)
+    GATHER = "gather"  # every rank sends its payload to every peer
+    SCATTER_GATHER = "scatter-gather"  # shard payloads all-to-all, fp32 shard sums all-gathered
 
 
 def path_of(codec: Codec, *, rule: MergeRule, world_size: int) -> Path:
-    """The path a reduce of ``codec`` takes: fp32 rings unless a robust merge has a majority to judge."""
+    """The path a reduce of ``codec`` takes: fp32 rings unless a robust merge has a majority to judge; a
+    narrower wire's payloads go to every peer unless all-gathering fp32 shard sums sends fewer bytes, i.e.
+    while W - 1 payloads' bytes per value are at most an fp32 value's 4 (fp16 up to 3 ranks, int8 4, int4 8,
+    int2 16, sign 29, topk at its defaults 114): the sparse and 2-bit wires stay unreduced where they pay."""
     fp32 = codec.elementwise_dtype == torch.float32
     if fp32 and (rule is MergeRule.MEAN or world_size < 3):
         return Path.RING
-    return Path.GATHER if world_size <= 3 and not fp32 else Path.SCATTER_GATHER
+    probe = 2**10 * codec.block  # whole blocks: payload bytes per value without a partial block's
+    if not fp32 and (world_size - 1) * codec.payload_bytes(probe) <= 4 * probe:
+        return Path.GATHER
+    return Path.SCATTER_GATHER
 
 
 def shard_numel(numel: int, world_size: int, block: int) -> int:
