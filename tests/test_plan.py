@@ -130,3 +130,22 @@ def test_plan_says_when_no_h_reaches_the_target_and_refuses_bad_input(capsys: py
         main(["plan", "--params", "many", "--step-s", "0.5", "--link-mbit", "100"])
     assert e.value.code == 2
     assert "'many' is not a count" in capsys.readouterr().err
+
+
+@pytest.mark.timeout(60)
+def test_plan_prices_a_topk_wire_at_its_settings_and_names_a_bad_one(capsys: pytest.CaptureFixture) -> None:
+    argv = ["plan", "--params", "150m", "--step-s", "0.3", "--link-mbit", "1000", "--codec", "topk"]
+    assert main([*argv, "--codec-block", "4096", "--codec-density", "0.015625", "--codec-value-bits", "4"]) == 0
+    out = capsys.readouterr().out
+    topk = codec_for("topk", 4096, density=1 / 64, value_bits=4)  # 64 of each 4096 values, 16 bits each
+    assert "4 workers, topk4k64b4096 pseudo-gradients" in out
+    assert f"a round sends {sync_bytes(150_000_000, topk, workers=4) / 1e6:,.2f} MB" in out
+    assert sync_bytes(150_000_000, topk, workers=4) == 3 * topk.payload_bytes(150_000_000)  # unreduced, to each
+    assert main([*argv]) == 0 and "4 workers, topk pseudo-gradients" in capsys.readouterr().out  # its defaults
+    for flag, value, valid in [
+        ("--codec-density", "0.9", r"expected a number in \(0, 0.5\]"),
+        ("--codec-value-bits", "3", "expected 2 or 4"),
+        ("--codec-block", "100", r"expected a power of two in \[16, 65536\]"),
+    ]:
+        assert main([*argv, flag, value]) == 2
+        assert re.search(f"{flag}={value} is invalid: {valid}", capsys.readouterr().err)

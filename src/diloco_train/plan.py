@@ -138,7 +138,7 @@ def plan(
     step_s: float,
     link: Link,
     workers: int,
-    codec: str,
+    codec: str | Codec,
     inner_steps: tuple[int, ...],
     fragments: int,
     overlap_steps: int,

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import argparse
 
-from diloco_core import CODECS, MergeRule
+from diloco_core import CODECS, Codec, MergeRule, codec_for
+from diloco_core.codecs.sparse import DENSITY
 
 from .plan import MODES, Link, Row, ddp_seconds, plan, sync_bytes
 
@@ -50,10 +51,24 @@ def configure_plan_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--burst-kb", type=float, default=0.0, help="a token-bucket link's burst in KiB (tc tbf; default 0)")
     p.add_argument("--workers", type=int, default=4, help="workers averaging (default 4)")
     p.add_argument("--codec", default="int4", choices=sorted(CODECS), help="pseudo-gradient wire (default int4)")
+    p.add_argument("--codec-block", type=int, default=256, help="values per scale of the wire (default 256)")
+    p.add_argument("--codec-density", type=float, default=DENSITY, help="topk: share of each block sent (1/64)")
+    p.add_argument("--codec-value-bits", type=int, default=2, help="topk: bits per value sent, 2 or 4 (default 2)")
     p.add_argument("--inner-steps", type=_steps, default=(1, 2, 5, 10, 20, 50, 100, 200, 500), metavar="H,H,...")
     p.add_argument("--fragments", type=int, default=4, help="streaming: fragments per round (default 4)")
     p.add_argument("--overlap-steps", type=int, default=1, help="streaming: steps a fragment's sync hides behind")
     p.add_argument("--target", type=float, default=0.9, help="utilization to keep (default 0.9)")
+
+
+def _codec(args: argparse.Namespace) -> Codec:
+    """The wire ``--codec`` names at ``--codec-block`` (and topk's density and value bits), as the trainer's
+    ``[diloco]`` settings build it; a bad setting is named by its flag."""
+    try:
+        return codec_for(args.codec, args.codec_block, density=args.codec_density, value_bits=args.codec_value_bits)
+    except ValueError as e:  # the codec names its setting: block=, density= or value_bits=
+        flag = {"block": "--codec-block", "density": "--codec-density", "value_bits": "--codec-value-bits"}
+        name = str(e).partition("=")[0]
+        raise ValueError(f"{flag.get(name, name)}={str(e).partition('=')[2]}") from None
 
 
 def _check(args: argparse.Namespace) -> None:
@@ -79,25 +94,27 @@ def recommend(rows: list[Row], *, target: float) -> dict[str, Row | None]:
 
 def plan_main(args: argparse.Namespace) -> int:
     _check(args)
+    codec = _codec(args)
     link = Link(mbit=args.link_mbit, latency_ms=args.latency_ms, shared=args.shared, burst_bytes=args.burst_kb * 1024)
     rows = plan(
         params=args.params,
         step_s=args.step_s,
         link=link,
         workers=args.workers,
-        codec=args.codec,
+        codec=codec,
         inner_steps=args.inner_steps,
         fragments=args.fragments,
         overlap_steps=args.overlap_steps,
     )
-    nbytes = sync_bytes(args.params, args.codec, workers=args.workers)
+    nbytes = sync_bytes(args.params, codec, workers=args.workers)
     grad = sync_bytes(args.params, "fp32", workers=args.workers, rule=MergeRule.MEAN)
     ddp = ddp_seconds(step_s=args.step_s, grad_bytes=grad, link=link, workers=args.workers)
+    wire = args.codec if codec.identity == codec_for(args.codec).identity else str(codec.identity)  # non-default
     where = "one link shared by every worker" if args.shared else "each worker its own full-duplex link"
     rate = f"{args.link_mbit:g} Mbit/s" if args.link_mbit else "no rate limit"
     print(
         f"diloco plan (predicted, not measured): {args.params:,} parameters, {args.step_s:g} s per step, "
-        f"{rate} ({where}), latency {args.latency_ms:g} ms, {args.workers} workers, {args.codec} pseudo-gradients\n"
+        f"{rate} ({where}), latency {args.latency_ms:g} ms, {args.workers} workers, {wire} pseudo-gradients\n"
         f"a round sends {nbytes / 1e6:,.2f} MB out of each worker: {link.seconds(nbytes, workers=args.workers):.3f} s"
         f" on the link; DDP (fp32 gradients every step, {grad / 1e6:,.1f} MB): {1000 * ddp:,.0f} s per 1,000 "
         f"steps, utilization {100 * args.step_s / ddp:.1f}%\n"
