@@ -197,9 +197,12 @@ def test_an_absent_rank_fails_the_others_within_the_timeout_or_is_left_out_as_de
         if caps.fixed_ranks:
             kind, elapsed, message = outcome
             # within its timeout: before the absent rank left (a loaded machine may add seconds, never that many)
-            assert kind == "error" and timeout <= elapsed < absent_for and "within" in message, outcome
+            assert kind == "error" and elapsed < absent_for and "within" in message, outcome
         else:
             assert outcome == ("done", n - 1, (n - 2) / 2)
+    if caps.fixed_ranks:  # not before it: the rank that gave up waited its whole timeout (in-process, the
+        # first to time out fails the reduce for every rank, so a rank that called later fails a little sooner)
+        assert max(elapsed for _, elapsed, _ in runs[:-1]) >= timeout, runs
 
 
 def _two_keys_in_flight(transport):
