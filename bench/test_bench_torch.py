@@ -1,10 +1,12 @@
 """The gloo transport against raw ``dist.all_reduce``, and its 16-bit, int8/int4/int2, sign and topk wires against its
 fp32 one: 2 processes on 127.0.0.1, 25M fp32 values, side by side in one session (each call encodes,
 exchanges and decodes: the whole reduce of a round, error feedback aside; ``-eager``: the codec without its
-fused CPU kernels); and, with 3 processes, the robust merge (``diloco_core.merge``) beside the plain mean.
+fused CPU kernels); with 3 processes, the robust merge (``diloco_core.merge``) beside the plain mean; with 4,
+each wire's path against the fp32 ring.
 
     python -m pytest bench/test_bench_torch.py --benchmark-only
     python -m pytest bench/test_bench_torch.py --benchmark-only -k robust  # the robust merge's cost
+    bench/shaped_link.sh 1gbit python -m pytest bench/test_bench_torch.py --benchmark-only -k 4_ranks
     python -m pytest bench/test_bench_torch.py --benchmark-only -k interleaved  # the LAN target alone
     bench/shaped_link.sh 1gbit python -m pytest bench/test_bench_torch.py --benchmark-only  # a 1 Gbit/s link
 
@@ -116,6 +118,11 @@ def trio(tmp_path_factory):
     yield from _world(tmp_path_factory, 3)
 
 
+@pytest.fixture(scope="module")
+def quad(tmp_path_factory):
+    yield from _world(tmp_path_factory, 4)
+
+
 @pytest.mark.parametrize(
     "name", ["raw_baseline", "fp32", "fp16", "bf16", "int8", "int8-eager", "int4", "int4-eager", "int2", "sign", "topk"]
 )
@@ -161,3 +168,12 @@ def test_gloo_3_ranks_robust_merge_25m(benchmark, trio, name):
     the backend's ring; its robust merge reduce-scatters the payloads, merges each shard, and all-gathers."""
     benchmark.group = "3 gloo processes, 25M fp32 values, plain and robust merge"
     benchmark.pedantic(trio, args=(name.removesuffix("-baseline"),), rounds=8, warmup_rounds=2)
+
+
+@pytest.mark.parametrize("name", ["fp32-baseline", "int4", "int2", "sign", "topk"])
+def test_gloo_4_ranks_25m(benchmark, quad, name):
+    """4 gloo processes (2 per core here): the fp32 ring beside each narrower wire's path (``wire_bytes.path_of``:
+    at 4 ranks each of these sends its payload to every peer; before 2026-12-06 they all-gathered fp32 shard
+    sums, 3 bytes a value). On a shaped link (bench/shaped_link.sh) the bytes decide."""
+    benchmark.group = "4 gloo processes, 25M fp32 values"
+    benchmark.pedantic(quad, args=(name.removesuffix("-baseline"),), rounds=5, warmup_rounds=1)
