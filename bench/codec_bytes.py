@@ -7,7 +7,8 @@ Prints ``RoundReport.bytes_sent`` of one DiLoCo round between 2 in-process worke
 ``topk2-1/64-b256``), then, on one thread, the time to encode 25M values, to add one payload's
 decoded values into an fp32 sum, to average two payloads (``Codec.mean_of``: what a transport does
 with 2 workers), and error feedback's own cost per round (``ErrorFeedback.feed``: add the residual,
-encode, decode, subtract); int8 and int4 with their fused CPU kernels and without (``-eager``).
+encode, decode, subtract); int8 and int4 with their fused CPU kernels and without (``-eager``); first, the
+floor under every codec: reading 25M fp32 values once, and writing them once.
 """
 
 from __future__ import annotations
@@ -97,6 +98,9 @@ def main() -> None:
     if args.bytes_only:
         return
     torch.set_num_threads(1)
+    x, out = torch.randn(N), torch.empty(N)
+    read, write = _best_ms(lambda: x.amax()), _best_ms(lambda: out.zero_())
+    print(f"the floor any codec's round pays, 1 thread, 25M values: read once {read:.1f} ms, write once {write:.1f} ms")
     for w in [*list(WIRES)[1:], "int8-eager", "int4-eager"]:
         codec = _eager(w.removesuffix("-eager")) if w.endswith("-eager") else codec_of(DiLoCoConfig(**WIRES[w]))
         encode, add, mean, feed = _times(codec)
