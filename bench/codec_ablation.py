@@ -88,6 +88,14 @@ CODECS: dict[str, list[str]] = {
     "int2-ef-int4warm": [*_wire("int2", rounds_ef=True, ddp_ef=True), "train.ddp_wire_dtype=int4"],
     "int2-ef-updateswarm": [*_wire("int2", rounds_ef=True, ddp_ef=True), "train.warm_start_sync=updates"],
     "int2-noef-updateswarm": [*_wire("int2", rounds_ef=False, ddp_ef=False), "train.warm_start_sync=updates"],
+    # without error feedback on the rounds (the warm start as in the row with it): what error feedback is worth
+    "int2-noef-int2warm": _wire("int2", rounds_ef=False, ddp_ef=True),
+    "topk8-noef-int4warm": [
+        *_wire("topk", rounds_ef=False, ddp_ef=True),
+        "diloco.codec_block=4096",
+        "diloco.codec_density=0.125",
+        "train.ddp_wire_dtype=int4",
+    ],
 }
 # every row again with torch's Muon as the inner optimizer for the blocks' matrices (issue 31; its default
 # muon_lr 0.02): the row's name + "muon", e.g. fp32muon, int4-efmuon, sign-ef-int2updateswarmmuon
