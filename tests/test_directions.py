@@ -153,7 +153,7 @@ def test_the_robust_merge_leaves_an_insiders_scaled_or_flipped_directions_out_wh
 
 @pytest.mark.parametrize("codec", ["fp32", "int4", "sign"])
 def test_a_part_merged_on_its_own_judges_the_norms_apart_as_the_whole_does(codec):
-    """As a transport that merges parts (hivemind, torch past 3 ranks): a part that begins inside the norms judges
+    """As a transport that merges parts (hivemind, torch's scatter-gather): a part that begins inside the norms judges
     its own norm values, reading them from a block's start (``Codec.pieces``' ``start``)."""
     c, g = codec_for(codec, 32), torch.Generator().manual_seed(5)
     shared = torch.randn(256, generator=g)

@@ -12,6 +12,7 @@ import pytest
 from diloco_core import MergeRule, codec_for
 from diloco_train.cli import main
 from diloco_train.plan import Link, Method, ddp_seconds, seconds_per_round, sync_bytes
+from transports.torch.wire_bytes import GATHER_RANKS
 
 TINY = 918_656  # the trainer's tiny model: the benchmark's (bench/time_to_loss.py)
 
@@ -40,8 +41,10 @@ def test_sync_bytes_follow_the_torch_transports_paths() -> None:
     shard = -(-TINY // (9 * int4.block)) * int4.block  # scatter-gather: 8 shard payloads out, 8 fp32 shards out
     assert sync_bytes(TINY, "int4", workers=9) == 8 * (int4.payload_bytes(shard) + 4 * shard)
     assert sync_bytes(TINY, "int4", workers=9) < 8 * int4.payload_bytes(TINY)  # where it sends fewer bytes
-    topk = codec_for("topk")  # its payloads go to every peer up to 114 workers (each 1/114 of fp32 values)
-    assert sync_bytes(TINY, "topk", workers=114) == 113 * topk.payload_bytes(TINY)
+    topk = codec_for("topk")  # its payloads go to every peer up to GATHER_RANKS (its bytes alone: 114)
+    assert sync_bytes(TINY, "topk", workers=GATHER_RANKS) == (GATHER_RANKS - 1) * topk.payload_bytes(TINY)
+    shard = -(-TINY // (9 * topk.block)) * topk.block
+    assert sync_bytes(TINY, "topk", workers=9) == 8 * (topk.payload_bytes(shard) + 4 * shard)
     # Measured by the benchmark's calibration run (2 gloo workers, tiny model): 474,408 bytes per int4 round,
     # its buckets' payloads; the whole model's payload in one piece is within 0.2% of it.
     assert sync_bytes(TINY, "int4", workers=2) == pytest.approx(474_408, rel=2e-3)
@@ -146,6 +149,15 @@ def test_plan_prices_a_topk_wire_at_its_settings_and_names_a_bad_one(capsys: pyt
         ("--codec-density", "0.9", r"expected a number in \(0, 0.5\]"),
         ("--codec-value-bits", "3", "expected 2 or 4"),
         ("--codec-block", "100", r"expected a power of two in \[16, 65536\]"),
+        ("--codec-density", "0.001", r"expected a number in \[0.00195312, 0.5\] at --codec-block=256"),
     ]:
         assert main([*argv, flag, value]) == 2
         assert re.search(f"{flag}={value} is invalid: {valid}", capsys.readouterr().err)
+    # checked as the trainer's [diloco] section is, whatever the codec: a setting it would refuse is refused here
+    assert main([*argv[:-1], "int4", "--codec-value-bits", "3"]) == 2
+    assert "--codec-value-bits=3 is invalid: expected 2 or 4" in capsys.readouterr().err
+    assert main([*argv[:-1], "sign", "--codec-block", "16"]) == 2
+    assert (
+        "--codec-block=16 is invalid: expected a power of two in [32, 65536] for codec='sign'"
+        in capsys.readouterr().err
+    )

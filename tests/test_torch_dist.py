@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import itertools
 import os
 import subprocess
 import time
@@ -15,14 +16,15 @@ from world import GROUP_TIMEOUT_S, GlooWorld, RankError, ThreadWorld
 
 from diloco_core import TransportError, codec_for, reference_mean
 from transports import TorchDistTransport, create_transport
+from transports.torch.wire_bytes import Path
 
 pytestmark = pytest.mark.timeout(180)
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
-def _reduce_big(transport, wire_dtype, block=256, bucket_mb=None):
-    if bucket_mb is not None:  # another transport on the same process group, with small buckets
-        transport = TorchDistTransport(bucket_mb=bucket_mb)
+def _reduce_big(transport, wire_dtype, block=256, bucket_mb=None, narrow=None):
+    if bucket_mb is not None or narrow is not None:  # another transport on the same process group: small buckets,
+        transport = TorchDistTransport(bucket_mb=bucket_mb or 8.0, narrow=narrow)  # or a path set (config.path)
     g = torch.Generator().manual_seed(transport.rank)
     x = [torch.randn(1001, generator=g), torch.randn(3, 5, generator=g)]
     transport.all_reduce(x, codec=codec_for(wire_dtype, block=block)).wait(30)
@@ -39,7 +41,7 @@ def _big_reference(world_size, codec):
     return [want[:1001], want[1001:].view(3, 5)]
 
 
-@pytest.mark.parametrize("world_size", [2, 4])  # payload exchange, then reduce-scatter of shards
+@pytest.mark.parametrize("world_size", [2, 4])  # with 4: each path, set (config.path) and by bytes (auto)
 def test_buckets_and_shards_cut_at_codec_blocks_so_every_path_matches_reference(world_size, tmp_path):
     world = GlooWorld(world_size, str(tmp_path))
     cases = [(w, 256, None) for w in ("fp16", "bf16", "int8", "int4", "sign")] if world_size == 4 else []
@@ -50,15 +52,38 @@ def test_buckets_and_shards_cut_at_codec_blocks_so_every_path_matches_reference(
         ("int2", 16, 0.0004),
     ]  # partial last shards: each decoded at its own length (not zero-padded)
     cases += [("topk", 32, 0.0004)] + ([("topk", 256, None)] if world_size == 4 else [])  # 1 and 4 values a block
+    paths = [None, Path.GATHER, Path.SCATTER_GATHER] if world_size == 4 else [None]
     try:
-        for wire, block, bucket_mb in cases:
-            results = world.run(functools.partial(_reduce_big, wire_dtype=wire, block=block, bucket_mb=bucket_mb))
+        for (wire, block, bucket_mb), narrow in itertools.product(cases, paths):
+            run = functools.partial(_reduce_big, wire_dtype=wire, block=block, bucket_mb=bucket_mb, narrow=narrow)
+            results = world.run(run)
             assert not any(isinstance(r, RankError) for r in results), results
             want = _big_reference(world_size, codec_for(wire, block=block))
             for res in results:
-                assert all(torch.equal(a, b) for a, b in zip(res, want)), (wire, block, bucket_mb)
+                assert all(torch.equal(a, b) for a, b in zip(res, want)), (wire, block, bucket_mb, narrow)
     finally:
         world.close()
+
+
+def _reduce_on(transport, path):
+    """Rank 0 set to one path, the others to ``path``: the header tells them apart before any payload moves."""
+    narrow = Path.GATHER if transport.rank == 0 else path
+    try:
+        TorchDistTransport(narrow=narrow).all_reduce([torch.ones(1000)], codec=codec_for("int4")).wait(30)
+    except TransportError as e:
+        return str(e)
+    return "no error"
+
+
+def test_ranks_set_to_different_paths_fail_at_the_header_naming_both(tmp_path):
+    world = GlooWorld(2, str(tmp_path))
+    try:
+        results = world.run(_reduce_on, Path.SCATTER_GATHER, fresh=True)
+    finally:
+        world.close()
+    for message in results:
+        assert "collective mismatch" in message and "int4b256v2 by gather" in message, message
+        assert "int4b256v2 by scatter-gather" in message, message
 
 
 def _die_mid_run(transport, timeout):
@@ -121,6 +146,8 @@ def test_torch_kind_outside_torchrun_says_how_to_launch(monkeypatch):
 def test_torch_config_errors_name_the_field():
     with pytest.raises(ValueError, match=r"\[transport\] backend='mpi' is invalid: expected one of \['gloo', 'nccl'\]"):
         create_transport({"kind": "torch", "backend": "mpi"})
+    with pytest.raises(ValueError, match=r"path='ring' is invalid: expected one of \['auto', 'gather', 'scatter-"):
+        create_transport({"kind": "torch", "path": "ring"})
     with pytest.raises(ValueError, match=r"unknown key\(s\) \['bucket'\].*bucket_mb"):
         create_transport({"kind": "torch", "bucket": 3})
     if not torch.cuda.is_available():

@@ -69,7 +69,7 @@ class ReduceResult:
     """Wall time from the start of the collective until its result was in place."""
     left_out: tuple[LeftOut, ...] = ()
     """Contributions the merge left out (``Merge``), as far as this member saw: every one where a member merges
-    every payload (in-process, torch with up to 3 ranks), those of the parts it merged where members merge parts."""
+    every payload (in-process, torch on its gather path), those of the parts it merged where members merge parts."""
     absent: tuple[str, ...] = ()
     """Members the round closed without (a quorum and grace window: late, stalled or gone; as the transport names
     them). A late member's own result names it too: its contribution was dropped, it takes the round's result."""

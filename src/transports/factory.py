@@ -185,7 +185,7 @@ class TransportSpec:
         if reduce_timeout is not None:
             section.setdefault("timeout", reduce_timeout)
         config = from_mapping(TorchDistConfig, section, "transport")
-        return island_transport(model, mesh, bucket_mb=config.bucket_mb, timeout=config.timeout)
+        return island_transport(model, mesh, bucket_mb=config.bucket_mb, timeout=config.timeout, narrow=config.narrow)
 
 
 def _local_world_size() -> int:

@@ -23,6 +23,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor
 
 from .torch import TorchDistTransport
+from .torch.wire_bytes import Path
 
 __all__ = ["check_islands", "island_mesh", "island_transport"]
 
@@ -84,9 +85,12 @@ def island_transport(
     shard_dim: str = SHARD,
     bucket_mb: float = 8.0,
     timeout: float | None = None,
+    narrow: Path | None = None,
 ) -> TorchDistTransport:
     """The transport of this rank's column of ``mesh``: the ranks holding the same shards, one per island
     (its ``rank`` is this rank's island, its ``world_size`` the number of islands). Checks ``model``'s
-    layout first (``check_islands``). ``timeout``: the process group's own, for ``own_timeout``."""
+    layout first (``check_islands``). ``timeout``: the process group's own, for ``own_timeout``; ``narrow``:
+    the narrower wires' path (``TorchDistConfig.path``), None: the fewest bytes."""
     check_islands(model, mesh, island_dim=island_dim, shard_dim=shard_dim)
-    return TorchDistTransport(mesh.get_group(island_dim), bucket_mb=bucket_mb, timeout=timeout)
+    group = mesh.get_group(island_dim)
+    return TorchDistTransport(group, bucket_mb=bucket_mb, timeout=timeout, narrow=narrow)

@@ -11,6 +11,8 @@ import torch.distributed as dist
 
 from diloco_core.rules import check_field, check_fields, choice, number, rule, string
 
+from .wire_bytes import Path
+
 __all__ = ["BACKEND_DEVICE", "TorchDistConfig", "init_process_group"]
 
 BACKEND_DEVICE = {"gloo": "cpu", "nccl": "cuda"}
@@ -29,6 +31,10 @@ class TorchDistConfig:
     when it is not set."""
     bucket_mb: float = field(default=8.0, metadata=number(gt=0, noun="a number of MB"))
     """Size of the buckets a reduce is split into, in MB of fp32: few large collectives, pipelined."""
+    path: str = field(default="auto", metadata=choice(["auto", "gather", "scatter-gather"]))
+    """How a codec other than fp32 moves: "gather" (each payload to every peer, each rank merges them all),
+    "scatter-gather" (shard payloads all-to-all, fp32 shard sums all-gathered), or "auto": whichever sends
+    fewer bytes (``wire_bytes.path_of``). Every rank must set the same (a reduce's header checks it)."""
     secret: str | None = field(default=None, repr=False)
     """The run's shared secret: every rank must hold the same one, or the group refuses to start
     (``membership``; docs/lan.md, "Members only"). Never saved with the run. Prefer ``secret_file`` or the
@@ -38,6 +44,11 @@ class TorchDistConfig:
         default=None, metadata=rule(lambda v: v is None or (isinstance(v, str) and v != ""), "a path or none")
     )
     """A file holding the run's secret (its content, stripped), readable by its owner only (chmod 600)."""
+
+    @property
+    def narrow(self) -> Path | None:
+        """``path`` as the transport takes it (``TorchDistTransport(narrow=)``): None for "auto"."""
+        return None if self.path == "auto" else Path(self.path)
 
     def __post_init__(self) -> None:
         check_fields(self)

@@ -4,7 +4,7 @@ torch.distributed pairs collectives by their order on each rank, nothing else. A
 reduce more or less than the others (a retry after a timeout, a straggler whose late call arrives after
 the others gave up) would pair every later reduce with the wrong one, and the means would be silently
 wrong from then on. So every reduce first all-gathers a small header, [key, its sequence number on this
-rank, values, the codec's identity], and starts its payload only once every rank's header matched; a mismatch is a clear
+rank, values, the codec's identity and path], and starts its payload only once every rank's header matched; a mismatch is a clear
 ``TransportError`` naming both sides, raised within the header's exchange, not after a timeout.
 
 A reduce that fails or times out leaves the group unusable: its collectives may still be posted on some
@@ -23,6 +23,8 @@ from diloco_core import CODECS, Codec
 from diloco_core.codecs.base import CodecId
 from diloco_core.transport import TransportError
 
+from .wire_bytes import Path
+
 __all__ = ["Identity"]
 
 FIELDS = 4
@@ -32,13 +34,14 @@ def _crc(text: str) -> int:
     return zlib.crc32(text.encode())
 
 
-# every codec identity a rank may send (older layouts too), so that a mismatch names the other rank's too
+# every codec identity a rank may send (older layouts too) on each path, so that a mismatch names the other rank's
 _BLOCKS = [2**k for k in range(4, 17)]
 _WIRES = {
-    _crc(str(w)): str(w)
+    _crc(f"{w} by {path}"): f"{w} by {path}"
     for c in CODECS.values()
     for b in ([1] if c.block == 1 else _BLOCKS)
     for w in (CodecId(c.name, b, v) for v in range(1, c.layout + 1))
+    for path in (p.value for p in Path)
 }
 
 
@@ -58,10 +61,11 @@ class Identity:
                 "--max-restarts restarts the workers and --resume continues from the last checkpoint)"
             )
 
-    def header(self, key: str, codec: Codec, numel: int, device: torch.device) -> torch.Tensor:
-        """The next reduce of ``key``: [key, its number on this rank (1 for the first), values, codec identity]."""
+    def header(self, key: str, codec: Codec, numel: int, device: torch.device, *, path: Path) -> torch.Tensor:
+        """The next reduce of ``key``: [key, its number on this rank (1 for the first), values, codec identity
+        and the ``path`` it takes]."""
         self._seq[key] += 1
-        wire = str(codec.identity)
+        wire = f"{codec.identity} by {path.value}"
         self._names[_crc(key)], self._names[_crc(wire)] = key, wire
         fields = [_crc(key), self._seq[key], numel, _crc(wire)]
         return torch.tensor(fields, dtype=torch.int64, device=device)

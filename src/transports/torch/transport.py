@@ -9,7 +9,7 @@ order, which makes the result bit-identical on every rank and equal to
 
 - every rank sends its payload to every peer and sums all W in fp32 ((W-1)·P payload bytes out per
   rank; fp16 at W=2: half the bytes of an fp32 ring), while that sends no more than the path below
-  (``wire_bytes.path_of``: fp16 and bf16 up to 3 ranks, int8 4, int4 8, int2 16, sign 29, topk 114);
+  (``wire_bytes.path_of``: fp16 and bf16 up to 3 ranks, int8 4, the narrower wires 8);
 - beyond: reduce-scatter of shard payloads (all-to-all; each shard encoded on its own), fp32 sums
   per shard, then the fp32 shards are all-gathered ((W-1)/W·(P + 4N) bytes out per rank; fp16 at 4
   ranks: 25% under an fp32 ring).
@@ -74,12 +74,18 @@ class TorchDistTransport(Transport):
         if not dist.is_initialized():
             init_process_group(config)
         prove_membership(key, timeout=config.timeout)  # every rank holds the run's secret, before any collective
-        return cls(bucket_mb=config.bucket_mb, timeout=config.timeout)
+        return cls(bucket_mb=config.bucket_mb, timeout=config.timeout, narrow=config.narrow)
 
     def __init__(
-        self, group: dist.ProcessGroup | None = None, *, bucket_mb: float = 8.0, timeout: float | None = None
+        self,
+        group: dist.ProcessGroup | None = None,
+        *,
+        bucket_mb: float = 8.0,
+        timeout: float | None = None,
+        narrow: Path | None = None,
     ) -> None:
-        """``timeout``: the process group's own, if known (``from_config`` knows it), for ``own_timeout``."""
+        """``timeout``: the process group's own, if known (``from_config`` knows it), for ``own_timeout``;
+        ``narrow``: the path of every codec but fp32 (``TorchDistConfig.path``), None: the fewest bytes."""
         if not dist.is_initialized():
             raise ValueError("TorchDistTransport needs an initialized process group (dist.init_process_group)")
         self._group = group
@@ -89,6 +95,7 @@ class TorchDistTransport(Transport):
         self._rank = dist.get_rank(group)
         self._size = dist.get_world_size(group)
         self._bucket_numel = max(1, int(bucket_mb * 1e6 / 4))
+        self._narrow = narrow
         self._closed = False
         self._buffers: dict[str, Buffers] = {}  # per reduce key
         self._identity = Identity()
@@ -134,7 +141,7 @@ class TorchDistTransport(Transport):
         buffers = Buffers(flat.device) if cached.busy else cached  # same key still in flight: fresh ones
         w = self._size
         left_out: list[LeftOut] = []  # what the merges of this rank's buckets or shards left out
-        path = path_of(codec, rule=merge.rule, world_size=w)  # the one that sends the fewest bytes (``wire_bytes``)
+        path = path_of(codec, rule=merge.rule, world_size=w, narrow=self._narrow)  # ``wire_bytes``
         if path is Path.RING:
             bucket_fn = self._ring  # a backend's sum: no payload seen, nothing to judge (fewer than 3: no majority)
         else:
@@ -142,7 +149,7 @@ class TorchDistTransport(Transport):
             bucket_fn = functools.partial(gather, codec=codec, merge=merge, left_out=left_out)
         size = max(codec.block, self._bucket_numel // codec.block * codec.block)
         parts = flat.split(size)
-        header = self._identity.header(key, codec, flat.numel(), flat.device)
+        header = self._identity.header(key, codec, flat.numel(), flat.device, path=path)
         gathered = torch.empty(w * header.numel(), dtype=header.dtype, device=header.device)
         buffers.busy = True
         sent = sum(bytes_out(b.numel(), codec, path=path, world_size=w) for b in parts)  # the header's 32 B aside
