@@ -5,8 +5,10 @@ smallest H that keeps utilization above a target (the model: ``plan``; checked a
 from __future__ import annotations
 
 import argparse
+import re
 
-from diloco_core import CODECS, Codec, MergeRule, codec_for
+from diloco_core import CODECS, Codec, DiLoCoConfig, MergeRule, codec_for
+from diloco_core.codecs.names import codec_of
 from diloco_core.codecs.sparse import DENSITY
 
 from .plan import MODES, Link, Row, ddp_seconds, plan, sync_bytes
@@ -61,14 +63,14 @@ def configure_plan_parser(p: argparse.ArgumentParser) -> None:
 
 
 def _codec(args: argparse.Namespace) -> Codec:
-    """The wire ``--codec`` names at ``--codec-block`` (and topk's density and value bits), as the trainer's
-    ``[diloco]`` settings build it; a bad setting is named by its flag."""
+    """The wire ``--codec`` names with its settings, checked as the trainer checks its ``[diloco]`` section
+    (``DiLoCoConfig``: sign's block, topk's density at its block, value bits for every codec); a bad one is
+    named by its flag."""
+    settings = {f"codec_{k}": getattr(args, f"codec_{k}") for k in ("block", "density", "value_bits")}
     try:
-        return codec_for(args.codec, args.codec_block, density=args.codec_density, value_bits=args.codec_value_bits)
-    except ValueError as e:  # the codec names its setting: block=, density= or value_bits=
-        flag = {"block": "--codec-block", "density": "--codec-density", "value_bits": "--codec-value-bits"}
-        name = str(e).partition("=")[0]
-        raise ValueError(f"{flag.get(name, name)}={str(e).partition('=')[2]}") from None
+        return codec_of(DiLoCoConfig(codec=args.codec, **settings))
+    except ValueError as e:
+        raise ValueError(re.sub(r"\bcodec_(\w+)=", lambda m: f"--codec-{m[1].replace('_', '-')}=", str(e))) from None
 
 
 def _check(args: argparse.Namespace) -> None:
