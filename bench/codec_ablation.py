@@ -130,6 +130,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--baseline", default="runs/convergence", help="the convergence benchmark's folder")
     p.add_argument("--codecs", default=",".join(CODECS), help=f"comma-separated subset of {list(CODECS)}")
     p.add_argument("--seeds", default="0,1,2", help="comma-separated seeds")
+    p.add_argument(
+        "--reference",
+        default="fp32",
+        help="the row the 'vs' columns compare with, seed by seed too (fp32: fp32 DiLoCo; fp32muon: with Muon)",
+    )
     p.add_argument("--steps", type=int, default=1100)
     p.add_argument("--inner-steps", type=int, default=10)
     p.add_argument("--seq-len", type=int, default=64)
@@ -144,7 +149,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = p.parse_args(argv)
     names = args.codecs.split(",")
-    unknown = sorted(set(names) - set(CODECS))
+    unknown = sorted(set(names) - set(CODECS)) + ([] if args.reference in names else [f"--reference {args.reference}"])
     if unknown:
         p.error(f"unknown codec row(s) {unknown}; valid: {list(CODECS)}")
     seeds = [int(s) for s in args.seeds.split(",")]
@@ -158,11 +163,13 @@ def main(argv: list[str] | None = None) -> int:
             extra = CODECS.get(name, [])
             outcomes[name].append(_outcome(name=name, mode=mode, workers=workers, seed=seed, args=args, extra=extra))
     ddp = args.ddp_mb * 1e6 if args.ddp_mb else statistics.fmean(o.bytes_sent for o in outcomes["ddp-4"])
-    fp32 = statistics.fmean(o.eval_loss for o in outcomes["fp32"]) if "fp32" in outcomes else float("nan")
+    ref = args.reference
+    fp32 = statistics.fmean(o.eval_loss for o in outcomes[ref]) if ref in outcomes else float("nan")
+    by_seed = {o.seed: o.eval_loss for o in outcomes.get(ref, [])}
     lines = [
-        "| wire | error feedback | seeds | eval loss (mean) | spread | vs fp32 | MB sent / worker | traffic vs DDP"
-        + " | rounds alone: MB, vs DDP |",
-        "|---|---|---|---|---|---|---|---|---|",
+        f"| wire | error feedback | seeds | eval loss (mean) | spread | vs {ref} | per seed | MB sent / worker"
+        + " | traffic vs DDP | rounds alone: MB, vs DDP |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     results = {}
     for name in names:
@@ -182,17 +189,18 @@ def main(argv: list[str] | None = None) -> int:
             "vs_fp32": loss / fp32 - 1,
             "seeds": len(mine),
         }
+        paired = ", ".join(f"{100 * (o.eval_loss / by_seed[o.seed] - 1):+.2f}" for o in mine if o.seed in by_seed)
         lines.append(
             f"| {wire} | {'-' if not ef else ef == 'ef'} | {len(mine)} | {loss:.4f} | {spread:.4f} "
-            f"| {100 * (loss / fp32 - 1):+.2f}% | {sent / 1e6:.1f} | 1/{ddp / sent:.1f} "
+            f"| {100 * (loss / fp32 - 1):+.2f}% | {paired} | {sent / 1e6:.1f} | 1/{ddp / sent:.1f} "
             f"| {rounds / 1e6:.2f}, 1/{ddp / max(rounds, 1):.0f} |"
         )
     text = "\n".join(lines) + "\n"
-    within = [n for n in names if n != "fp32" and results[n]["vs_fp32"] <= 0.01]
+    within = [n for n in names if n != ref and results[n]["vs_fp32"] <= 0.01]
     if within:
         best = min(within, key=lambda n: results[n]["bytes"])
         text += (
-            f"\nLargest traffic reduction within 1% of fp32: {best} ({100 * results[best]['vs_fp32']:+.2f}%), "
+            f"\nLargest traffic reduction within 1% of {ref}: {best} ({100 * results[best]['vs_fp32']:+.2f}%), "
             f"{ddp / results[best]['bytes']:.1f}x less than DDP ({ddp / 1e6:.1f} MB per worker).\n"
         )
     print(text)
