@@ -178,9 +178,11 @@ def main(argv: list[str] | None = None) -> int:
         spread = max(o.eval_loss for o in mine) - min(o.eval_loss for o in mine)
         sent = statistics.fmean(o.bytes_sent for o in mine)
         rounds = statistics.fmean(_rounds_bytes(o, args=args) for o in mine)
-        wire, _, rest = name.partition("-")
+        muon = name.endswith("muon") and name != "muon"
+        wire, _, rest = name.removesuffix("muon").partition("-")
         ef, _, warm = rest.partition("-")
         wire += f" ({warm.removesuffix('warm')} warm start)" if warm else ""
+        wire += ", Muon" if muon else ""
         results[name] = {
             "eval_loss": loss,
             "spread": spread,

@@ -17,17 +17,18 @@ from pathlib import Path
 
 
 def rows_of(files: list[str]) -> dict[str, dict]:
-    """Every row but fp32 (the reference) of the results files, a later file's row over an earlier's."""
+    """Every row but the reference (fp32, or the file's ``--reference``) of the results files, a later file's row
+    over an earlier's."""
     rows: dict[str, dict] = {}
     for file in files:
         data = json.loads(Path(file).read_text())
         for name, row in data["rows"].items():
-            if name != "fp32":
+            if name != data["args"].get("reference", "fp32"):
                 rows[name] = {**row, "ddp_bytes": data["ddp_bytes"]}
     return rows
 
 
-def plot(rows: dict[str, dict], out: Path) -> None:
+def plot(rows: dict[str, dict], out: Path, *, reference: str = "fp32 DiLoCo") -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -47,7 +48,7 @@ def plot(rows: dict[str, dict], out: Path) -> None:
         ax.axvline(goal, ls="--", color="grey", lw=0.8)
     ax.set_xscale("log")
     ax.set_xlabel("traffic reduction vs DDP (x, log): filled = total with the warm start, hollow = rounds alone")
-    ax.set_ylabel("final eval loss vs fp32 DiLoCo (%)")
+    ax.set_ylabel(f"final eval loss vs {reference} (%)")
     ax.set_title("Codecs on the convergence protocol (DiLoCo x4, H = 10, 1100 steps)")
     ax.legend(fontsize=7, loc="upper left")
     fig.tight_layout()
@@ -59,8 +60,9 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("results", nargs="+", help="codec_ablation.py's results.json files")
     p.add_argument("--out", default="codec-frontier.png")
+    p.add_argument("--reference", default="fp32 DiLoCo", help="what the rows were compared with, for the y label")
     args = p.parse_args(argv)
-    plot(rows_of(args.results), Path(args.out))
+    plot(rows_of(args.results), Path(args.out), reference=args.reference)
     print(f"written: {args.out}")
     return 0
 
