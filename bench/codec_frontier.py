@@ -34,7 +34,7 @@ def plot(rows: dict[str, dict], out: Path, *, reference: str = "fp32 DiLoCo") ->
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(8, 5))
+    fig, ax = plt.subplots(figsize=(11, 5))
     for i, (name, row) in enumerate(sorted(rows.items(), key=lambda r: r[1]["bytes"])):
         color = f"C{i % 10}"
         total, rounds = row["ddp_bytes"] / row["bytes"], row["ddp_bytes"] / max(row["rounds_bytes"], 1)
@@ -50,7 +50,7 @@ def plot(rows: dict[str, dict], out: Path, *, reference: str = "fp32 DiLoCo") ->
     ax.set_xlabel("traffic reduction vs DDP (x, log): filled = total with the warm start, hollow = rounds alone")
     ax.set_ylabel(f"final eval loss vs {reference} (%)")
     ax.set_title("Codecs on the convergence protocol (DiLoCo x4, H = 10, 1100 steps)")
-    ax.legend(fontsize=7, loc="upper left")
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))  # outside: no point hidden
     fig.tight_layout()
     fig.savefig(out, dpi=120)
     plt.close(fig)
