@@ -46,11 +46,16 @@ def _reduce(transport, keys: list[str], wires: list[str]):
 @pytest.mark.parametrize(
     ("keys", "wires", "shown"),
     [
-        (["a", "a"], ["fp32", "fp16"], ["'a' #1 (1000 values, fp32)", "'a' #1 (1000 values, fp16)"]),
+        # each wire with the path it takes (wire_bytes.path_of): fp32's ring, the others' gather at 2 ranks
+        (["a", "a"], ["fp32", "fp16"], ["'a' #1 (1000 values, fp32 by ring)", "'a' #1 (1000 values, fp16 by gather)"]),
         # codecs that differ only in their payload's layout never average together
-        (["a", "a"], ["int4", "int4v1"], ["'a' #1 (1000 values, int4b256v2)", "'a' #1 (1000 values, int4b256)"]),
+        (
+            ["a", "a"],
+            ["int4", "int4v1"],
+            ["'a' #1 (1000 values, int4b256v2 by gather)", "'a' #1 (1000 values, int4b256 by gather)"],
+        ),
         # a key this rank never used is shown by its hash
-        (["a", "b"], ["fp32", "fp32"], ["'a' #1 (1000 values, fp32)", "'b' #1 (1000 values, fp32)"]),
+        (["a", "b"], ["fp32", "fp32"], ["'a' #1 (1000 values, fp32 by ring)", "'b' #1 (1000 values, fp32 by ring)"]),
     ],
 )
 def test_reduces_that_differ_are_never_paired_and_fail_fast_on_both_ranks(gloo, keys, wires, shown):
