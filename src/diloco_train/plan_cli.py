@@ -9,7 +9,6 @@ import re
 
 from diloco_core import CODECS, Codec, DiLoCoConfig, MergeRule, codec_for
 from diloco_core.codecs.names import codec_of
-from diloco_core.codecs.sparse import DENSITY
 
 from .plan import MODES, Link, Row, ddp_seconds, plan, sync_bytes
 
@@ -53,9 +52,22 @@ def configure_plan_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--burst-kb", type=float, default=0.0, help="a token-bucket link's burst in KiB (tc tbf; default 0)")
     p.add_argument("--workers", type=int, default=4, help="workers averaging (default 4)")
     p.add_argument("--codec", default="int4", choices=sorted(CODECS), help="pseudo-gradient wire (default int4)")
-    p.add_argument("--codec-block", type=int, default=256, help="values per scale of the wire (default 256)")
-    p.add_argument("--codec-density", type=float, default=DENSITY, help="topk: share of each block sent (1/64)")
-    p.add_argument("--codec-value-bits", type=int, default=2, help="topk: bits per value sent, 2 or 4 (default 2)")
+    wire = DiLoCoConfig()  # the trainer's [diloco] defaults, one home
+    p.add_argument(
+        "--codec-block", type=int, default=wire.codec_block, help="values per scale of the wire (default %(default)s)"
+    )
+    p.add_argument(
+        "--codec-density",
+        type=float,
+        default=wire.codec_density,
+        help="topk: share of each block sent (default %(default)s)",
+    )
+    p.add_argument(
+        "--codec-value-bits",
+        type=int,
+        default=wire.codec_value_bits,
+        help="topk: bits per value sent, 2 or 4 (default %(default)s)",
+    )
     p.add_argument("--inner-steps", type=_steps, default=(1, 2, 5, 10, 20, 50, 100, 200, 500), metavar="H,H,...")
     p.add_argument("--fragments", type=int, default=4, help="streaming: fragments per round (default 4)")
     p.add_argument("--overlap-steps", type=int, default=1, help="streaming: steps a fragment's sync hides behind")
