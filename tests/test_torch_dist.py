@@ -23,8 +23,9 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 def _reduce_big(transport, wire_dtype, block=256, bucket_mb=None, narrow=None):
-    if bucket_mb is not None or narrow is not None:  # another transport on the same process group: small buckets,
-        transport = TorchDistTransport(bucket_mb=bucket_mb or 8.0, narrow=narrow)  # or a path set (config.path)
+    settings = {k: v for k, v in {"bucket_mb": bucket_mb, "narrow": narrow}.items() if v is not None}
+    if settings:  # another transport on the same process group: small buckets, or a path set (config.path)
+        transport = TorchDistTransport(**settings)
     g = torch.Generator().manual_seed(transport.rank)
     x = [torch.randn(1001, generator=g), torch.randn(3, 5, generator=g)]
     transport.all_reduce(x, codec=codec_for(wire_dtype, block=block)).wait(30)
