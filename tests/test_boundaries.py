@@ -10,7 +10,7 @@ import sys
 import pytest
 
 SRC = pathlib.Path(__file__).resolve().parents[1] / "src"
-CORE_BUDGET = 3900  # issue 31 (int2, topk, RDA: new concepts, each in its own file; rules.py split from config.py); a raise says why in its commit, never here
+CORE_BUDGET = 2760  # code lines (no docstrings, comments, blanks); issue 43: the robust rule bounds influence (2,674 before it); a raise says why in its commit, never here
 FILE_BUDGET = 300  # lines per .py file under src/: a longer file holds more than one concept
 
 
@@ -18,9 +18,26 @@ def _core_files() -> list[pathlib.Path]:
     return sorted((SRC / "diloco_core").rglob("*.py"))
 
 
-def test_core_is_within_its_line_budget():
-    lines = sum(len(f.read_text().splitlines()) for f in _core_files())
-    assert lines <= CORE_BUDGET, f"src/diloco_core is {lines} lines; the budget is {CORE_BUDGET}"
+def _code_lines(source: str) -> int:
+    """Lines of code: not blank, not a comment, not inside a docstring."""
+    docs: set[int] = set()
+    for node in ast.walk(ast.parse(source)):
+        body = getattr(node, "body", None)
+        first = body[0] if isinstance(body, list) and body else None
+        if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant) and isinstance(first.value.value, str):
+            docs.update(range(first.lineno, first.end_lineno + 1))
+    lines = enumerate(source.splitlines(), 1)
+    return sum(1 for i, line in lines if line.strip() and not line.strip().startswith("#") and i not in docs)
+
+
+def test_core_is_within_its_code_line_budget():
+    lines = sum(_code_lines(f.read_text()) for f in _core_files())
+    assert lines <= CORE_BUDGET, f"src/diloco_core is {lines} code lines; the budget is {CORE_BUDGET}"
+
+
+def test_code_lines_leave_out_docstrings_comments_and_blanks():
+    source = 'def f():\n    """Doc,\n    two lines."""\n\n    # a comment\n    return 1\n'
+    assert _code_lines(source) == 2
 
 
 def test_every_source_file_is_within_the_file_budget():
