@@ -56,20 +56,29 @@ class TrainResult:
 
 
 def read_metrics(run_dir: str | Path, *, missing_ok: bool = False) -> list[dict[str, Any]]:
-    """The records of ``<run_dir>/metrics.jsonl``. A run without the file is a ValueError, or no records
-    with ``missing_ok``; a line that is not JSON is a ValueError naming it."""
+    """The records of ``<run_dir>/metrics.jsonl``. A run without the file is a ValueError, or no
+    records with ``missing_ok``; a line that is not JSON (or not UTF-8) is a ValueError naming it, but
+    for the last one, which a crash or a full disk can leave torn mid-write: dropped, with a warning."""
     path = Path(run_dir) / METRICS
     if not path.is_file():
         if missing_ok:
             return []
         raise ValueError(f"{str(run_dir)!r} is not a run: no {METRICS} in it")
+    lines = [(i, line) for i, line in enumerate(path.read_bytes().split(b"\n"), 1) if line.strip()]
     records = []
-    for i, line in enumerate(path.read_text(encoding="utf-8").splitlines()):
-        if line.strip():
-            try:
-                records.append(json.loads(line))
-            except json.JSONDecodeError:
-                raise ValueError(f"{path}:{i + 1} is not a JSON line") from None
+    for i, line in lines:
+        try:
+            records.append(json.loads(line.decode("utf-8")))
+        except UnicodeDecodeError:
+            what = "UTF-8 text"
+        except json.JSONDecodeError:
+            what = "a JSON line"
+        else:
+            continue
+        if i != lines[-1][0]:
+            raise ValueError(f"{path}:{i} is not {what}") from None
+        why = "torn by a crash or a full disk mid-write"
+        logger.warning("%s:%d, its last line, is not %s (%s): dropped it", path, i, what, why)
     return records
 
 

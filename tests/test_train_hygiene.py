@@ -1,0 +1,71 @@
+"""The trainer's hygiene (issue 43, "What to build" 6): a torn last metrics line, bytes that are not UTF-8,
+unsafe run names, failed starts, an out-of-range seed or quorum and a divergence before any checkpoint each
+end in one line that names what to fix, or are handled."""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+from runs import FAST
+
+from diloco_train.cli import main
+
+
+def _first_six(tmp_path: Path) -> tuple[list[str], Path]:
+    """A run stopped after step 6 (its checkpoint written): the resume's arguments and its metrics.jsonl."""
+    common = ["--set", f"train.runs_dir={tmp_path!s}", *FAST]
+    assert main(["train", "--name", "r", *common, "--set", "train.stop_after=6"]) == 0
+    return ["train", "--name", "r", "--resume", *common], tmp_path / "r" / "metrics.jsonl"
+
+
+def _cut(data: bytes) -> bytes:
+    return data[:-40]  # the summary record cut short, no newline: a crash or a full disk mid-write
+
+
+def _junk(data: bytes) -> bytes:
+    return data + b'{"type": "step", "st\x00\x00\xff\xfe'  # a torn write's tail: NULs, bytes not UTF-8
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("tear", [_cut, _junk], ids=["cut", "junk"])
+def test_a_torn_last_metrics_line_does_not_block_a_resume(
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    caplog: pytest.LogCaptureFixture,
+    tear: Callable[[bytes], bytes],
+) -> None:
+    """Before: `diloco: error: .../metrics.jsonl:12 is not a JSON line` (exit 2), a good step-6 checkpoint."""
+    resume, metrics = _first_six(tmp_path)
+    metrics.write_bytes(tear(metrics.read_bytes()))
+    capsys.readouterr()
+    with caplog.at_level(logging.WARNING):
+        assert main(resume) == 0
+    said = [r.getMessage() for r in caplog.records if str(metrics) in r.getMessage()]
+    assert len(said) == 1 and "last line" in said[0] and "dropped" in said[0], said
+    assert "resumed from step 6 of 12" in capsys.readouterr().err
+    records = [json.loads(line) for line in metrics.read_text(encoding="utf-8").splitlines()]
+    assert [r["step"] for r in records if r["type"] == "step"] == list(range(1, 13))
+    assert [r["type"] for r in records].count("summary") == 1
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("bad", [b'{"type": "st', b"\xff\xfe"], ids=["cut", "not-utf8"])
+def test_a_corrupt_metrics_line_before_the_last_still_blocks_a_resume(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], bad: bytes
+) -> None:
+    """Only the last line can be torn by a crash: a bad one before it is named (before: no file named for a
+    byte that is not UTF-8), and the run folder is left as it was."""
+    resume, metrics = _first_six(tmp_path)
+    lines = metrics.read_bytes().split(b"\n")
+    lines[3] = bad
+    metrics.write_bytes(b"\n".join(lines))
+    before = metrics.read_bytes()
+    capsys.readouterr()
+    assert main(resume) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith(f"diloco: error: {metrics}:4 is not ") and len(err) == 2, err  # after "run ..."
+    assert metrics.read_bytes() == before
