@@ -18,6 +18,7 @@ from .averager import Averager
 from .deadlines import deadlines
 from .grace import MIN_WINDOW, Window
 from .handle import Outcome
+from .reduce_number import Number
 from .resources import Resources
 from .tracked_state import TrackedState
 
@@ -37,12 +38,14 @@ def attempt(
     tensors: list[torch.Tensor],
     *,
     gather: Any,
+    number: Number | None,
     target: int | None,
     window: Window | None,
     resources: Resources,
 ) -> dict[str, Any]:
     """One matchmaking and group all-reduce of ``tensors`` that waits for ``target`` peers (with a grace
-    ``window``: for at most that long, ``grace.py``), sending ``gather`` (the state tag, for rounds): the group's
+    ``window``: for at most that long, ``grace.py``), sending ``gather`` (the state tag, for rounds) and ``number``
+    (the call's, for untracked keys: ``reduce_number``): the group's
     result, not yet in ``tensors``. Matchmaking starts first and the contribution is copied in while it runs (a
     group that forms sooner waits for the trigger). Bounded even if the averager's process dies mid-step."""
     limits = deadlines(resources.config)
@@ -50,6 +53,7 @@ def attempt(
     timeout = limits.matchmaking if window is None else window.seconds + max(MIN_WINDOW, window.seconds)
     control = averager.step(
         gather=gather,
+        number=number,
         timeout=timeout,
         allow_retries=False,
         wait=False,

@@ -19,6 +19,7 @@ from .averager import Averager
 from .deadlines import deadlines
 from .grace import RoundWindows, Window
 from .handle import Outcome
+from .reduce_number import OutOfStepError, ReduceNumbers
 from .resources import Resources
 from .state_tag import Stale, StaleStateError
 from .swarm import Swarm
@@ -56,10 +57,12 @@ class Attempts:
     ) -> None:
         """``windows``: the grace windows of a quorum (None: every round waits the configured matchmaking)."""
         self._res, self._swarm, self._state, self._lock, self._windows = resources, swarm, state, lock, windows
+        self._numbers = ReduceNumbers()  # untracked keys' calls, numbered as each reduce starts (in call order)
 
     def run(self, averager: Averager, tensors: list[torch.Tensor], *, key: str, outcome: Outcome) -> Attempted:
         cfg, limits = self._res.config, deadlines(self._res.config)
         tracked = key in self._state.keys  # DiLoCo's rounds: groupmates compare state tags
+        number = None if tracked else self._numbers.take(key, rounds=self._state.tag[0])  # (reduce_number)
         # The peers this reduce waits for (swarm.py); nobody: alone at once, without matchmaking.
         expected = self._swarm.expected(key, tracked=tracked, timeout=limits.presence)
         target = self._swarm.target(expected, configured=cfg.target_group_size)
@@ -75,6 +78,8 @@ class Attempts:
             tries += 1
             if self._res.closed or not averager.is_alive():  # step() would wait for a dead process forever
                 raise TransportError("hivemind all_reduce: the transport was closed (or its averager died)")
+            if outcome.abandoned:  # another attempt would feed a group values its caller has taken back
+                raise TransportError("hivemind all_reduce: its caller gave up; no further attempt")
             try:
                 # No other peer is at this reduce: my own values (a round with target_group_size waits for it).
                 if expected == 1 and tries == 1 and not (tracked and cfg.target_group_size and target != 1):
@@ -83,15 +88,27 @@ class Attempts:
                     out = None
                 else:
                     gather = list(self._state.tag) if tracked else None
-                    out = attempt(averager, tensors, gather=gather, target=target, window=window, resources=self._res)
+                    out = attempt(
+                        averager,
+                        tensors,
+                        gather=gather,
+                        number=number,
+                        target=target,
+                        window=window,
+                        resources=self._res,
+                    )
             except Exception as e:
                 if self._res.closed:
                     raise TransportError("hivemind transport was closed during an all_reduce") from e
                 if not isinstance(e, RETRYABLE):  # a bug or a setup error: retrying would only delay it
                     raise TransportError(f"hivemind all_reduce failed: {type(e).__name__}: {e}") from e
                 out = None
-                if isinstance(e, StaleStateError):  # nothing moved: the group's state tags differ
-                    if e.verdict.kind is Stale.BEHIND:  # my state is older than my group's: take theirs
+                if isinstance(e, OutOfStepError) and e.verdict.behind:  # the group moved on: this call is over
+                    self._numbers.catch_up(key, e.verdict.group)
+                    raise TransportError(f"hivemind all_reduce: {e}; its group has moved on") from e
+                if isinstance(e, (StaleStateError, OutOfStepError)):  # nothing moved: tags or numbers differ
+                    behind = isinstance(e, StaleStateError) and e.verdict.kind is Stale.BEHIND
+                    if behind:  # my state is older than my group's: take theirs
                         self._state.resync(e.verdict.group_tag, outcome)
                     # A groupmate is stale: retry without the stale peer(s), alone if need be.
                     if deadline - time.monotonic() < cfg.matchmaking_time:

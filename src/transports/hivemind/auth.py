@@ -35,6 +35,7 @@ from hivemind.dht.validation import DHTRecord, RecordValidatorBase
 from hivemind.utils.auth import AuthorizerBase
 
 from .dht_auth import MemberAuthorizer
+from .reduce_number import Number, number_or_none
 
 __all__ = ["KDF", "RecordAuth", "RunKeys", "derive_keys", "generate_secret", "run_keys"]
 
@@ -129,24 +130,26 @@ class Gathered(NamedTuple):
     """Its state tag (rounds) or None."""
     arrived: float | None
     """When it began matchmaking, on its clock (DHT time): the group's arrival spread sets the grace window."""
+    number: Number | None = None
+    """Its reduce number (``reduce_number``): which call of an untracked key it contributes to; None on tracked."""
 
 
-def wrap_gather(token: bytes, data: Any, *, arrived: float) -> list:
-    """What a peer sends with its matchmaking request: its join token, its data (the state tag or None) and when
-    it arrived."""
-    return [token, data, arrived]
+def wrap_gather(token: bytes, data: Any, *, arrived: float, number: Number | None = None) -> list:
+    """What a peer sends with its matchmaking request: its join token, its data (the state tag or None), when
+    it arrived and its reduce number (None on a tracked key)."""
+    return [token, data, arrived, number]
 
 
 def unwrap_gather(serializer: Any, gathered: bytes) -> Gathered:
     """A groupmate's matchmaking data (msgpack, checked); all None if malformed."""
     try:
-        token, data, arrived = serializer.loads(serializer.loads(gathered)[2])
+        token, data, arrived, number = serializer.loads(serializer.loads(gathered)[2])
     except Exception:  # noqa: BLE001 - malformed: no token, so not a peer of the run
         return Gathered(None, None, None)
     if not isinstance(token, bytes):
         return Gathered(None, None, None)
     ok = isinstance(arrived, float) and math.isfinite(arrived)
-    return Gathered(token, data, arrived if ok else None)
+    return Gathered(token, data, arrived if ok else None, number_or_none(number))
 
 
 def averager_keys(prefix: str) -> list[str]:

@@ -15,9 +15,7 @@ hivemind to the versions tested (``>=1.1.10,<1.2``). Check these overrides again
 widening the pin.
 """
 
-import asyncio
 import contextlib
-import hmac
 import logging
 import os
 import signal
@@ -30,19 +28,21 @@ import torch
 from hivemind.averaging import DecentralizedAverager
 from hivemind.averaging.allreduce import AllreduceException, AveragingMode
 from hivemind.p2p import P2PContext
-from hivemind.proto import averaging_pb2, runtime_pb2
+from hivemind.proto import averaging_pb2
 from hivemind.utils import get_dht_time
 
 from diloco_core import Codec, Merge
 from diloco_core.merge import combined
 
-from .auth import MAC_BYTES, RunKeys, unwrap_gather, wrap_gather
+from .auth import RunKeys, unwrap_gather, wrap_gather
 from .block_runner import BlockRunner
+from .confirm import Confirmations
 from .faults import HivemindFaults
 from .grace import Window
 from .orphan import leave_with_parent
 from .presence import Presence
 from .quiet_logs import quiet_hivemind_records
+from .reduce_number import Number, OutOfStepError, step_verdict
 from .reducer import Runner
 from .state_tag import StaleStateError, stale_verdict, tag_or_none
 from .strikes import Strikes
@@ -51,7 +51,7 @@ from .throttle import Throttle
 logger = logging.getLogger(__name__)
 
 
-class Averager(Presence, DecentralizedAverager):
+class Averager(Presence, Confirmations, DecentralizedAverager):
     """One flat buffer; the round's result replaces it only after the group confirmed one digest."""
 
     state_fn: Callable[[], tuple[Any, list[torch.Tensor]]] | None = None
@@ -92,16 +92,22 @@ class Averager(Presence, DecentralizedAverager):
         super().run()
 
     def step(
-        self, *args: Any, target_group_size: int | None = None, window: Window | None = None, **kwargs: Any
+        self,
+        *args: Any,
+        target_group_size: int | None = None,
+        window: Window | None = None,
+        number: Number | None = None,
+        **kwargs: Any,
     ) -> Any:
-        """hivemind's step, with this step's ``target_group_size`` (None: the averager's own) and grace ``window``
-        (None: ``min_matchmaking_time`` and ``min_group_size`` as configured; ``grace.py``)."""
+        """hivemind's step, with this step's ``target_group_size`` (None: the averager's own), grace ``window``
+        (None: ``min_matchmaking_time`` and ``min_group_size`` as configured; ``grace.py``) and reduce
+        ``number`` (``reduce_number``; None: a tracked key's, compared by state tag instead)."""
         self._outer_pipe.send(("_set_step", [target_group_size, window], {}))  # handled before the step (one pipe)
         token = self.keys.join_token(self.prefix, self.peer_id.to_bytes())  # a leader admits only peers of the run
         arrived = get_dht_time()
         if window is not None:
             kwargs["scheduled_time"] = arrived + window.seconds
-        gather = wrap_gather(token, kwargs.pop("gather", None), arrived=arrived)
+        gather = wrap_gather(token, kwargs.pop("gather", None), arrived=arrived, number=number)
         return super().step(*args, gather=gather, **kwargs)
 
     async def rpc_join_group(
@@ -167,26 +173,6 @@ class Averager(Presence, DecentralizedAverager):
             if getattr(self, "_p2p", None) is not None:
                 await self._p2p.shutdown()
 
-    async def rpc_confirm(
-        self, request: averaging_pb2.AveragingData, context: P2PContext
-    ) -> averaging_pb2.AveragingData:
-        buffer = request.tensor_part.buffer
-        digest, tag = buffer[:-MAC_BYTES], buffer[-MAC_BYTES:]
-        mac = self.keys.confirm_mac(request.group_id, context.remote_id.to_bytes(), request.code, digest)
-        if len(buffer) < MAC_BYTES or not hmac.compare_digest(tag, mac):
-            return averaging_pb2.AveragingData(code=averaging_pb2.PROTOCOL_VIOLATION)  # not from a peer of the run
-        box = self._confirm_box(request.group_id)
-        box["got"][context.remote_id] = (request.code == averaging_pb2.AVERAGED_PART, digest)
-        box["event"].set()
-        return averaging_pb2.AveragingData(code=averaging_pb2.AVERAGED_PART)
-
-    def _confirm_box(self, group_id: bytes) -> dict:
-        if group_id not in self._confirms:
-            self._confirms[group_id] = {"got": {}, "event": asyncio.Event()}
-            while len(self._confirms) > 16:  # a peer only ever needs its latest groups
-                self._confirms.popitem(last=False)
-        return self._confirms[group_id]
-
     async def _aggregate_with_group(self, group_info: Any, min_vector_size: int, **kwargs: Any) -> Any:
         gathered = [unwrap_gather(self.serializer, g) for g in group_info.gathered]
         # Every groupmate checks every member's token (its leader did already): all reach the same verdict.
@@ -197,11 +183,15 @@ class Averager(Presence, DecentralizedAverager):
         ]
         if strangers:
             raise AllreduceException(f"{len(strangers)} groupmate(s) without a valid join token: nothing sent")
+        me = group_info.peer_ids.index(self.peer_id)
+        out_of_step = step_verdict([g.number for g in gathered], me)
+        if out_of_step is not None:  # two calls of the key: nobody sends anything (reduce_number)
+            raise OutOfStepError(out_of_step)
         tags = [tag_or_none(g.data) for g in gathered]
         arrivals = [g.arrived for g in gathered]
         spread = None if None in arrivals else max(arrivals) - min(arrivals)  # the same on every member
         benched = [i for i, p in enumerate(group_info.peer_ids) if p != self.peer_id and self.strikes.benched(str(p))]
-        verdict = stale_verdict(tags, group_info.peer_ids.index(self.peer_id), distrusted=benched)
+        verdict = stale_verdict(tags, me, distrusted=benched)
         if verdict is not None:  # every groupmate reaches the same verdict: nobody sends anything
             raise StaleStateError(verdict)
         # Per group (a cancelled step may still be confirming while the next one starts).
@@ -245,56 +235,10 @@ class Averager(Presence, DecentralizedAverager):
         except Exception as e:  # noqa: BLE001 - any failure fails the round on every groupmate (confirm)
             error = f"{type(e).__name__}: {e}"
         digest = b"" if error else runner.digest()
-        await self._confirm(group_info.peer_ids, group_id, error=error, digest=digest)
+        deadline = self._groups[group_id]["deadline"]
+        await self._confirm(group_info.peer_ids, group_id, error=error, digest=digest, deadline=deadline)
         left_out = [(o.who, o.ratio, o.cosine) for o in combined(runner.left_out)]  # plain values, to the transport
         if not error:
             self.strikes.round([str(p) for p in group_info.peer_ids if p != self.peer_id], [o[0] for o in left_out])
         self._groups[group_id].update(digest=digest, sent=runner.bytes_sent, received=runner.bytes_received)
         self._groups[group_id]["left_out"] = left_out
-
-    async def _confirm(self, peer_ids: Sequence[Any], group_id: bytes, *, error: str | None, digest: bytes) -> None:
-        others = [p for p in peer_ids if p != self.peer_id]
-        code = averaging_pb2.AVERAGED_PART if error is None else averaging_pb2.INTERNAL_ERROR
-        mac = self.keys.confirm_mac(group_id, self.peer_id.to_bytes(), code, digest)
-        msg = averaging_pb2.AveragingData(
-            code=code, group_id=group_id, tensor_part=runtime_pb2.Tensor(buffer=digest + mac)
-        )
-        group_deadline = self._groups[group_id]["deadline"]
-        left = max(0.1, group_deadline - time.monotonic())
-
-        async def send(peer: Any) -> bool:
-            try:
-                await asyncio.wait_for(self.get_stub(self._p2p, peer, namespace=self.prefix).rpc_confirm(msg), left)
-                return True
-            except Exception as e:  # noqa: BLE001 - a lost peer is seen by the receivers as a missing confirmation
-                logger.debug("confirm to %s failed: %r", peer, e)
-                return False
-
-        sends = [asyncio.create_task(send(p)) for p in others]
-        box = self._confirm_box(group_id)
-        try:
-            while error is None:
-                got = {p: v for p, v in box["got"].items() if p in others}  # only this group's members count
-                bad = [p for p, (ok, d) in got.items() if not ok or d != digest]
-                if bad:
-                    error = f"{len(bad)} groupmate(s) failed or hold a different result"
-                elif all(p in got for p in others):
-                    break
-                else:
-                    box["event"].clear()
-                    left = group_deadline - time.monotonic()
-                    if left <= 0:
-                        error = f"{sum(p not in got for p in others)} groupmate(s) never confirmed the result"
-                        break
-                    try:
-                        await asyncio.wait_for(box["event"].wait(), left)
-                    except asyncio.TimeoutError:
-                        pass
-        finally:
-            delivered = await asyncio.gather(*sends, return_exceptions=True)
-            self._confirms.pop(group_id, None)
-        if error is None and not all(d is True for d in delivered):
-            # A groupmate that did not get my confirmation will not commit; neither may I.
-            error = f"{sum(d is not True for d in delivered)} confirmation(s) could not be delivered"
-        if error is not None:
-            raise AllreduceException(f"round not committed: {error}")
