@@ -69,3 +69,38 @@ def test_a_corrupt_metrics_line_before_the_last_still_blocks_a_resume(
     err = capsys.readouterr().err.strip().splitlines()
     assert err[-1].startswith(f"diloco: error: {metrics}:4 is not ") and len(err) == 2, err  # after "run ..."
     assert metrics.read_bytes() == before
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("where", ["config", "data"])
+def test_bytes_that_are_not_utf8_are_refused_naming_their_file(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], where: str
+) -> None:
+    """Before: `diloco: error: 'utf-8' codec can't decode byte 0xff in position 20: invalid start byte`."""
+    bad = tmp_path / ("bad.toml" if where == "config" else "bad.jsonl")
+    if where == "config":
+        bad.write_bytes(b"[train]\nsteps = 5 # caf\xe9\n")  # Latin-1, not UTF-8
+        args = ["--config", str(bad)]
+    else:
+        bad.write_bytes(b'{"text": "hello"}\n{"text": "caf\xe9"}\n')
+        args = ["--set", f"data.path={bad!s}"]
+    runs = tmp_path / "runs"
+    assert main(["train", *args, "--set", f"train.runs_dir={runs!s}", *FAST]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    line = f"{bad}:2" if where == "data" else repr(str(bad))
+    assert err[-1].startswith("diloco: error: ") and line in err[-1] and "UTF-8" in err[-1], err
+
+
+@pytest.mark.timeout(60)
+def test_a_set_value_that_is_not_utf8_is_refused_before_anything_is_written(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A command line's bytes that are not UTF-8 reach Python as surrogates. Before: `diloco: error: 'utf-8'
+    codec can't encode character '\\udcff' in position 870: surrogates not allowed` (writing config.toml),
+    with the run folder left behind."""
+    runs = tmp_path / "r\udcff"
+    assert main(["train", "--name", "n", "--set", f"train.runs_dir={runs!s}", *FAST]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("diloco: error: --set 'train.runs_dir="), err
+    assert "UTF-8" in err[0] and "\\udcff" in err[0], err
+    assert list(tmp_path.iterdir()) == []

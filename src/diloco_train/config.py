@@ -217,12 +217,20 @@ def load_toml(path: str | Path) -> dict[str, Any]:
         raise ValueError(f"config file {str(path)!r} does not exist") from None
     except IsADirectoryError:
         raise ValueError(f"config file {str(path)!r} is a directory") from None
+    except UnicodeDecodeError as e:  # a TOML file is UTF-8 text
+        bad = f"byte {e.object[e.start]:#04x} at offset {e.start}"
+        raise ValueError(f"config file {str(path)!r} is not UTF-8 text: {bad}") from None
     except tomllib.TOMLDecodeError as e:
         raise ValueError(f"config file {str(path)!r} is not valid TOML: {e}") from None
 
 
 def parse_override(text: str) -> tuple[str, str, Any]:
     """``section.key=value`` -> (section, key, value); value is read as a TOML literal, else kept as a string."""
+    try:  # a command line's bytes that are not UTF-8 come as surrogates, which no file could hold
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        bad = "\\udcXX is a byte 0xXX that is not UTF-8"
+        raise ValueError(f"--set {text!r} is invalid: expected UTF-8 text ({bad})") from None
     target, sep, raw = text.partition("=")
     section, dot, key = target.strip().partition(".")
     if not sep or not dot or not section or not key or "." in key:

@@ -62,6 +62,8 @@ def _jsonl_documents(path: Path, name: str, text_field: str) -> Iterator[Documen
                 record = json.loads(line)
             except json.JSONDecodeError as e:
                 raise ValueError(f"{path}:{i + 1}: not valid JSON ({e.msg})") from None
+            except UnicodeDecodeError as e:  # JSON is UTF-8 text
+                raise ValueError(f"{path}:{i + 1}: not UTF-8 text (byte {e.object[e.start]:#04x})") from None
             if not isinstance(record, dict) or not isinstance(record.get(text_field), str):
                 raise ValueError(f"{path}:{i + 1}: expected an object with a string {text_field!r} field")
             yield f"{name}:{i + 1}", record[text_field].encode()
