@@ -104,3 +104,23 @@ def test_a_set_value_that_is_not_utf8_is_refused_before_anything_is_written(
     assert len(err) == 1 and err[0].startswith("diloco: error: --set 'train.runs_dir="), err
     assert "UTF-8" in err[0] and "\\udcff" in err[0], err
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("name", ["a\nb", "a\x1b[31mred", "a b", "tab\t", "caf\u00e9", "-dash", "r\udcff"])
+def test_a_run_name_outside_the_safe_characters_is_refused(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], name: str
+) -> None:
+    """Before: a newline, an escape sequence, a space (and so on) made the run folder's name."""
+    assert main(["train", f"--name={name}", "--set", f"train.runs_dir={tmp_path!s}", *FAST]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"diloco: error: --name {name!r} is invalid: expected"), err
+    assert "ASCII letters, digits, '.', '_' and '-'" in err[0], err
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.timeout(60)
+def test_a_safe_run_name_is_taken_as_it_is(tmp_path: Path) -> None:
+    common = ["--set", f"train.runs_dir={tmp_path!s}", *FAST, "--set", "train.steps=3"]
+    assert main(["train", "--name", "Run_2.b-1", *common]) == 0
+    assert [p.name for p in tmp_path.iterdir()] == ["Run_2.b-1"]

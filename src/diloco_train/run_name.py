@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import shlex
 import time
 from collections.abc import Sequence
@@ -20,12 +21,17 @@ __all__ = ["agree_run_dir", "check_name", "default_name", "resume_command"]
 _MAX_BYTES = 255  # a file name's limit on common file systems
 
 
+_SAFE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
+"""POSIX's portable file name characters, a letter or digit first (a leading '-' reads as an option): no
+separator, space, control character or escape sequence, nothing a shell or a terminal reads otherwise."""
+
+
 def check_name(name: str) -> str:
     """``name`` if it names a folder directly inside ``train.runs_dir``; else a ValueError saying what is valid."""
-    if name in ("", ".", "..") or "/" in name or "\\" in name or "\0" in name or Path(name).is_absolute():
+    if not _SAFE.fullmatch(name):
         raise ValueError(
-            f"--name {name!r} is invalid: expected a folder name inside train.runs_dir (not empty, '.' or '..', "
-            "no '/' or '\\'): set train.runs_dir to write elsewhere"
+            f"--name {name!r} is invalid: expected a folder name inside train.runs_dir of ASCII letters, digits, "
+            "'.', '_' and '-', starting with a letter or digit (set train.runs_dir to write elsewhere)"
         )
     if len(name.encode("utf-8")) > _MAX_BYTES:
         raise ValueError(f"--name {name!r} is invalid: expected at most {_MAX_BYTES} bytes (a file name's limit)")
