@@ -124,3 +124,16 @@ def test_a_safe_run_name_is_taken_as_it_is(tmp_path: Path) -> None:
     common = ["--set", f"train.runs_dir={tmp_path!s}", *FAST, "--set", "train.steps=3"]
     assert main(["train", "--name", "Run_2.b-1", *common]) == 0
     assert [p.name for p in tmp_path.iterdir()] == ["Run_2.b-1"]
+
+
+@pytest.mark.timeout(60)
+def test_a_seed_out_of_range_names_the_key_and_range(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Before: `diloco: error: Overflow when unpacking long long`, from the first worker, its folder made."""
+    common = ["--set", f"train.runs_dir={tmp_path!s}", *FAST, "--set", "train.steps=3"]
+    assert main(["train", "--set", "train.seed=99999999999999999999", *common]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    valid = f"expected an integer in [0, {2**64 - 1}]"
+    assert err == [f"diloco: error: [train] seed=99999999999999999999 is invalid: {valid}"], err
+    assert list(tmp_path.iterdir()) == []
+    # Every seed of the range runs: the largest too (each worker's data seed is derived from it).
+    assert main(["train", "--name", "big", "--set", f"train.seed={2**64 - 1}", *common]) == 0

@@ -40,6 +40,7 @@ MODES = ("diloco", "ddp", "single")
 WARM_START_SYNCS = ("gradients", "updates")
 INNER_OPTIMIZERS = ("adamw", "muon")
 SINKS = ("tensorboard", "wandb")  # sinks.py writes them
+MAX_SEED = 2**64 - 1  # torch.Generator's seeds are 64-bit: above, "Overflow when unpacking long long"
 
 
 def _is_speed(v: object) -> bool:
@@ -102,8 +103,8 @@ class TrainConfig:
     ddp_error_feedback: bool = field(default=True, metadata=boolean())
     """With a lossy ``ddp_wire_dtype``: each worker adds what the codec dropped of its last gradient to its next
     one (in ddp mode's checkpoints; a warm start's residual ends with it, when DiLoCo takes over)."""
-    seed: int = field(default=0, metadata=integer(low=0))
-    """Seed of the weights (rank 0's, broadcast to all) and of every worker's data order."""
+    seed: int = field(default=0, metadata=integer(low=0, high=MAX_SEED))
+    """Seed of the weights (rank 0's, broadcast to all) and of every worker's data order (64-bit)."""
     eval_every: int = field(default=0, metadata=integer(low=0))
     """Evaluate on validation every this many steps (0: every diloco.inner_steps), at the first round boundary at
     or after each multiple, on the run's global weights (diloco_train.evals)."""

@@ -19,7 +19,7 @@ from diloco_core import Transport
 
 from .checkpoint import remove_stray_temp
 from .compute import autocast, device_for, evaluate, loss_of
-from .config import RunConfig
+from .config import MAX_SEED, RunConfig
 from .data import BatchSampler, Corpus
 from .divergence import LossWatch, all_finite, newest_checkpoint
 from .evals import EvalSchedule, global_weights
@@ -121,7 +121,7 @@ class Worker:
             job.corpus.shard(shard, num_shards),
             seq_len=c.data.seq_len,
             batch_size=t.batch_size,
-            seed=t.seed * 1_000_003 + shard + 1,
+            seed=(t.seed * 1_000_003 + shard + 1) % (MAX_SEED + 1),  # unchanged where it fits 64 bits
             what=f"shard {shard} of {num_shards} of the training data",
         )
         sync = Sync(config=c, model=model, optimizer=optimizer, transport=between, device=self.device)
