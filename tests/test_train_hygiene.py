@@ -137,3 +137,17 @@ def test_a_seed_out_of_range_names_the_key_and_range(tmp_path: Path, capsys: pyt
     assert list(tmp_path.iterdir()) == []
     # Every seed of the range runs: the largest too (each worker's data seed is derived from it).
     assert main(["train", "--name", "big", "--set", f"train.seed={2**64 - 1}", *common]) == 0
+
+
+@pytest.mark.timeout(60)
+def test_a_quorum_above_the_worker_count_is_refused(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Before: accepted silently with 2 in-process workers (a round then waits for all, as quorum 0 does)."""
+    common = ["--set", f"train.runs_dir={tmp_path!s}", *FAST, "--set", "train.steps=3"]
+    assert main(["train", "--set", "transport.quorum=5", *common]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [
+        "diloco: error: transport.quorum=5 is invalid with train.workers=2: expected an integer in [0, 2] "
+        "(0: every worker)"
+    ], err
+    assert list(tmp_path.iterdir()) == []
+    assert main(["train", "--name", "q", "--set", "transport.quorum=2", *common]) == 0

@@ -129,8 +129,10 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _train(args: argparse.Namespace, argv: list[str]) -> int:
+    from transports import transport_spec
+
     from .config import build_config, load_toml, parse_override
-    from .launch import describe_workers, train
+    from .launch import check_quorum, describe_workers, train
     from .metrics import perplexity
     from .resume_merge import merge_onto_saved
     from .run_name import check_name, default_name, resume_command
@@ -163,6 +165,7 @@ def _train(args: argparse.Namespace, argv: list[str]) -> int:
             config = build_config(args.config, args.overrides)
     for w in caught:
         print(f"diloco: {w.message}", file=sys.stderr)
+    check_quorum(config, transport_spec(config.transport))  # a config error, before the run's first line
     name = args.name or default_name(config.train.mode)  # torchrun's ranks take rank 0's (launch)
     run_dir = Path(config.train.runs_dir) / name
     t = config.train

@@ -34,7 +34,7 @@ from .shards import check_data, check_shards
 from .sinks import check_sinks
 from .worker import Job, Worker
 
-__all__ = ["describe_workers", "train"]
+__all__ = ["check_quorum", "describe_workers", "train"]
 
 logger = logging.getLogger(__name__)
 
@@ -86,6 +86,7 @@ def train(
             f"[transport] kind={spec.kind!r} runs all the run's workers in each process, but torchrun started "
             f"WORLD_SIZE={world_env} processes: add --set transport.kind=torch (docs/lan.md)"
         )
+    check_quorum(config, spec)
     corpus = load_corpus(config.data)
     config = _resolve_model(config, corpus)
     local = _local_workers(config, spec)
@@ -177,6 +178,17 @@ def train(
         )
     assert job.result is not None
     return job.result
+
+
+def check_quorum(config: RunConfig, spec: TransportSpec) -> None:
+    """A quorum the run's workers cannot reach, where their count is known (they are this process's
+    threads), is an error, not a round that waits for every worker."""
+    quorum, workers = spec.section.get("quorum", 0), config.train.workers
+    if spec.threads and config.train.mode != "single" and quorum > workers:
+        raise ValueError(
+            f"transport.quorum={quorum} is invalid with train.workers={workers}: "
+            f"expected an integer in [0, {workers}] (0: every worker)"
+        )
 
 
 def _resolve_model(config: RunConfig, corpus: Corpus) -> RunConfig:
