@@ -62,7 +62,8 @@ class Attempts:
     def run(self, averager: Averager, tensors: list[torch.Tensor], *, key: str, outcome: Outcome) -> Attempted:
         cfg, limits = self._res.config, deadlines(self._res.config)
         tracked = key in self._state.keys  # DiLoCo's rounds: groupmates compare state tags
-        number = None if tracked else self._numbers.take(key, rounds=self._state.tag[0])  # (reduce_number)
+        # The others: numbered per averager (peers meet per averager), from this peer's state (reduce_number).
+        number = None if tracked else self._numbers.take(averager.prefix, rounds=self._state.tag[0])
         # The peers this reduce waits for (swarm.py); nobody: alone at once, without matchmaking.
         expected = self._swarm.expected(key, tracked=tracked, timeout=limits.presence)
         target = self._swarm.target(expected, configured=cfg.target_group_size)
@@ -104,7 +105,7 @@ class Attempts:
                     raise TransportError(f"hivemind all_reduce failed: {type(e).__name__}: {e}") from e
                 out = None
                 if isinstance(e, OutOfStepError) and e.verdict.behind:  # the group moved on: this call is over
-                    self._numbers.catch_up(key, e.verdict.group)
+                    self._numbers.catch_up(averager.prefix, e.verdict.group)
                     raise TransportError(f"hivemind all_reduce: {e}; its group has moved on") from e
                 if isinstance(e, (StaleStateError, OutOfStepError)):  # nothing moved: tags or numbers differ
                     behind = isinstance(e, StaleStateError) and e.verdict.kind is Stale.BEHIND

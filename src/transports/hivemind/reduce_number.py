@@ -3,12 +3,12 @@
 A reduce of an untracked key (the model's buffers, the warm start's gradients: no state tag to compare) used to
 be met by whoever matchmade on that key. After a failed attempt, a peer's retry of call n could meet another
 peer's call n + 1, and the two were averaged (a CI run saw round 1's mean come out 15.5 where 10.5 was due: one
-peer's round-1 value with another's round-2 value). Now every reduce of an untracked key is numbered: (the rounds
-of the state this peer holds, the calls of the key since that state), so a joiner that took the swarm's state is
-in step at once. The number travels with matchmaking (``auth.wrap_gather``). Groupmates whose numbers differ send
+peer's round-1 value with another's round-2 value). Now every reduce of an untracked key is numbered per averager
+(peers meet per averager: key, size, wire and merge): (the rounds of the state this peer holds, the calls since
+that state), so a joiner that took the swarm's state is in step at once. The number travels with matchmaking (``auth.wrap_gather``). Groupmates whose numbers differ send
 nothing and all reach one verdict (``step_verdict``): the group's number is the one most of them hold, then the
 highest (a peer that moved on has given up the call the others still retry). A peer behind it fails its call at
-once and numbers its next call after the group's; the others retry without it. Reduces of tracked keys (DiLoCo's
+once and numbers its next call as the group's, which is still waiting for it; the others retry without it. Reduces of tracked keys (DiLoCo's
 rounds) carry no number: their state tags, compared the same way, hold the round (``state_tag``).
 """
 
@@ -100,8 +100,7 @@ class ReduceNumbers:
             return number
 
     def catch_up(self, key: str, group: Number) -> None:
-        """A reduce of ``key`` found its group at call ``group``, which the group completes without this peer:
-        this peer's next call of ``key`` is the group's next."""
-        after = (group[0], group[1] + 1)
+        """A reduce of ``key`` found its group at call ``group``: this peer's next call of ``key`` is numbered
+        ``group``, to meet the group's call that is still waiting for it."""
         with self._lock:
-            self._next[key] = max(self._next.get(key, after), after)
+            self._next[key] = max(self._next.get(key, group), group)
