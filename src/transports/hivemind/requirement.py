@@ -11,4 +11,7 @@ def import_hivemind() -> ModuleType:
         import hivemind
     except ImportError as e:
         raise ImportError(INSTALL_HINT) from e
+    from .process_locks import install
+
+    install()  # before any hivemind process starts: no lock a killed process can leave held
     return hivemind
