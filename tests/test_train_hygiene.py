@@ -6,12 +6,15 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+import torch
 from runs import FAST
 
+from diloco_train import worker as worker_module
 from diloco_train.cli import main
 
 
@@ -145,9 +148,30 @@ def test_a_quorum_above_the_worker_count_is_refused(tmp_path: Path, capsys: pyte
     common = ["--set", f"train.runs_dir={tmp_path!s}", *FAST, "--set", "train.steps=3"]
     assert main(["train", "--set", "transport.quorum=5", *common]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert err == [
-        "diloco: error: transport.quorum=5 is invalid with train.workers=2: expected an integer in [0, 2] "
-        "(0: every worker)"
-    ], err
+    valid = "expected an integer in [0, 2] (0: every worker)"
+    assert err == [f"diloco: error: transport.quorum=5 is invalid with train.workers=2: {valid}"], err
     assert list(tmp_path.iterdir()) == []
     assert main(["train", "--name", "q", "--set", "transport.quorum=2", *common]) == 0
+
+
+@pytest.mark.timeout(60)
+def test_a_divergence_before_any_checkpoint_points_at_no_checkpoint(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Before: `...; no checkpoint was written yet: resume from it with --resume and a lower train.lr`."""
+    real = worker_module.loss_of
+
+    def nan_loss(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return real(model, x, y) * math.nan  # every step's: the run diverges at once, before step 3's checkpoint
+
+    monkeypatch.setattr(worker_module, "loss_of", nan_loss)
+    common = ["--set", f"train.runs_dir={tmp_path!s}", *FAST]
+    assert main(["train", "--name", "r", *common]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("diloco: error: training diverged: non-finite loss (nan) at 3 steps in a row"), err
+    assert "no checkpoint was written yet" in err[-1] and "resume" not in err[-1], err
+    assert "start a new run (another --name) with a lower train.lr (now 0.001)" in err[-1], err
+    assert not (tmp_path / "r" / "checkpoints").exists()
+    # What it says to do works.
+    monkeypatch.undo()
+    assert main(["train", "--name", "r2", *common, "--set", "train.lr=0.0005"]) == 0

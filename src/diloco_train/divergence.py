@@ -72,8 +72,11 @@ class LossWatch:
         if count < self.limit:
             return
         where = f"at step {step}" if count == 1 else f"at {count} steps in a row, steps {self.first} to {step}"
+        lower = f"a lower train.lr (now {self.lr})"
+        todo = f"resume from it with --resume and {lower}, or start a new run"
+        if not list_checkpoints(self.folder, self.rank):  # nothing to resume from
+            todo = f"start a new run (another --name) with {lower}"
         raise ValueError(
             f"training diverged: non-finite loss ({loss}) {where} "
-            f"(train.max_nonfinite_losses={self.limit}); {newest_checkpoint(self.folder, self.rank)}: "
-            f"resume from it with --resume and a lower train.lr (now {self.lr}), or start a new run"
+            f"(train.max_nonfinite_losses={self.limit}); {newest_checkpoint(self.folder, self.rank)}: {todo}"
         )
