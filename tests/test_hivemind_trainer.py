@@ -43,9 +43,18 @@ def _peer_args(tmp_path: Path, name: str, *more: str) -> list[str]:
     return [*CLI, "--name", name, *[a for s in sets for a in ("--set", s)]]
 
 
-def _start(argv: list[str], cwd: Path, err: Path) -> subprocess.Popen:
+def _start(argv: list[str], cwd: Path, err: Path, env: dict | None = None) -> subprocess.Popen:
     with open(err, "w") as f:
-        return subprocess.Popen(argv, cwd=cwd, env=ENV, stdout=subprocess.DEVNULL, stderr=f, start_new_session=True)
+        return subprocess.Popen(
+            argv, cwd=cwd, env=env or ENV, stdout=subprocess.DEVNULL, stderr=f, start_new_session=True
+        )
+
+
+def _stale_sockets() -> set[Path]:
+    """hivemind's socket files (its p2p daemon's and clients': always under /tmp, whatever TMPDIR says) that no
+    live process has bound (/proc/net/unix lists the bound ones)."""
+    bound = {line.split()[-1] for line in Path("/proc/net/unix").read_text().splitlines()[1:] if len(line.split()) > 7}
+    return {p for p in Path("/tmp").glob("hivemind-*.sock") if str(p) not in bound}
 
 
 def _wait_for(what: str, ok, timeout: float, proc: subprocess.Popen) -> None:
@@ -70,7 +79,10 @@ def test_ctrl_c_on_a_hivemind_peer_is_one_line(tmp_path: Path, when: str) -> Non
     run = tmp_path / name
     argv = _peer_args(tmp_path, name, "train.steps=5000", "diloco.inner_steps=4", "train.checkpoint_every=4")
     err = tmp_path / "peer.err"
-    proc = _start(argv, tmp_path, err)
+    tmp = tmp_path / "tmp"  # the peer's temporary folders: multiprocessing's pymp-* is counted after
+    tmp.mkdir()
+    sockets = _stale_sockets()
+    proc = _start(argv, tmp_path, err, env={**ENV, "TMPDIR": str(tmp)})
     try:
         if when == "after-a-checkpoint":
             ckpt = run / "checkpoints"
@@ -86,6 +98,8 @@ def test_ctrl_c_on_a_hivemind_peer_is_one_line(tmp_path: Path, when: str) -> Non
     text = err.read_text()
     assert proc.returncode == 130, text[-3000:]
     assert left == [], f"processes of the interrupted peer still run: {left}"
+    assert list(tmp.glob("pymp-*")) == [], "the interrupted peer left multiprocessing's folder behind"
+    assert _stale_sockets() - sockets == set(), "the interrupted peer left socket files behind"
     assert "Traceback" not in text and "ERROR" not in text, text[-3000:]
     after = err.read_bytes()[before:].decode().splitlines()
     # A peer stops at once (no soft stop across processes): the line names its newest checkpoint, if any.

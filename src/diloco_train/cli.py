@@ -5,8 +5,10 @@ from __future__ import annotations
 import argparse
 import logging
 import math
+import multiprocessing.util
 import os
 import shlex
+import shutil
 import sys
 import warnings
 from collections.abc import Sequence
@@ -234,7 +236,9 @@ def _exit_now(status: int) -> NoReturn:
     """End the process after a Ctrl+C without the interpreter's teardown. By now the run's files are
     closed and its transports left (the launcher's ``finally`` blocks); what the teardown would add is
     torch's C++ static destructors, which aborted 4 of 6 interrupted runs here ("terminate called
-    without an active exception", exit 134 instead of 130)."""
+    without an active exception", exit 134 instead of 130). multiprocessing's temporary folder
+    (pymp-*, which its skipped finalizer would remove) is removed here."""
+    shutil.rmtree(multiprocessing.util.get_temp_dir(), ignore_errors=True)
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()
