@@ -28,6 +28,7 @@ from .config import HivemindConfig
 from .faults import HivemindFaults
 from .orphan import leave_with_parent
 from .presence import presence_period
+from .socket_files import bound_by, remove_stale
 
 logger = logging.getLogger(__name__)
 
@@ -57,7 +58,7 @@ class DHT(hivemind.DHT):
 
         def remove_sockets(wait: float = 2.0) -> None:  # p2pd may still be exiting: a start that failed
             for path in daemons:
-                _remove_stale(path, wait=wait)  # once p2pd is gone
+                remove_stale(path, wait=wait)  # once p2pd is gone
                 with contextlib.suppress(OSError):  # this process's own, and it is ending
                     os.remove(path.replace("/hivemind-p2pd-", "/hivemind-p2pclient-"))
 
@@ -121,7 +122,9 @@ class Resources:
     averagers: list = field(default_factory=list)
     pool: concurrent.futures.ThreadPoolExecutor | None = None
     p2pd_socket: str | None = None
-    """The DHT's p2p daemon's socket file: removed by ``close`` where hivemind left it (``_remove_stale``)."""
+    """The DHT's p2p daemon's socket file: removed by ``close`` where hivemind left it (``socket_files``)."""
+    sockets: list[str] = field(default_factory=list)
+    """The averagers' socket files, removed by ``close`` where a killed averager left them."""
     closed: bool = False
 
     def start_dht(self) -> None:
@@ -193,6 +196,7 @@ class Resources:
             averager.start()
         self.averagers.append(averager)
         _wait_until_ready(averager, "averager")
+        self.sockets += bound_by(averager.pid)  # its p2p client's: a killed averager leaves it
         return averager
 
     def wait(self, future: Any, timeout: float) -> Any:
@@ -228,24 +232,5 @@ class Resources:
                     self.dht.join(10)
             except Exception as e:  # noqa: BLE001 - a failed close is logged, never raised
                 logger.warning("hivemind DHT did not shut down cleanly: %r", e)
-        _remove_stale(self.p2pd_socket)
-
-
-def _remove_stale(path: str | None, *, wait: float = 3.0) -> None:
-    """Remove the socket file ``path`` once nothing listens on it (Linux's /proc/net/unix; elsewhere left
-    alone). hivemind removes p2pd's socket only if p2pd was still running when its DHT shut down: a p2pd
-    that ended first (a peer that crashed without ``close``) left it in /tmp (twice in about ten test runs)."""
-    deadline = time.monotonic() + wait
-    while path is not None and os.path.exists(path):
-        try:
-            with open("/proc/net/unix") as f:
-                bound = {line.split()[-1] for line in f.readlines()[1:] if len(line.split()) >= 8}
-        except OSError:
-            return
-        if path not in bound:
-            with contextlib.suppress(FileNotFoundError):
-                os.remove(path)
-            return
-        if time.monotonic() >= deadline:  # p2pd still runs: its socket is not stale
-            return
-        time.sleep(0.1)
+        for path in [self.p2pd_socket, *self.sockets]:
+            remove_stale(path)
