@@ -172,6 +172,35 @@ def test_a_divergence_before_any_checkpoint_points_at_no_checkpoint(
     assert "no checkpoint was written yet" in err[-1] and "resume" not in err[-1], err
     assert "start a new run (another --name) with a lower train.lr (now 0.001)" in err[-1], err
     assert not (tmp_path / "r" / "checkpoints").exists()
+    assert (tmp_path / "r" / "metrics.jsonl").stat().st_size > 0  # a failed run's records are kept
     # What it says to do works.
     monkeypatch.undo()
     assert main(["train", "--name", "r2", *common, "--set", "train.lr=0.0005"]) == 0
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("existed", [False, True], ids=["new", "existing"])
+def test_a_failed_start_leaves_no_run_folder_it_made(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, existed: bool
+) -> None:
+    """Before: a start that failed once the folder was claimed (a worker's model, device or data) left it
+    behind, with its lock files and config.toml. A folder that was there before is never removed."""
+
+    def fails(*args: object, **kwargs: object) -> None:
+        raise ValueError("the model cannot be built here")
+
+    monkeypatch.setattr(worker_module, "Llama", fails)
+    if existed:
+        (tmp_path / "r").mkdir()
+    assert main(["train", "--name", "r", "--set", f"train.runs_dir={tmp_path!s}", *FAST]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1] == "diloco: error: the model cannot be built here", err
+    assert [p.name for p in tmp_path.iterdir()] == (["r"] if existed else [])
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA device is there: train.device=cuda starts")
+def test_a_start_on_a_missing_device_leaves_no_run_folder(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["train", "--set", f"train.runs_dir={tmp_path!s}", *FAST, "--set", "train.device=cuda"]) == 2
+    assert "torch sees no CUDA device" in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == []

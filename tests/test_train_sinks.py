@@ -59,7 +59,7 @@ def test_wandb_without_its_extra_is_one_line_before_the_run_starts(
     assert err[1:] == [
         "diloco: error: train.log_to=['wandb'] needs wandb, which is not installed: pip install 'diloco[wandb]'"
     ]
-    assert not [p.name for p in (tmp_path / "w").iterdir() if not p.name.startswith(".owner")]  # a rerun may take it
+    assert not (tmp_path / "w").exists()  # a failed start leaves no folder: a rerun may take the name
 
 
 @pytest.mark.parametrize("value", ['["mlflow"]', '["tensorboard", "tensorboard"]', '"tensorboard"'])

@@ -26,8 +26,8 @@ from .config import RunConfig
 from .data import Corpus, load_corpus
 from .interrupts import INTERRUPTS
 from .join import check_ports, print_join, stored_secret
-from .metrics import TrainResult
-from .ownership import RunOwner
+from .metrics import METRICS, TrainResult
+from .ownership import RunOwner, remove_unused
 from .resume import check_resume_workers, prepare_run_dir
 from .run_name import agree_run_dir
 from .shards import check_data, check_shards
@@ -69,8 +69,42 @@ def train(
     Workers run as threads of this process where the transport's spec says so; else this process is one
     worker. Only rank 0 writes files (metrics, config, plot); every rank its own checkpoints; another
     rank's result holds NaN losses. This process owns the ranks it writes for (``RunOwner``) while it runs.
+    A start that fails removes the folder it made while nothing of the run is in it
+    (``remove_unused``).
     """
     run_dir = Path(run_dir)
+    made = not run_dir.exists()
+    try:
+        return _start(
+            config,
+            run_dir,
+            resume=resume,
+            show_progress=show_progress,
+            command=command,
+            named=named,
+            wrap=wrap,
+        )
+    except BaseException:
+        if made:
+            remove_unused(run_dir, spare=_nothing_of_a_run)
+        raise
+
+
+def _nothing_of_a_run(path: Path) -> bool:
+    """What a start writes before the run has a record: config.toml, an empty metrics.jsonl."""
+    return path.name == "config.toml" or (path.name == METRICS and path.stat().st_size == 0)
+
+
+def _start(
+    config: RunConfig,
+    run_dir: Path,
+    *,
+    resume: bool,
+    show_progress: bool,
+    command: list[str] | None,
+    named: bool,
+    wrap: Callable[[Transport], Transport] | None,
+) -> TrainResult:
     if resume:
         config = stored_secret(config, run_dir)
     given = config  # as configured: the join command gives it to the next peer, which resolves it alike

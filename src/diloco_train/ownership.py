@@ -12,7 +12,7 @@ second ``--resume`` of a running run) ends before writing anything, naming the f
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import IO
 
@@ -21,11 +21,35 @@ try:
 except ImportError:  # Windows: no flock; runs there are not guarded
     fcntl = None  # type: ignore[assignment]
 
-__all__ = ["RunOwner", "lock_path"]
+__all__ = ["RunOwner", "lock_path", "remove_unused"]
+
+_LOCK = ".owner-rank"
 
 
 def lock_path(run_dir: Path, rank: int) -> Path:
-    return run_dir / f".owner-rank{rank}"
+    return run_dir / f"{_LOCK}{rank}"
+
+
+def remove_unused(run_dir: Path, *, spare: Callable[[Path], bool]) -> None:
+    """Remove ``run_dir`` (a folder that a start which failed made) where it holds only lock files
+    that no live process holds and files ``spare`` says carry nothing; else leave it as it is."""
+    try:
+        entries = list(run_dir.iterdir())
+        tails = [p.name[len(_LOCK) :] for p in entries if p.name.startswith(_LOCK)]
+        ranks = [int(r) for r in tails if r.isdigit()]
+        if len(ranks) + sum(map(spare, entries)) < len(entries):
+            return
+        owner = RunOwner(run_dir, ranks)  # a ValueError where a live process holds one
+    except (OSError, ValueError):
+        return
+    try:
+        for path in entries:
+            path.unlink()
+        run_dir.rmdir()
+    except OSError:
+        pass  # something came in meanwhile: it stays
+    finally:
+        owner.release()
 
 
 class RunOwner:
