@@ -1,6 +1,9 @@
-"""Strikes (transports/hivemind/strikes.py): a peer left out of 3 rounds in a row is benched for a while."""
+"""Strikes (transports/hivemind/strikes.py): a peer left out of 3 of its last 10 rounds, or whose part exchange
+failed, is benched for a while."""
 
 from __future__ import annotations
+
+import logging
 
 import pytest
 import torch
@@ -12,24 +15,39 @@ from transports.hivemind.strikes import Strikes
 pytest.importorskip("hivemind")
 
 
-def test_three_rounds_in_a_row_bench_a_peer_until_its_time_is_up():
+def test_three_left_outs_of_the_last_ten_rounds_bench_a_peer_until_its_time_is_up(caplog):
     now = [0.0]
-    strikes = Strikes(after=3, seconds=60.0, clock=lambda: now[0])
+    strikes = Strikes(after=3, window=10, seconds=60.0, clock=lambda: now[0])
     group = ["a", "b", "x"]
-    strikes.round(group, ["x"])
-    strikes.round(group, ["x"])
-    strikes.round(group, [])  # a round it was not left out of: the count starts again
-    strikes.round(group, ["x"])
-    strikes.round(group, ["x"])
+    for left_out in (["x"], [], [], [], [], [], [], [], [], [], ["x"], [], ["x"]):
+        strikes.round(group, left_out)  # the first left-out is 12 rounds back by the third: 2 of the last 10
     assert not strikes.benched("x")
-    strikes.round(group, ["x"])
+    with caplog.at_level(logging.WARNING, logger="transports.hivemind.strikes"):
+        strikes.round(group, ["x"])  # 3 of the last 10, not in a row
     assert strikes.benched("x") and not strikes.benched("a")
+    assert [r.getMessage() for r in caplog.records] == [
+        "peer x was left out by the robust merge in 3 of its last 10 rounds: left out of matchmaking for 60 s"
+    ]
     now[0] = 59.0
     assert strikes.benched("x")
     now[0] = 60.0
     assert not strikes.benched("x")  # its time is up: it counts from zero again
     strikes.round(group, ["x"])
     assert not strikes.benched("x")
+
+
+def test_a_failed_exchange_benches_at_once_and_counts_as_a_strike():
+    now = [0.0]
+    strikes = Strikes(after=3, window=10, seconds=10.0, clock=lambda: now[0])
+    strikes.round(["a", "x"], ["x"])
+    strikes.failed(["x"], reason="reducer x failed")
+    assert strikes.benched("x") and not strikes.benched("a")
+    strikes.failed(["y"], reason="sender y failed")
+    strikes.round(["a", "y"], [])
+    now[0] = 10.0
+    assert not strikes.benched("y")
+    with pytest.raises(ValueError, match="after=4, window=3"):
+        Strikes(after=4, window=3, seconds=1.0)
 
 
 def test_a_peer_absent_from_a_round_keeps_its_count():

@@ -1,54 +1,89 @@
-"""``Strikes``: a peer the robust merge left out of several rounds in a row is left out of matchmaking a while.
+"""``Strikes``: a peer the robust merge left out of ``after`` of its last ``window`` rounds, or whose part exchange
+failed a round, is left out of matchmaking a while.
 
 The merge (``diloco_core.merge``) already keeps such a peer's contribution out of each round it is far in; this
-saves the swarm the peer's traffic and time too. Each averager counts, per groupmate, the rounds in a row in which
-a part it merged left that groupmate out; after ``after`` of them the peer is benched for ``seconds``: as a
-leader, this averager turns its join requests away; in a group a benched peer leads (hivemind's followers choose
-their leader) this averager sends nothing and takes nothing from it (``state_tag.stale_verdict``'s ``distrusted``:
-the attempt is retried without it). With the block codecs every peer merges every part, so every peer benches the
+saves the swarm the peer's traffic and time too. Each averager counts, per groupmate, its strikes over the last
+``window`` rounds it was in: a round in which a part this averager merged left it out (``round``), or one whose
+exchange it failed (``failed``: it sent nothing, answered with an error, or relayed nothing in time; ``blame``).
+``after`` left-outs among its last ``window`` rounds bench it (honest diversity is left out now and then, an
+attacker in most rounds); a failed exchange benches it at once, since every attempt with it fails on every
+groupmate and the round's retry must go without it. A benched peer is left out for ``seconds``: as a leader,
+this averager turns its join requests away; in a group a benched peer leads (hivemind's followers choose their
+leader) this averager sends nothing and takes nothing from it (``state_tag.stale_verdict``'s ``distrusted``: the
+attempt is retried without it). With the block codecs every peer merges every part, so every peer benches the
 same peers; with the casts, the peers that reduced its parts do (a groupmate that did not bench it waits out the
-attempt's timeout).
+attempt's timeout). One log line names each bench and its reason (a failed exchange's: the transport's, which
+also stops waiting for the peer, ``swarm.Swarm.bench``).
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from collections import deque
 from collections.abc import Callable, Iterable
 
-__all__ = ["AFTER", "Strikes"]
+__all__ = ["AFTER", "BENCH_MATCHMAKINGS", "WINDOW", "Strikes"]
 
 logger = logging.getLogger(__name__)
 
 AFTER = 3
-"""Rounds in a row a peer is left out of before it is benched."""
+"""Left-outs among a peer's last ``WINDOW`` rounds that bench it."""
+WINDOW = 10
+"""The rounds a peer's left-outs are counted over (the rounds it was in this averager's group)."""
+BENCH_MATCHMAKINGS = 20
+"""A bench lasts this many ``matchmaking_time`` (5 minutes at the default 15 s)."""
 
 
 class Strikes:
-    def __init__(self, *, after: int = AFTER, seconds: float, clock: Callable[[], float] = time.monotonic) -> None:
-        self.after, self.seconds, self.clock = after, seconds, clock
-        self._in_a_row: dict[str, int] = {}
+    def __init__(
+        self,
+        *,
+        after: int = AFTER,
+        window: int = WINDOW,
+        seconds: float,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        if not 1 <= after <= window:
+            raise ValueError(f"after={after!r}, window={window!r}: expected 1 <= after <= window")
+        self.after, self.window, self.seconds, self.clock = after, window, seconds, clock
+        self._history: dict[str, deque[bool]] = {}  # per peer: its last rounds, True where it was struck
         self._until: dict[str, float] = {}
 
     def round(self, group: Iterable[str], left_out: Iterable[str]) -> None:
         """A round of ``group`` (peer ids) finished, leaving out ``left_out``."""
         out = set(left_out)
         for peer in group:
-            n = self._in_a_row[peer] = self._in_a_row.get(peer, 0) + 1 if peer in out else 0
-            if n >= self.after and not self.benched(peer):
-                self._until[peer] = self.clock() + self.seconds
+            history = self._history.setdefault(peer, deque(maxlen=self.window))
+            history.append(peer in out)
+            n = sum(history)
+            if peer in out and n >= self.after and not self.benched(peer):
+                self._bench(peer)
                 logger.warning(
-                    "peer %s was left out of %d rounds in a row by the robust merge: left out of matchmaking "
-                    "for %.0f s",
+                    "peer %s was left out by the robust merge in %d of its last %d rounds: left out of "
+                    "matchmaking for %.0f s",
                     peer,
                     n,
+                    len(history),
                     self.seconds,
                 )
+
+    def failed(self, peers: Iterable[str], reason: str) -> None:
+        """The exchange of a round failed with ``peers`` (``blame``): a strike each, and a bench at once (the
+        transport names them, with ``reason``)."""
+        for peer in peers:
+            self._history.setdefault(peer, deque(maxlen=self.window)).append(True)
+            if not self.benched(peer):
+                self._bench(peer)
+                logger.debug("peer %s benched: its part exchange failed (%s)", peer, reason)
+
+    def _bench(self, peer: str) -> None:
+        self._until[peer] = self.clock() + self.seconds
 
     def benched(self, peer: str) -> bool:
         until = self._until.get(peer)
         if until is not None and until <= self.clock():
             del self._until[peer]
-            self._in_a_row[peer] = 0
+            self._history.pop(peer, None)  # its time is up: it counts from zero again
             return False
         return until is not None
