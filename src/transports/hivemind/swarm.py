@@ -15,7 +15,9 @@ long its last round took. From that a peer knows, without waiting:
   whose presence record then went unrefreshed for longer than a live peer refreshes it (dead, or hung). It is
   not expected again until its record is refreshed, so a dead peer costs one round's matchmaking window, not
   one every round until its record expires (or, with ``target_group_size``, every round); one log line names
-  it and the round size now. A live peer that sat a round out refreshes its record: it stays expected;
+  it and the round size now. A peer that averaged alone counts its round too: the peers it expected missed it
+  (a survivor left alone stops waiting for the peer that left). A live peer that sat a round out refreshes its
+  record: it stays expected;
 - when the swarm commits its next round (``wait_for_round``): a joiner waits for it, bounded, and starts
   training from that round's state, in phase with the swarm (else its rounds and the swarm's never meet).
 """
@@ -72,7 +74,7 @@ class Swarm:
         says when, and how long the last took; a peer the round expected and ``group`` lacks is a suspect."""
         now, last = get_dht_time(), self._mine["committed_at"]
         self.declare(round=rounds, committed_at=now, period=None if last is None else now - last)
-        for p in self._counted if group else ():
+        for p in self._counted:  # alone (``group`` empty), every peer it expected missed the round
             if p not in group:
                 self._suspects.setdefault(p, rounds)  # the first round it missed
 
