@@ -86,6 +86,7 @@ HIVEMIND_PRIVATES = {
     "transports/hivemind/reducer.py": {"_input_parts_by_peer", "_outputs_registered_by_peer", "_output_part_available"},
     "transports/hivemind/block_runner.py": {"_inputs_consumed_by_peer"},
     "transports/hivemind/resources.py": {"_forget_unchecked", "_get_p2p_daemon_listen_maddr"},
+    "transports/hivemind/process_locks.py": {"_lock", "_initialization_lock"},
 }
 _OWN = {"self", "cls"}
 _MODULES = {"torch", "os", "sys"}  # module-level functions (torch._foreach_*), not another object's state
