@@ -16,6 +16,7 @@ from diloco_core.transport import StateReplaced, TransportError
 
 from .attempt import RETRYABLE, attempt, fill
 from .averager import Averager
+from .blame import ExchangeFailed
 from .deadlines import deadlines
 from .grace import RoundWindows, Window
 from .handle import Outcome
@@ -82,11 +83,14 @@ class Attempts:
             if outcome.abandoned:  # another attempt would feed a group values its caller has taken back
                 raise TransportError("hivemind all_reduce: its caller gave up; no further attempt")
             try:
-                # No other peer is at this reduce: my own values (a round with target_group_size waits for it).
-                if expected == 1 and tries == 1 and not (tracked and cfg.target_group_size and target != 1):
+                # No other peer is at this reduce: my own values (a round with target_group_size waits for it);
+                # or this peer's exchanges failed with every groupmate (blame.py): alone while benched.
+                lone = expected == 1 and tries == 1 and not (tracked and cfg.target_group_size and target != 1)
+                if lone or self._swarm.sits_out():
                     fill(averager, tensors)
-                    logger.info("hivemind all_reduce: no other peer of the run is at %r; averaging alone", key)
-                    out = None
+                    why = "no other peer of the run is at it" if lone else "this peer is benched"
+                    logger.info("hivemind all_reduce of %r: %s; averaging alone", key, why)
+                    out = failed = None
                 else:
                     gather = list(self._state.tag) if tracked else None
                     out = attempt(
@@ -104,6 +108,12 @@ class Attempts:
                 if not isinstance(e, RETRYABLE):  # a bug or a setup error: retrying would only delay it
                     raise TransportError(f"hivemind all_reduce failed: {type(e).__name__}: {e}") from e
                 out = None
+                if isinstance(e, ExchangeFailed):  # the peers it blames: benched, the retry goes without them
+                    self._swarm.bench(e.culprits, reason=str(e))
+                    expected = self._swarm.expected(key, tracked=tracked, timeout=limits.presence)
+                    target = self._swarm.target(expected, configured=cfg.target_group_size)
+                    windowed = self._windows is not None and tracked and target is not None
+                    window = self._windows.window(key, target=target) if windowed else None
                 if isinstance(e, OutOfStepError) and e.verdict.behind:  # the group moved on: this call is over
                     self._numbers.catch_up(averager.prefix, e.verdict.group)
                     raise TransportError(f"hivemind all_reduce: {e}; its group has moved on") from e

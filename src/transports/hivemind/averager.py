@@ -27,6 +27,7 @@ from typing import Any, AsyncIterator  # noqa: UP035 - hivemind reads typing's A
 import torch
 from hivemind.averaging import DecentralizedAverager
 from hivemind.averaging.allreduce import AllreduceException, AveragingMode
+from hivemind.averaging.matchmaking import MatchmakingException
 from hivemind.p2p import P2PContext
 from hivemind.proto import averaging_pb2
 from hivemind.utils import get_dht_time
@@ -35,6 +36,7 @@ from diloco_core import Codec, Merge
 from diloco_core.merge import combined
 
 from .auth import RunKeys, unwrap_gather, wrap_gather
+from .blame import ExchangeFailed
 from .block_runner import BlockRunner
 from .confirm import Confirmations
 from .faults import HivemindFaults
@@ -45,7 +47,7 @@ from .quiet_logs import quiet_hivemind_records
 from .reduce_number import Number, OutOfStepError, step_verdict
 from .reducer import Runner
 from .state_tag import StaleStateError, stale_verdict, tag_or_none
-from .strikes import Strikes
+from .strikes import BENCH_MATCHMAKINGS, Strikes
 from .throttle import Throttle
 
 logger = logging.getLogger(__name__)
@@ -78,7 +80,7 @@ class Averager(Presence, Confirmations, DecentralizedAverager):
         self._refused = Throttle("refused the state to peers without a presence record of the run (yet)")
         self._benched = Throttle("turned away join requests of peers left out of matchmaking (strikes.py)")
         super().__init__(**kwargs)
-        self.strikes = Strikes(seconds=20 * self.matchmaking_kwargs["min_matchmaking_time"])
+        self.strikes = Strikes(seconds=BENCH_MATCHMAKINGS * self.matchmaking_kwargs["min_matchmaking_time"])
 
     def run(self) -> None:
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl+C is the parent's: it closes us cleanly
@@ -202,6 +204,13 @@ class Averager(Presence, Confirmations, DecentralizedAverager):
             peers = [p.to_bytes() for p in group_info.peer_ids]
             done = self._groups[group_id]
             return {k: done[k] for k in ("digest", "sent", "received", "left_out")} | {"peers": peers, "spread": spread}
+        except MatchmakingException as e:  # hivemind wraps every failure: whom the group blames goes out typed
+            blamed = e.__context__
+            if not isinstance(blamed, ExchangeFailed):
+                raise
+            guilty = [str(p) for p in group_info.peer_ids if p.to_bytes() in blamed.culprits]
+            self.strikes.failed([p for p in guilty if p != str(self.peer_id)], reason=str(blamed))
+            raise blamed from None
         finally:
             self._groups.pop(group_id, None)
 
@@ -236,7 +245,9 @@ class Averager(Presence, Confirmations, DecentralizedAverager):
             error = f"{type(e).__name__}: {e}"
         digest = b"" if error else runner.digest()
         deadline = self._groups[group_id]["deadline"]
-        await self._confirm(group_info.peer_ids, group_id, error=error, digest=digest, deadline=deadline)
+        await self._confirm(
+            group_info.peer_ids, group_id, error=error, digest=digest, deadline=deadline, failed=runner.blamed
+        )
         left_out = [(o.who, o.ratio, o.cosine) for o in combined(runner.left_out)]  # plain values, to the transport
         if not error:
             self.strikes.round([str(p) for p in group_info.peer_ids if p != self.peer_id], [o[0] for o in left_out])

@@ -117,6 +117,7 @@ class BlockRunner(Runner):
                 self._register((index, part_index), mean, part_sum(mean))
             return
         try:
+            self.injected_failure()
             stream = await self._get_peer_stub(peer_id).rpc_aggregate_part(self._generate_input_for_peer(index))
             want = container.num_parts_by_peer[index]
 
@@ -147,6 +148,7 @@ class BlockRunner(Runner):
         reducer, faults = self.tensor_part_reducer, self.faults
         numels = [s.numel() for s in reducer.part_shapes]
         try:
+            self.injected_failure()
             loop = asyncio.get_event_loop()
             what = f"payload from sender {sender_index}"
 

@@ -1,13 +1,15 @@
 """Phase 4 of a round, the confirmation: every peer sends (ok, digest of its result), MACed with the run's key,
 to every groupmate and commits only if all of them reported ok with its own digest (a lost peer, a partial
-all-reduce or a groupmate holding other bits fails the attempt on every member)."""
+all-reduce or a groupmate holding other bits fails the attempt on every member). A peer that failed sends,
+instead of a digest, its report of the groupmates it saw fail, and the group's verdict on whom to blame
+(``blame``) comes out typed (``ExchangeFailed``)."""
 
 import asyncio
 import hmac
 import logging
 import time
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from typing import Any
 
 from hivemind.averaging.allreduce import AllreduceException
@@ -15,6 +17,7 @@ from hivemind.p2p import P2PContext
 from hivemind.proto import averaging_pb2, runtime_pb2
 
 from .auth import MAC_BYTES, RunKeys
+from .blame import ExchangeFailed, culprits, read_report, report
 
 __all__ = ["Confirmations"]
 
@@ -50,11 +53,23 @@ class Confirmations:
         return self._confirms[group_id]
 
     async def _confirm(
-        self, peer_ids: Sequence[Any], group_id: bytes, *, error: str | None, digest: bytes, deadline: float
+        self,
+        peer_ids: Sequence[Any],
+        group_id: bytes,
+        *,
+        error: str | None,
+        digest: bytes,
+        deadline: float,
+        failed: Collection[Any] = (),
     ) -> None:
         """Send every groupmate (ok, ``digest``) and wait for theirs until ``deadline`` (monotonic); raise
-        ``AllreduceException`` unless every one of them reported ok with this very digest."""
+        ``AllreduceException`` unless every one of them reported ok with this very digest: ``ExchangeFailed``
+        where the group blames some of its members (``blame``). ``failed``: the groupmates this peer's runner
+        saw fail (reported instead of the digest, where it failed)."""
         others = [p for p in peer_ids if p != self.peer_id]
+        if error is not None:
+            digest = report(peer_ids, failed)
+        waited = [p for p in others if p not in failed]  # one seen failing may never answer
         code = averaging_pb2.AVERAGED_PART if error is None else averaging_pb2.INTERNAL_ERROR
         mac = self.keys.confirm_mac(group_id, self.peer_id.to_bytes(), code, digest)
         msg = averaging_pb2.AveragingData(
@@ -73,23 +88,24 @@ class Confirmations:
         sends = [asyncio.create_task(send(p)) for p in others]
         box = self._confirm_box(group_id)
         try:
-            while error is None:
+            while True:
                 got = {p: v for p, v in box["got"].items() if p in others}  # only this group's members count
                 bad = [p for p, (ok, d) in got.items() if not ok or d != digest]
-                if bad:
+                if error is None and bad:  # the reports of the others still count (blame.py)
                     error = f"{len(bad)} groupmate(s) failed or hold a different result"
-                elif all(p in got for p in others):
+                if error is None and all(p in got for p in others):
                     break
-                else:
-                    box["event"].clear()
-                    left = deadline - time.monotonic()
-                    if left <= 0:
-                        error = f"{sum(p not in got for p in others)} groupmate(s) never confirmed the result"
-                        break
-                    try:
-                        await asyncio.wait_for(box["event"].wait(), left)
-                    except asyncio.TimeoutError:
-                        pass
+                if error is not None and all(p in got for p in waited):
+                    break
+                box["event"].clear()
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    error = error or f"{sum(p not in got for p in others)} groupmate(s) never confirmed the result"
+                    break
+                try:
+                    await asyncio.wait_for(box["event"].wait(), left)
+                except asyncio.TimeoutError:
+                    pass
         finally:
             delivered = await asyncio.gather(*sends, return_exceptions=True)
             self._confirms.pop(group_id, None)
@@ -97,4 +113,13 @@ class Confirmations:
             # A groupmate that did not get my confirmation will not commit; neither may I.
             error = f"{sum(d is not True for d in delivered)} confirmation(s) could not be delivered"
         if error is not None:
+            me, size = peer_ids.index(self.peer_id), len(peer_ids)
+            reports = {me: read_report(report(peer_ids, failed), size=size, sender=me)}
+            for p, (ok, d) in got.items():  # a groupmate that confirmed blames nobody
+                i = peer_ids.index(p)
+                reports[i] = frozenset() if ok else read_report(d, size=size, sender=i)
+            guilty = culprits(size, reports)
+            if guilty:
+                blamed = tuple(peer_ids[i].to_bytes() for i in sorted(guilty))
+                raise ExchangeFailed(blamed, f"round not committed: {error}")
             raise AllreduceException(f"round not committed: {error}")

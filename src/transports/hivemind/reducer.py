@@ -108,6 +108,7 @@ class Runner(AllReduceRunner):
         self.wire = codec.elementwise_dtype  # parts of an element-wise payload are payloads of the parts
         self.faults = faults
         self.failures: list[str] = []
+        self.blamed: set[Any] = set()  # the groupmates (peer ids) seen failing: a sender or a reducer (blame.py)
         self.tensor_part_reducer.finished.set()  # replaced before use: keep its finalizer quiet
         self.tensor_part_reducer = OrderedReducer(self.tensor_part_reducer.part_shapes, len(self.sender_peer_ids))
         container = self.tensor_part_container
@@ -162,9 +163,17 @@ class Runner(AllReduceRunner):
             self.bytes_sent += len(msg.tensor_part.buffer)
             yield msg
 
+    def injected_failure(self) -> None:
+        """``HivemindFaults.exchange_fails``: this peer's exchange fails, as a sender and as a reducer."""
+        fails = self.faults.exchange_fails
+        if fails is not None and fails():
+            raise AllreduceException("injected: this peer's part exchange fails")
+
     async def _ban_sender(self, peer_id: Any) -> None:
         if peer_id not in self.banned_senders:
             self.failures.append(f"sender {peer_id} failed")
+            if peer_id != self.peer_id:
+                self.blamed.add(peer_id)
         await super()._ban_sender(peer_id)
 
     async def _communicate_with_peer(self, peer_id: Any) -> None:
@@ -178,6 +187,7 @@ class Runner(AllReduceRunner):
                 self._register((index, part_index), mean, part_sum(mean))
             return
         try:
+            self.injected_failure()
             stream = await self._get_peer_stub(peer_id).rpc_aggregate_part(self._generate_input_for_peer(index))
 
             def receive(msg: Any) -> tuple[torch.Tensor, int]:  # in an executor thread
@@ -209,6 +219,8 @@ class Runner(AllReduceRunner):
         """Record that the reducer of slice ``index`` failed; hivemind fills the slice with local values,
         which the confirmation phase then never commits."""
         self.failures.append(f"reducer {peer_id} failed: {type(e).__name__}: {e}")
+        if peer_id != self.peer_id:
+            self.blamed.add(peer_id)
         self.tensor_part_container.register_failed_reducer(index)
 
     async def _accumulate_parts_streaming(self, stream: Any, sender_index: int) -> Any:
@@ -216,6 +228,7 @@ class Runner(AllReduceRunner):
         shapes = self.tensor_part_reducer.part_shapes
         faults = self.faults
         try:
+            self.injected_failure()
             loop = asyncio.get_event_loop()
             what = f"part from sender {sender_index}"
             parts = amap_in_executor(
