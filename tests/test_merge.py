@@ -1,4 +1,5 @@
-"""The merge (diloco_core/merge.py): the robust rule leaves an outlier out and is the plain mean otherwise."""
+"""The merge (diloco_core/merge.py, judge.py): the robust rule is the plain mean where nothing is far, bounds the
+influence of what is (honest diversity included), and leaves out only what is far and flipped or scaled."""
 
 from __future__ import annotations
 
@@ -38,7 +39,7 @@ def test_honest_contributions_merge_to_the_plain_mean_bit_for_bit(codec, k):
 
 
 @pytest.mark.parametrize("codec", CODECS)
-@pytest.mark.parametrize("scale", [1e6, -1e6, -10.0, 5.0, -1.0, -0.5])
+@pytest.mark.parametrize("scale", [1e6, -1e6, -10.0, 1e3])
 @pytest.mark.parametrize("k", [3, 4, 5])
 def test_an_insiders_scaled_contribution_is_left_out_and_the_rest_averaged(codec, scale, k):
     honest = _honest(k - 1)
@@ -47,11 +48,89 @@ def test_an_insiders_scaled_contribution_is_left_out_and_the_rest_averaged(codec
     insider = honest[0] * scale
     got, left_out = _merge(ROBUST, [*honest[:1], insider, *honest[1:]], codec, who=[f"w{i}" for i in range(k)])
     want, _ = _merge(MEAN, honest, codec)
-    assert [o.who for o in left_out] == ["w1"] and (left_out[0].ratio > 3 or left_out[0].cosine < 0)
-    assert (left_out[0].cosine < 0) == (scale < 0)
+    assert [o.who for o in left_out] == ["w1"] and left_out[0].ratio > 3  # beyond the radius, and
+    assert (left_out[0].cosine < 0) == (scale < 0)  # flipped, or else scaled by orders of magnitude
     torch.testing.assert_close(got, want, rtol=0, atol=1e-6)  # the same sum, divided by k - 1
     if codec == "fp32":
         assert torch.equal(got, want)
+
+
+def _spread(rows: list[torch.Tensor]) -> float:
+    """The median spread (merge.py): each row's distance to the farthest of the k // 2 others nearest to it."""
+    k = len(rows)
+    dist = torch.cdist(torch.stack(rows).double(), torch.stack(rows).double()).fill_diagonal_(float("inf"))
+    return float(dist.sort(dim=1).values[:, k // 2 - 1].sort().values[k // 2])
+
+
+def _tasks(seed: int = 0, n: int = 1000) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A shared direction and two more, each a task's own (independent noise of the same size)."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(n, generator=g), torch.randn(n, generator=g), torch.randn(n, generator=g)
+
+
+@pytest.mark.parametrize("codec", ["fp32", "int4"])
+def test_an_honest_worker_on_its_own_task_pointing_away_is_not_left_out(codec):
+    """Workers on different data (issue 43: an honest worker per task left out at cosine -0.69): two on related
+    tasks, a third on its own whose update points away from both, all of similar norm. Nothing is far: the
+    result is the plain mean, nobody left out (the rule used to leave the third out for its direction)."""
+    s, e, f = _tasks()
+    rows = [s + 0.8 * e, s - 0.8 * e, -0.6 * s + f]
+    assert all(float(rows[2] @ r) < 0 for r in rows[:2])  # its cosine with each of the others: about -0.43
+    got, left_out = _merge(ROBUST, rows, codec)
+    assert left_out == () and torch.equal(got, _merge(MEAN, rows, codec)[0])
+
+
+@pytest.mark.parametrize("codec", ["fp32", "int4"])
+def test_a_founder_in_another_learning_rate_phase_is_bounded_not_left_out(codec):
+    """A founder past its warm-up beside joiners in theirs (issue 43: left out 3 rounds in a row at 11.3x, 6.9x,
+    4.7x the median spread, then benched): ~10x their norm, cosine ~0.87 with them. It is kept, its offset from
+    the joiners' centre clipped to the radius; the rule used to leave it out."""
+    s, e, f = _tasks()
+    joiners = [s + 0.3 * e, s + 0.3 * f]
+    founder = 10 * (s + 0.45 * torch.randn(1000, generator=torch.Generator().manual_seed(1)))
+    rows = [*joiners, founder]
+    assert all(float(founder @ j / founder.norm() / j.norm()) > 0.85 for j in joiners)
+    got, left_out = _merge(ROBUST, rows, codec)
+    assert left_out == ()
+    c = codec_for(codec, block=32)
+    seen = [c.decode(c.encode(x.clone()), torch.empty(1000)) for x in rows]  # the values the merge judges
+    centre = (seen[0] + seen[1]) / 2  # the tightest majority's mean
+    radius = 3.0 * _spread(seen)
+    assert float((got - centre).norm()) <= radius / 3 * (1 + 1e-5)  # the founder's offset is clipped
+    assert float((got - centre) @ (seen[2] - centre)) > 0  # and still counts, in its own direction
+
+
+@pytest.mark.parametrize("k", [3, 4, 5])
+def test_a_scaled_or_flipped_contribution_near_the_honest_spread_moves_the_result_by_at_most_the_radius(k):
+    """An insider scaled x5 to x90 (short of orders of magnitude), sign-flipped (x-1, x-0.5) or sent in a random
+    direction at the honest norm is kept (the rule used to leave the scaled and flipped ones out), and whatever
+    it sends, it moves the result by at most the radius (3 median spreads) over k: between any two of its
+    choices, the results differ by at most twice that."""
+    honest = _honest(k - 1)
+    noise = torch.randn(1000, generator=torch.Generator().manual_seed(7))
+    choices = [honest[0] * s for s in (5.0, 20.0, 90.0, -1.0, -0.5)] + [noise * honest[0].norm() / noise.norm()]
+    results = []
+    for insider in choices:
+        rows = [*honest, insider]
+        got, left_out = _merge(ROBUST, rows, "fp32")
+        assert left_out == ()
+        results.append((got, 3.0 * _spread(rows)))
+    assert not torch.equal(results[0][0], _merge(MEAN, honest, "fp32")[0])  # it counts
+    for a, ra in results:
+        for b, rb in results:
+            assert float((a - b).norm()) <= (ra + rb) / k * (1 + 1e-6)
+
+
+def test_a_clipped_round_with_an_excluded_worker_is_the_clipped_merge_of_the_valid_ones():
+    """The guard's rescale to the valid contributors also holds where the rule clips: an excluded worker's zeros
+    abstain."""
+    honest = _honest(3)
+    rows = [*honest, honest[0] * 8]
+    want, left_out = _merge(ROBUST, rows, "fp32")
+    assert left_out == () and not torch.equal(want, _merge(MEAN, rows, "fp32")[0])
+    got, left_out, valid = _guarded([*rows, torch.zeros(1000)], [False] * 4 + [True])
+    assert left_out == () and valid == 4
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
 
 
 def test_two_contributors_have_no_majority_nothing_is_left_out():
@@ -178,9 +257,7 @@ def _train(world: int, *, insider: float | None, merge: str = "robust", rounds: 
     return run_threads(world, worker)
 
 
-@pytest.mark.parametrize(
-    ("scale", "codec"), [(1e6, "fp32"), (-1e6, "fp32"), (-10.0, "fp32"), (-1.0, "fp32"), (1e6, "topk")]
-)
+@pytest.mark.parametrize(("scale", "codec"), [(1e6, "fp32"), (-1e6, "fp32"), (-10.0, "fp32"), (1e6, "topk")])
 def test_an_insider_among_three_workers_leaves_the_two_honest_workers_run_bit_for_bit(scale, codec):
     alone = _train(2, insider=None, codec=codec)
     attacked = _train(3, insider=scale, codec=codec)
