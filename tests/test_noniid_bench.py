@@ -1,4 +1,4 @@
-"""bench/noniid.py's accounting, without training: the domains, what a round's record says, the tally."""
+"""bench/noniid.py's accounting, without training: the domains, a round's record, the tally."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from diloco_core import FP32, Merge, MergeRule
 def test_every_document_falls_in_one_domain_by_its_package():
     assert domain_of("encodings/cp1252.py") == "encodings"
     assert domain_of("asyncio/events.py") == "net" and domain_of("xml/dom/minidom.py") == "net"
-    assert domain_of("idlelib/editor.py") == "tools" and domain_of("pydoc_data/topics.py") == "tools"
+    assert domain_of("idlelib/editor.py") == domain_of("pydoc_data/topics.py") == "tools"
     assert domain_of("os.py") == "modules" and domain_of("re/_parser.py") == "modules"
     assert list(DOMAINS) == ["encodings", "net", "tools", "modules"]  # worker r trains on the r-th
 
@@ -30,7 +30,8 @@ def test_a_round_record_says_who_was_left_out_and_whether_the_rule_bounded_anyon
     merge = Merge(rule=MergeRule.ROBUST, judged=1000)
     with Recorder(tmp_path / "merges.jsonl") as rec:
         for rows in (honest, [*honest, honest[0] * 8], [*honest, honest[0] * -1e6]):
-            merge.of(rows, codec=FP32, out=torch.empty(1000), who=[f"rank {i}" for i in range(len(rows))])
+            who = [f"rank {i}" for i in range(len(rows))]
+            merge.of(rows, codec=FP32, out=torch.empty(1000), who=who)
     assert Merge.of is rec.original  # put back
     records = [json.loads(line) for line in rec.path.read_text().splitlines()]
     assert [(r["k"], r["left_out"], r["clipped"]) for r in records] == [
@@ -38,7 +39,8 @@ def test_a_round_record_says_who_was_left_out_and_whether_the_rule_bounded_anyon
         (4, [], True),  # x8: kept, bounded
         (4, ["rank 3"], False),  # x-1e6: left out, the others' plain mean
     ]
-    assert records[2]["cosines"][3][0] < -0.99 and records[2]["norms"][3] > 1e5 * records[2]["norms"][0]
+    norms, cosines = records[2]["norms"], records[2]["cosines"]
+    assert cosines[3][0] < -0.99 and norms[3] > 1e5 * norms[0]
 
 
 def test_the_tally_counts_rounds_of_every_worker_only():
@@ -46,7 +48,7 @@ def test_the_tally_counts_rounds_of_every_worker_only():
         {"k": 4, "left_out": [], "clipped": False},
         {"k": 4, "left_out": ["rank 1"], "clipped": True},
         {"k": 4, "left_out": ["rank 1"], "clipped": False},
-        {"k": 3, "left_out": ["rank 2"], "clipped": True},  # a round without every worker: not counted
+        {"k": 3, "left_out": ["rank 2"], "clipped": True},  # without every worker: not counted
     ]
     assert verdicts(merges, workers=4) == {
         "rounds": 3,

@@ -1,22 +1,25 @@
-"""The robust rule's judgement of one slice's contributions (merge.py runs it), from their Gram matrix alone.
+"""The robust rule's judgement of one slice's contributions (merge.py runs it), from their Gram
+matrix alone.
 
-Honest contributions differ: workers on different data point different ways (two may even have a negative cosine),
-and a worker whose learning rate is in another phase (a founder past its warm-up beside joiners in theirs) sends an
-update several times the others' norm in much the same direction. Neither is evidence of an attack, so neither is
-left out: the rule bounds every contribution's influence instead, and leaves out only what is far outside the
-honest spread *and* looks like an attack.
+Honest contributions differ: workers on different data point different ways (two may even have a
+negative cosine), and a worker whose learning rate is in another phase (a founder past its warm-up
+beside joiners in theirs) sends an update several times the others' norm in much the same
+direction. Neither is evidence of an attack, so neither is left out: the rule bounds every
+contribution's influence instead, and leaves out only what is far outside the honest spread *and*
+looks like an attack.
 
-- **Spread**: each contribution's L2 distance to the farthest of the ⌊m/2⌋ others nearest to it (with it, a
-  majority of the m that sent values); the median spread is the honest scale.
-- **Centre**: the mean of the tightest majority (the contribution with the smallest spread and those ⌊m/2⌋ nearest
-  it). A minority cannot move it further than about two median spreads: a member is within two spreads of it.
-- **Bounded**: a contribution farther from the centre than the radius (``ratio`` median spreads) counts as if it
-  were on the sphere of that radius about the centre, in its own direction (clipped); the result is the centre plus
-  the mean of the clipped offsets, so one contribution moves it by at most radius / m. Every distance, and the
-  clipped mean's weights, come from the Gram matrix: the centre is a combination of the contributions.
-- **Left out**: only a contribution beyond the radius that is also flipped (a negative cosine with the centre) or
-  scaled by orders of magnitude (its norm over ``SCALED`` times the median norm); never a member of the centre, so
-  never a majority. Measured on honest runs: docs/reliability.md.
+- **Spread**: each contribution's L2 distance to the farthest of the ⌊m/2⌋ others nearest to it
+  (with it, a majority of the m that sent values); the median spread is the honest scale.
+- **Centre**: the mean of the tightest majority (the contribution with the smallest spread and the
+  ⌊m/2⌋ nearest it). A minority cannot move it far: each member is within two spreads of it.
+- **Bounded**: a contribution farther from the centre than the radius (``ratio`` median spreads)
+  counts as if it were on the sphere of that radius about the centre, in its own direction
+  (clipped); the result is the centre plus the mean of the clipped offsets, so one contribution
+  moves it by at most radius / m. Every distance, and the clipped mean's weights, come from the
+  Gram matrix: the centre is a combination of the contributions.
+- **Left out**: only a contribution beyond the radius that is also flipped (a negative cosine with
+  the centre) or scaled by orders of magnitude (a norm over ``SCALED`` times the median norm); never
+  a member of the centre, so never a majority. Measured on honest runs: docs/reliability.md.
 """
 
 from __future__ import annotations
@@ -28,8 +31,8 @@ import torch
 __all__ = ["SCALED", "Verdict", "judge"]
 
 SCALED = 100.0
-"""Beyond the radius, a contribution whose norm is more than this times the median norm is left out (scaled by
-orders of magnitude): a learning rate's phase changes an honest update's norm by one order at most."""
+"""Beyond the radius, a contribution whose norm is more than this times the median norm is left out
+(scaled by orders of magnitude): a learning rate's phase moves an honest norm one order at most."""
 
 
 @dataclass(frozen=True)
@@ -39,14 +42,14 @@ class Verdict:
     gone: dict[int, tuple[float, float]]
     """Left out: (distance to the centre over the median spread, cosine with the centre)."""
     weights: torch.Tensor | None
-    """Where one kept is clipped: each contribution's weight in the result (fp64; 0: left out, or sent nothing),
-    summing to 1 over those kept that sent values. None: the plain mean of those kept."""
+    """Where one kept is clipped: each contribution's weight in the result (fp64; 0: left out, or
+    sent nothing), summing to 1 over the kept ones that sent values. None: their plain mean."""
     sent: int
-    """Contributions that sent any value (the others, all zeros, abstain: the guard's exclusions)."""
+    """Contributions that sent any value (the others, all zeros, abstain: the guard's exclusion)."""
 
 
 def judge(gram: torch.Tensor, *, ratio: float) -> Verdict:
-    """The verdict on ``k`` contributions from their fp64 Gram matrix (k, k), at a radius of ``ratio`` spreads."""
+    """The verdict on k contributions from their fp64 Gram matrix (k, k); radius: ``ratio``."""
     sent = torch.nonzero(gram.diagonal() > 0).flatten()
     m = len(sent)
     if m < 3:  # no majority among those that sent anything
@@ -55,11 +58,12 @@ def judge(gram: torch.Tensor, *, ratio: float) -> Verdict:
     sq = g.diagonal()
     others = (sq[:, None] + sq[None, :] - 2 * g).clamp_(min=0).sqrt_().fill_diagonal_(float("inf"))
     spread = others.sort(dim=1).values[:, m // 2 - 1]
-    typical = float(spread.sort().values[m // 2])  # fewer than half are above it: at most a minority is far
-    members = torch.cat([spread.argmin().view(1), others[spread.argmin()].argsort(stable=True)[: m // 2]])
+    typical = float(spread.sort().values[m // 2])  # fewer than half above it: a minority is far
+    seed = spread.argmin().view(1)
+    members = torch.cat([seed, others[seed[0]].argsort(stable=True)[: m // 2]])
     a = torch.zeros(m, dtype=torch.float64).index_fill_(0, members, 1 / len(members))
     ga = g @ a
-    far = (sq - 2 * ga + a @ ga).clamp_(min=0).sqrt_() / typical  # 0 / 0: NaN, neither far nor clipped
+    far = (sq - 2 * ga + a @ ga).clamp_(min=0).sqrt_() / typical  # 0 / 0: NaN, never far
     cos = ga / (sq * (a @ ga)).sqrt()
     out = (far > ratio) & ((cos < 0) | (sq.sqrt() > SCALED * sq.sqrt().median()))
     out[members] = False  # never a member of the centre: never a majority
@@ -67,7 +71,7 @@ def judge(gram: torch.Tensor, *, ratio: float) -> Verdict:
     gone = {int(sent[i]): (float(far[i]), float(cos[i])) for i in torch.nonzero(out).flatten()}
     if not bool(clipped.any()):
         return Verdict(gone, None, m)
-    lam = torch.where(clipped, ratio / far, 1.0)[~out]  # the share of its offset from the centre each keeps
+    lam = torch.where(clipped, ratio / far, 1.0)[~out]  # the share of its offset each one keeps
     weights = torch.zeros(gram.shape[0], dtype=torch.float64)
     weights[sent[~out]] = lam / len(lam) + a[~out] * (1 - lam.mean())
     return Verdict(gone, weights, m)

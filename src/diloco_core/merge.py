@@ -26,7 +26,8 @@ so on a transport that cuts the values into parts (hivemind, torch on its scatte
 out of the parts where it is one.
 
 A contribution's weight is shaped in three places, one home each: its work (``guard.py``: w Δ sent, divided by
-Σ w), this rule (left out, clipped or not), and RDA (``directions.py``: each tensor's norm and direction averaged apart).
+Σ w), this rule (left out, clipped or not), and RDA (``directions.py``: each tensor's norm and
+direction averaged apart).
 """
 
 from __future__ import annotations
