@@ -92,16 +92,18 @@ class DiLoCoConfig:
     """The norm guard (``diloco_core.guard``): clip each worker's pseudo-gradient, and the round's mean, to
     this many times their norms in the last round it did not clip. Unset: off. A number > 1 (e.g. 4)."""
     merge: str = field(default="robust", metadata=choice(MERGE_RULES))
-    """How a round's contributions become its update (``diloco_core.merge``): ``robust`` leaves out a
-    contribution whose distance to its nearest majority is more than ``outlier_ratio`` times the median such
-    distance, or at a negative cosine with a majority of the others (3 contributors or more), and averages the
-    rest; where none is left out, the plain mean bit for bit. ``mean``: the plain mean (``MERGE_RULES``)."""
+    """How a round's contributions become its update (``diloco_core.merge``): ``robust`` (3 contributors or
+    more) clips a contribution farther than ``outlier_ratio`` median spreads from the centre of the tightest
+    majority to that radius, and leaves it out only if it is also flipped against the centre or over 100x the
+    median norm (``diloco_core.judge``); where none is clipped or left out, the plain mean bit for bit.
+    ``mean``: the plain mean (``MERGE_RULES``)."""
     rda: bool = field(default=False, metadata=boolean())
     """Radial-directional averaging (``diloco_core.directions``): each tensor's update is the workers' mean norm
     along their mean unit direction, not the plain mean, whose length shrinks towards 1/√M of theirs as M workers
     partly disagree: for many workers, or an outer lr that should not depend on M. Not with ``overlap = "eager"``."""
     outlier_ratio: float = field(default=3.0, metadata=number(gt=1, noun="a finite number"))
-    """``merge = "robust"``: how many times the median spread a contribution's spread may be (``diloco_core.merge``)."""
+    """``merge = "robust"``: the radius, in median spreads from the centre, beyond which a contribution is
+    clipped (``diloco_core.judge``)."""
     overlap: str = field(default="none", metadata=choice(OVERLAP_MODES))
     """``none`` (every worker waits for the round's mean), ``streaming`` (the model's fragments one after another,
     each reduce behind ``overlap_steps`` inner steps) or ``eager`` (the round's reduce behind the next
