@@ -1,25 +1,26 @@
-"""Honest workers on different data: does the default (robust) merge leave an honest worker out, and does it cost
-the global model anything against the plain mean?
+"""Honest workers on different data: does the default (robust) merge leave an honest worker out,
+and does it cost the global model anything against the plain mean?
 
-Not part of the test run. 4 in-process workers, each on its own domain of the standard library source the trainer
-reads by default, split by package family (``DOMAINS``):
+Not part of the test run. 4 in-process workers, each on its own domain of the standard library
+source the trainer reads by default, split by package family (``DOMAINS``):
 
 - ``encodings``: the codecs package (mostly charmap tables);
-- ``net``: networking, concurrency and data formats (asyncio, concurrent, email, html, http, json, logging,
-  multiprocessing, urllib, wsgiref, xml, xmlrpc);
-- ``tools``: tooling and GUIs (ctypes, curses, distutils, ensurepip, idlelib, importlib, lib2to3, pydoc_data,
-  tkinter, turtledemo, unittest, venv);
-- ``modules``: everything else (the top-level modules, re, collections, zoneinfo, tomllib, dbm, sqlite3, ...).
+- ``net``: networking, concurrency and data formats (asyncio, concurrent, email, html, http, json,
+  logging, multiprocessing, urllib, wsgiref, xml, xmlrpc);
+- ``tools``: tooling and GUIs (ctypes, curses, distutils, ensurepip, idlelib, importlib, lib2to3,
+  pydoc_data, tkinter, turtledemo, unittest, venv);
+- ``modules``: the rest (the top-level modules, re, collections, zoneinfo, tomllib, dbm, ...).
 
-Each domain's documents go to train or validation by the trainer's own hash rule; its training tokens are cut to
-the smallest domain's length, so worker r's shard (``Corpus.shard``) is domain r exactly, and the run's validation
-set is every domain's, cut to the same length (the trainer's eval weighs them alike). Every run is the trainer's
-default run but for ``--steps`` and ``diloco.merge``; the final global model is also evaluated on each domain's
-validation tokens. Each round's merge is recorded (``merges.jsonl`` in the run folder): the contributions' norms and
-cosines, who was left out, and whether the result differs from the plain mean of those kept (a contribution whose
-influence the rule bounded: "clipped").
+Each domain's documents go to train or validation by the trainer's own hash rule; its training
+tokens are cut to the smallest domain's length, so worker r's shard (``Corpus.shard``) is domain r
+exactly, and the run's validation set is every domain's, cut to the same length (the trainer's eval
+weighs them alike). Every run is the trainer's default run but for ``--steps``, ``diloco.merge`` and
+``--set``; the final global model is also evaluated on each domain's validation tokens. Each
+round's merge is recorded (``merges.jsonl`` in the run folder): the contributions' norms and
+cosines, who was left out, and whether the result differs from the plain mean of those kept (the
+rule bounded a contribution: "clipped").
 
-    python bench/noniid.py --out runs/noniid                 # robust (default) and mean, seeds 0, 1, 2
+    python bench/noniid.py --out runs/noniid      # robust (default) and mean, seeds 0, 1, 2
     python bench/noniid.py --out runs/noniid --rules robust --seeds 0
 
 A run already finished in ``--out`` is read back, not rerun.
@@ -45,7 +46,8 @@ from diloco_train.plot import read_metrics
 from diloco_train.train import train
 
 NET = "asyncio concurrent email html http json logging multiprocessing urllib wsgiref xml xmlrpc"
-TOOLS = "ctypes curses distutils ensurepip idlelib importlib lib2to3 pydoc_data tkinter turtledemo unittest venv"
+TOOLS = "ctypes curses distutils ensurepip idlelib importlib lib2to3 pydoc_data tkinter turtledemo"
+TOOLS += " unittest venv"
 DOMAINS: dict[str, frozenset[str] | None] = {
     "encodings": frozenset({"encodings"}),
     "net": frozenset(NET.split()),
@@ -61,13 +63,14 @@ def domain_of(name: str) -> str:
 
 
 def domain_corpus(val_fraction: float = 0.05) -> tuple[Corpus, dict[str, torch.Tensor]]:
-    """The corpus whose shard r (of 4) is domain r's training tokens, and each domain's validation tokens."""
+    """The corpus whose shard r (of 4) is domain r's training tokens; each domain's validation."""
     docs, vocab, _ = stdlib_source(stdlib_root())
     train_docs: dict[str, list] = {d: [] for d in DOMAINS}
     val_docs: dict[str, list] = {d: [] for d in DOMAINS}
     for name, data in docs:
         if data:
-            (val_docs if is_val(name, val_fraction) else train_docs)[domain_of(name)].append((name, data))
+            split = val_docs if is_val(name, val_fraction) else train_docs
+            split[domain_of(name)].append((name, data))
 
     def tokens(found: list) -> torch.Tensor:
         found.sort(key=lambda d: digest(d[0]))  # as the trainer orders them
@@ -88,8 +91,8 @@ def domain_corpus(val_fraction: float = 0.05) -> tuple[Corpus, dict[str, torch.T
 
 
 def verdicts(merges: list[dict], workers: int) -> dict:
-    """A run's merge accounting: rounds, rounds that left an honest worker out (every worker here is honest),
-    rounds whose result the rule bounded, the most a contribution was left out or bounded."""
+    """A run's merge accounting: rounds, rounds that left an honest worker out (every worker here is
+    honest), rounds whose result the rule bounded, the most rounds one worker was left out of."""
     rounds = [m for m in merges if m["k"] == workers]
     left = [m for m in rounds if m["left_out"]]
     clipped = [m for m in rounds if m["clipped"]]
@@ -106,7 +109,7 @@ def verdicts(merges: list[dict], workers: int) -> dict:
 
 
 class Recorder:
-    """Wraps ``Merge.of`` for one run: records every round's merge (one with ``judged``) to ``path``."""
+    """Wraps ``Merge.of`` for one run: writes each round's merge (``judged`` set) to ``path``."""
 
     def __init__(self, path: Path) -> None:
         self.path, self.original = path, merge_module.Merge.of
@@ -116,13 +119,15 @@ class Recorder:
         original, path = self.original, self.path
 
         def of(merge, payloads, *, codec, out, scratch=None, start=0, who=()):
-            left_out = original(merge, payloads, codec=codec, out=out, scratch=scratch, start=start, who=who)
+            kw = {"codec": codec, "out": out, "scratch": scratch, "start": start, "who": who}
+            left_out = original(merge, payloads, **kw)
             if merge.judged is None:
                 return left_out
             n = merge.judged - start
             names = list(who) or [str(i) for i in range(len(payloads))]
             gone = {o.who for o in left_out}
-            rows = torch.stack([codec.decode(p, torch.empty(out.numel()))[:n] for p in payloads]).double()
+            rows = [codec.decode(p, torch.empty(out.numel()))[:n] for p in payloads]
+            rows = torch.stack(rows).double()
             kept = [p for p, name in zip(payloads, names) if name not in gone]
             plain = codec.mean_of(kept, torch.empty_like(out))[:n]
             gram = rows @ rows.T
@@ -146,7 +151,7 @@ class Recorder:
 
 
 def run(args: argparse.Namespace, *, rule: str, seed: int, corpus: Corpus, vals: dict) -> dict:
-    """One run (read back if finished): final eval loss overall and per domain, and its merge accounting."""
+    """One run (read back if finished): its final eval, overall and per domain, and its merges."""
     run_dir = Path(args.out) / f"{rule}-s{seed}"
     result = run_dir / "noniid.json"
     if result.is_file():
@@ -186,19 +191,21 @@ def run(args: argparse.Namespace, *, rule: str, seed: int, corpus: Corpus, vals:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    raw = argparse.RawDescriptionHelpFormatter
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=raw)
     p.add_argument("--out", default="runs/noniid")
     p.add_argument("--steps", type=int, default=240, help="inner steps per worker (train.steps)")
-    p.add_argument("--rules", default="robust,mean", help="comma-separated diloco.merge values; the last: baseline")
+    p.add_argument("--rules", default="robust,mean", help="diloco.merge values; the last: baseline")
     p.add_argument("--seeds", default="0,1,2")
-    p.add_argument("--set", action="append", default=[], help="a further trainer override, key=value")
+    p.add_argument("--set", action="append", default=[], help="a trainer override, key=value")
     args = p.parse_args(argv)
     corpus, vals = domain_corpus()
     rules = args.rules.split(",")
     seeds = [int(s) for s in args.seeds.split(",")]
     rows = [run(args, rule=r, seed=s, corpus=corpus, vals=vals) for s in seeds for r in rules]
     base = {r["seed"]: r for r in rows if r["rule"] == rules[-1]}
-    print(f"| rule | seed | eval | {' | '.join(DOMAINS)} | rounds left out | clipped | most left out (one worker) |")
+    names = " | ".join(DOMAINS)
+    print(f"| rule | seed | eval | {names} | rounds left out | clipped | most of one worker |")
     print("|---" * (len(DOMAINS) + 6) + "|")
     worst = 0.0
     for r in rows:
@@ -207,14 +214,16 @@ def main(argv: list[str] | None = None) -> int:
             worst = max(worst, *rel.values())
         cells = " | ".join(f"{r['domains'][d]:.4f} ({rel[d]:+.2%})" for d in DOMAINS)
         print(
-            f"| {r['rule']} | {r['seed']} | {r['eval']:.4f} | {cells} | {r['left_out_rounds']}/{r['rounds']} "
-            f"| {r['clipped_rounds']}/{r['rounds']} | {r['most_left_out']} |"
+            f"| {r['rule']} | {r['seed']} | {r['eval']:.4f} | {cells} "
+            f"| {r['left_out_rounds']}/{r['rounds']} | {r['clipped_rounds']}/{r['rounds']} "
+            f"| {r['most_left_out']} |"
         )
     judged = [r for r in rows if r["rule"] != rules[-1]]
     left = sum(r["left_out_rounds"] for r in judged)
     total = sum(r["rounds"] for r in judged) or 1
     print(f"worst domain against {rules[-1]}: {worst:+.2%} (target: <= +0.5%)")
-    print(f"rounds that left an honest worker out: {left}/{total} = {left / total:.1%} (target: <= 2%)")
+    share = f"{left}/{total} = {left / total:.1%}"
+    print(f"rounds that left an honest worker out: {share} (target: <= 2%)")
     print(f"spread of the final eval over seeds: {statistics.pstdev(r['eval'] for r in rows):.4f}")
     return 0
 
