@@ -1,6 +1,7 @@
-"""A peer whose part exchange always fails, and a survivor left alone (issue 43), on hivemind peers over 127.0.0.1:
-the others retry the round without the failing peer, bench it (one line names it) and go on at their earlier
-pace; a peer that averaged alone stops waiting for the peer that left (one line names it)."""
+"""A peer whose part exchange always fails, and a survivor left alone (issue 43), on hivemind peers
+over 127.0.0.1: the others retry the round without the failing peer, bench it (one line names it)
+and go on at their earlier pace; a peer that averaged alone stops waiting for the peer that left
+(one line names it)."""
 
 from __future__ import annotations
 
@@ -22,19 +23,21 @@ pytest.importorskip("hivemind")
 
 N = 64
 MATCHMAKING = 5.0
-"""A round that waits for a peer that never comes takes 2 x this; the rounds here take well under 1 s."""
+"""A round that waits for a peer that never comes takes 2 x this; the rounds here take well under
+1 s."""
 BEFORE, FAILING = 2, 3
 """Rounds before the fault, and the round it begins in (it then lasts to the end)."""
 
 
 def _grad(rank: int) -> torch.Tensor:
-    return torch.randn(N, generator=torch.Generator().manual_seed(90 + rank)) * 0.01 + 0.02 * (rank + 1)
+    g = torch.Generator().manual_seed(90 + rank)
+    return torch.randn(N, generator=g) * 0.01 + 0.02 * (rank + 1)
 
 
 def _peers(n: int, *, faults: dict[int, HivemindFaults], name: str) -> list[HivemindTransport]:
     """``n`` peers, ``target_group_size`` n (docs/wan.md's command sets it), ``faults`` by rank."""
-    cfg = {"run_id": f"{name}-{os.getpid()}", "secret": "s", **FAST, "matchmaking_time": MATCHMAKING}
-    cfg |= {"target_group_size": n}
+    cfg = {"run_id": f"{name}-{os.getpid()}", "secret": "s", **FAST}
+    cfg |= {"matchmaking_time": MATCHMAKING, "target_group_size": n}
     peers = [HivemindTransport(HivemindConfig(**cfg), faults=faults.get(0))]
     for r in range(1, n):
         config = HivemindConfig(**cfg, initial_peers=peers[0].join_addresses)
@@ -43,12 +46,18 @@ def _peers(n: int, *, faults: dict[int, HivemindFaults], name: str) -> list[Hive
 
 
 def _rounds(t: HivemindTransport, *, rank: int, rounds: int, before_round: dict) -> list:
-    """DiLoCo, one inner step a round on ``_grad(rank)``; ``before_round[(rank, r)]()`` runs before round r.
-    Each round: ("ok", contributors, seconds) or ("error", message, seconds); a survivor stops at an error."""
+    """DiLoCo, one inner step a round on ``_grad(rank)``; ``before_round[(rank, r)]()`` runs before
+    round r. Each round: ("ok", contributors, seconds) or ("error", message, seconds); a survivor
+    stops at an error."""
     model = torch.nn.Linear(1, N, bias=False)
     opt = torch.optim.SGD(model.parameters(), lr=1.0)
     config = DiLoCoConfig(
-        inner_steps=1, outer_lr=1.0, outer_momentum=0.0, merge="mean", round_retries=0, reduce_timeout=t.own_timeout
+        inner_steps=1,
+        outer_lr=1.0,
+        outer_momentum=0.0,
+        merge="mean",
+        round_retries=0,
+        reduce_timeout=t.own_timeout,
     )
     dl = DiLoCo(model, opt, t, config)
     out: list = []
@@ -63,7 +72,8 @@ def _rounds(t: HivemindTransport, *, rank: int, rounds: int, before_round: dict)
             if before_round.get("faulty") != rank:
                 break
             continue
-        out.append(("ok", None if report is None else report.num_contributors, time.monotonic() - start))
+        contributors = None if report is None else report.num_contributors
+        out.append(("ok", contributors, time.monotonic() - start))
     out.append(("params", dl.global_params[0].detach().clone()))
     return out
 
@@ -76,8 +86,8 @@ def _name(peer: HivemindTransport) -> str:
 
 
 def _with_a_failing_peer(n: int, tmp_path, rounds: int) -> tuple[list, str]:
-    """``n`` peers; the last one's part exchange fails from round ``FAILING`` on: each peer's rounds, and the
-    failing peer's name."""
+    """``n`` peers; the last one's part exchange fails from round ``FAILING`` on: each peer's
+    rounds, and the failing peer's name."""
     flag = str(tmp_path / "fail")
     faulty = n - 1
     faults = {faulty: HivemindFaults(exchange_fails=lambda: os.path.exists(flag))}
@@ -98,21 +108,24 @@ def _with_a_failing_peer(n: int, tmp_path, rounds: int) -> tuple[list, str]:
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("n", [3, 4])
-def test_the_others_retry_without_a_peer_whose_exchanges_fail_bench_it_and_go_on(n, tmp_path, caplog):
+def test_the_others_retry_without_a_failing_peer_bench_it_and_go_on(n, tmp_path, caplog):
     caplog.set_level(logging.WARNING, logger="transports.hivemind")
     rounds = FAILING + 3
     results, faulty = _with_a_failing_peer(n, tmp_path, rounds)
     survivors = results[: n - 1]
     for out in survivors:
         steps = [o for o in out if o[0] != "params"]
-        assert [o[0] for o in steps] == ["ok"] * rounds, steps  # no round failed, the failing one included
+        # no round failed, the failing one included
+        assert [o[0] for o in steps] == ["ok"] * rounds, steps
         assert [o[1] for o in steps] == [n] * BEFORE + [n - 1] * (rounds - BEFORE), steps
         before = max(o[2] for o in steps[1:BEFORE])  # the first round waits for the peers' start-up
-        # within 2 rounds of the fault, back to the pace before (a round that waited for it: 2 x MATCHMAKING)
+        # within 2 rounds of the fault, back to the pace before (a round that waited for it: 2 x
+        # MATCHMAKING)
         assert all(o[2] < max(1.5 * before, MATCHMAKING / 2) for o in steps[FAILING + 1 :]), steps
     params = [out[-1][1] for out in survivors]
     assert all(torch.equal(params[0], p) for p in params[1:])
-    benched = [r.getMessage() for r in caplog.records if "failed its part exchange" in r.getMessage()]
+    lines = [r.getMessage() for r in caplog.records]
+    benched = [m for m in lines if "failed its part exchange" in m]
     assert len(benched) == n - 1, benched  # one line on each survivor, naming the same peer
     assert all(m.split()[1] == faulty for m in benched), benched
     assert f"{BENCH_MATCHMAKINGS * MATCHMAKING:.0f} s" in benched[0]
@@ -120,9 +133,9 @@ def test_the_others_retry_without_a_peer_whose_exchanges_fail_bench_it_and_go_on
 
 @pytest.mark.timeout(120)
 def test_a_survivor_left_alone_stops_waiting_for_the_peer_that_left(caplog):
-    """Two peers, ``target_group_size`` 2 (docs/wan.md); one closes after round 2 (Ctrl+C closes it so). The
-    survivor's first round after it waits out matchmaking and averages alone; the next goes alone at once, and
-    one line names the peer that left."""
+    """Two peers, ``target_group_size`` 2 (docs/wan.md); one closes after round 2 (Ctrl+C closes it
+    so). The survivor's first round after it waits out matchmaking and averages alone; the next goes
+    alone at once, and one line names the peer that left."""
     caplog.set_level(logging.WARNING, logger="transports.hivemind")
     peers = _peers(2, faults={}, name="alone")
     gone = _name(peers[1])
@@ -130,7 +143,8 @@ def test_a_survivor_left_alone_stops_waiting_for_the_peer_that_left(caplog):
     try:
 
         def body(rank: int) -> None:
-            results[rank] = _rounds(peers[rank], rank=rank, rounds=2 if rank else 5, before_round={})
+            rounds = 2 if rank else 5
+            results[rank] = _rounds(peers[rank], rank=rank, rounds=rounds, before_round={})
             if rank:
                 peers[1].close()
 
@@ -140,14 +154,16 @@ def test_a_survivor_left_alone_stops_waiting_for_the_peer_that_left(caplog):
             p.close()
     steps = [o for o in results[0] if o[0] != "params"]
     assert [o[:2] for o in steps] == [("ok", 2)] * 2 + [("ok", 1)] * 3, steps
-    assert all(o[2] < MATCHMAKING for o in steps[3:]), steps  # without the fix: 2 x MATCHMAKING each
+    # without the fix: 2 x MATCHMAKING each
+    assert all(o[2] < MATCHMAKING for o in steps[3:]), steps
     left = [r.getMessage() for r in caplog.records if "left the swarm's rounds" in r.getMessage()]
     assert len(left) == 1 and gone in left[0], left
 
 
 def test_the_group_blames_whom_most_reports_blame_and_a_peer_that_saw_everyone_fail():
     a, b, c, x = 0, 1, 2, 3
-    assert culprits(3, {a: {2}, b: {2}, 2: {a, b}}) == {2}  # everyone failed it: its own report is void
+    # everyone failed it: its own report is void
+    assert culprits(3, {a: {2}, b: {2}, 2: {a, b}}) == {2}
     assert culprits(3, {2: {a, b}}) == {2}  # the failing peer knows it alone
     assert culprits(2, {a: {1}, 1: {a}}) == set()  # two peers see alike: nobody to blame
     # a late honest part (a loaded machine) blamed by one report: only the failing peer is to blame
@@ -161,11 +177,13 @@ def test_a_report_is_read_only_as_indices_of_the_group():
     assert read_report(bytes([5]), size=3, sender=0) == set()  # out of the group
     assert read_report(bytes([0]), size=3, sender=0) == set()  # itself
     assert read_report(bytes([1, 1]), size=3, sender=0) == set()  # twice
-    assert read_report(bytes([1, 2, 0]), size=3, sender=0) == set()  # longer than the group's others
+    # longer than the group's others
+    assert read_report(bytes([1, 2, 0]), size=3, sender=0) == set()
 
 
 def test_the_culprits_cross_the_pipe_typed():
     import pickle
 
     e = pickle.loads(pickle.dumps(ExchangeFailed((b"\x01\x02",), "round not committed")))
-    assert isinstance(e, ExchangeFailed) and e.culprits == (b"\x01\x02",) and str(e) == "round not committed"
+    assert isinstance(e, ExchangeFailed) and e.culprits == (b"\x01\x02",)
+    assert str(e) == "round not committed"

@@ -1,5 +1,5 @@
-"""Strikes (transports/hivemind/strikes.py): a peer left out of 3 of its last 10 rounds, or whose part exchange
-failed, is benched for a while."""
+"""Strikes (transports/hivemind/strikes.py): a peer left out of 3 of its last 10 rounds, or whose
+part exchange failed, is benched for a while."""
 
 from __future__ import annotations
 
@@ -20,14 +20,14 @@ def test_three_left_outs_of_the_last_ten_rounds_bench_a_peer_until_its_time_is_u
     strikes = Strikes(after=3, window=10, seconds=60.0, clock=lambda: now[0])
     group = ["a", "b", "x"]
     for left_out in (["x"], [], [], [], [], [], [], [], [], [], ["x"], [], ["x"]):
-        strikes.round(group, left_out)  # the first left-out is 12 rounds back by the third: 2 of the last 10
+        # the first left-out is 12 rounds back by the third: 2 of the last 10
+        strikes.round(group, left_out)
     assert not strikes.benched("x")
     with caplog.at_level(logging.WARNING, logger="transports.hivemind.strikes"):
         strikes.round(group, ["x"])  # 3 of the last 10, not in a row
     assert strikes.benched("x") and not strikes.benched("a")
-    assert [r.getMessage() for r in caplog.records] == [
-        "peer x was left out by the robust merge in 3 of its last 10 rounds: left out of matchmaking for 60 s"
-    ]
+    said = "peer x was left out by the robust merge in 3 of its last 10 rounds: "
+    assert [r.getMessage() for r in caplog.records] == [said + "left out of matchmaking for 60 s"]
     now[0] = 59.0
     assert strikes.benched("x")
     now[0] = 60.0

@@ -27,10 +27,11 @@ One all-reduce (``HivemindTransport.all_reduce``) runs in phases:
    groupmates reported ok with its own digest; a lost peer or a partial all-reduce (hivemind fills a
    dead reducer's slice with local values) fails the attempt on every survivor, and the round is
    retried among the survivors until ``averaging_timeout + 4 * matchmaking_time`` has passed; after
-   a failed attempt a peer never falls back to averaging alone (the others may regroup or give up). A
-   peer that failed sends, instead of its digest, the groupmates it saw fail; a peer most reports blame
-   (``blame``) is benched and not waited for: the retry and the rounds after go on without it, one line
-   names it; a peer that saw every groupmate fail blames itself and averages alone while benched;
+   a failed attempt a peer never falls back to averaging alone (the others may regroup or give
+   up). A peer that failed sends, instead of its digest, the groupmates it saw fail; a peer most
+   reports blame (``blame``) is benched and not waited for: the retry and the rounds after go on
+   without it, one line names it; a peer that saw every groupmate fail blames itself and averages
+   alone while benched;
 5. on commit the mean is copied into the caller's tensors and the state tag advances; otherwise they
    are untouched and ``TransportError`` is raised, so DiLoCo keeps its state and the caller may retry.
 
@@ -66,8 +67,8 @@ with ``codec.check``: shape, dtype, finite non-negative scales).
 One concept per module: ``config`` (HivemindConfig), ``transport`` (HivemindTransport), ``attempts`` (a
 reduce's attempts: whom and how long it waits, retries, catching up), ``attempt`` (one attempt, phases 1 and
 5), ``grace`` (a quorum's grace windows), ``swarm`` (presence: whom a reduce waits for, a joiner's phase),
-``averager`` (phases 2 and 4), ``confirm`` (phase 4), ``blame`` (whom a failed exchange blames: the retry goes
-without it), ``strikes`` (benches), ``reducer`` (phase 3), ``block_runner`` (phase 3 for block codecs),
+``averager`` (phases 2 and 4), ``confirm`` (phase 4), ``blame`` (whom a failed exchange blames:
+the retry goes without it), ``strikes`` (benches), ``reducer`` (phase 3), ``block_runner`` (phase 3 for block codecs),
 ``state_tag`` (the state tag and the stale verdict), ``tracked_state`` (a peer's tag, re-sync),
 ``state_server`` (state for joiners), ``checks`` (received tensors), ``handle`` (what all_reduce
 returns), ``deadlines`` (every deadline of a reduce, from two settings), ``resources`` (processes, close), ``faults`` (HivemindFaults, for tests), ``requirement``

@@ -83,9 +83,11 @@ class Attempts:
             if outcome.abandoned:  # another attempt would feed a group values its caller has taken back
                 raise TransportError("hivemind all_reduce: its caller gave up; no further attempt")
             try:
-                # No other peer is at this reduce: my own values (a round with target_group_size waits for it);
-                # or this peer's exchanges failed with every groupmate (blame.py): alone while benched.
-                lone = expected == 1 and tries == 1 and not (tracked and cfg.target_group_size and target != 1)
+                # No other peer is at this reduce: my own values (a round with target_group_size waits
+                # for it); or this peer's exchanges failed with every groupmate (blame.py): alone while
+                # benched.
+                waits = tracked and cfg.target_group_size and target != 1
+                lone = expected == 1 and tries == 1 and not waits
                 if lone or self._swarm.sits_out():
                     fill(averager, tensors)
                     why = "no other peer of the run is at it" if lone else "this peer is benched"
@@ -108,7 +110,8 @@ class Attempts:
                 if not isinstance(e, RETRYABLE):  # a bug or a setup error: retrying would only delay it
                     raise TransportError(f"hivemind all_reduce failed: {type(e).__name__}: {e}") from e
                 out = None
-                if isinstance(e, ExchangeFailed):  # the peers it blames: benched, the retry goes without them
+                # The peers it blames: benched, the retry goes without them.
+                if isinstance(e, ExchangeFailed):
                     self._swarm.bench(e.culprits, reason=str(e))
                     expected = self._swarm.expected(key, tracked=tracked, timeout=limits.presence)
                     target = self._swarm.target(expected, configured=cfg.target_group_size)

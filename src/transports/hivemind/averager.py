@@ -80,7 +80,8 @@ class Averager(Presence, Confirmations, DecentralizedAverager):
         self._refused = Throttle("refused the state to peers without a presence record of the run (yet)")
         self._benched = Throttle("turned away join requests of peers left out of matchmaking (strikes.py)")
         super().__init__(**kwargs)
-        self.strikes = Strikes(seconds=BENCH_MATCHMAKINGS * self.matchmaking_kwargs["min_matchmaking_time"])
+        bench = BENCH_MATCHMAKINGS * self.matchmaking_kwargs["min_matchmaking_time"]
+        self.strikes = Strikes(seconds=bench)
 
     def run(self) -> None:
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl+C is the parent's: it closes us cleanly
@@ -204,7 +205,8 @@ class Averager(Presence, Confirmations, DecentralizedAverager):
             peers = [p.to_bytes() for p in group_info.peer_ids]
             done = self._groups[group_id]
             return {k: done[k] for k in ("digest", "sent", "received", "left_out")} | {"peers": peers, "spread": spread}
-        except MatchmakingException as e:  # hivemind wraps every failure: whom the group blames goes out typed
+        # hivemind wraps every failure: whom the group blames goes out typed
+        except MatchmakingException as e:
             blamed = e.__context__
             if not isinstance(blamed, ExchangeFailed):
                 raise
@@ -246,7 +248,12 @@ class Averager(Presence, Confirmations, DecentralizedAverager):
         digest = b"" if error else runner.digest()
         deadline = self._groups[group_id]["deadline"]
         await self._confirm(
-            group_info.peer_ids, group_id, error=error, digest=digest, deadline=deadline, failed=runner.blamed
+            group_info.peer_ids,
+            group_id,
+            error=error,
+            digest=digest,
+            deadline=deadline,
+            failed=runner.blamed,
         )
         left_out = [(o.who, o.ratio, o.cosine) for o in combined(runner.left_out)]  # plain values, to the transport
         if not error:

@@ -1,15 +1,17 @@
-"""Whose part exchange failed a round: the groupmates a peer's runner saw fail (``reducer.Runner.blamed``: a
-reducer that answered with an error or not in time, a sender that sent nothing in time or broke off), sent with
-its confirmation (``confirm``: its *report*), and the group's verdict from the reports (``culprits``), carried to
-the transport typed (``ExchangeFailed``).
+"""Whose part exchange failed a round: the groupmates a peer's runner saw fail
+(``reducer.Runner.blamed``: a reducer that answered with an error or not in time, a sender that sent
+nothing in time or broke off), sent with its confirmation (``confirm``: its *report*), and the
+group's verdict from the reports (``culprits``), carried to the transport typed
+(``ExchangeFailed``).
 
-Each groupmate's view alone may be wrong (on a loaded machine an honest peer's part can be late), so a peer is
-to blame only if most groupmates that reported blame it: at least 2, and more than half of the reports besides
-its own. A report that blames every other member (two at least) is void, and its sender is to blame: everyone
-failed it, so the fault is its own (the peer whose exchanges fail sees every groupmate fail; they see it fail).
-In a group of two the peers' views are alike (each saw the other fail): nobody is blamed and the round is
-retried as before. Every groupmate waits for the reports of the groupmates it did not see fail (those it saw
-fail may never answer, a dead peer's never comes), so the groupmates that matter reach the same verdict.
+Each groupmate's view alone may be wrong (on a loaded machine an honest peer's part can be late), so
+a peer is to blame only if most groupmates that reported blame it: at least 2, and more than half of
+the reports besides its own. A report that blames every other member (two at least) is void, and its
+sender is to blame: everyone failed it, so the fault is its own (the peer whose exchanges fail sees
+every groupmate fail; they see it fail). In a group of two the peers' views are alike (each saw the
+other fail): nobody is blamed and the round is retried as before. Every groupmate waits for the
+reports of the groupmates it did not see fail (those it saw fail may never answer, a dead peer's
+never comes), so the groupmates that matter reach the same verdict.
 """
 
 from __future__ import annotations
@@ -23,15 +25,16 @@ __all__ = ["ExchangeFailed", "culprits", "read_report", "report"]
 
 
 def report(peers: Sequence[Any], failed: Collection[Any]) -> bytes:
-    """The report of a peer whose runner saw ``failed`` fail: their indices in the group, one byte each."""
+    """The report of a peer whose runner saw ``failed`` fail: their indices in the group, one byte
+    each."""
     if len(peers) > 256:
         return b""  # not expressible in a byte: nobody blamed
     return bytes(i for i, p in enumerate(peers) if p in failed)
 
 
 def read_report(payload: bytes, *, size: int, sender: int) -> frozenset[int]:
-    """A groupmate's report as received (nothing received is trusted): the indices it blames, none if it is
-    malformed (an index out of the group's ``size``, its own, or one twice)."""
+    """A groupmate's report as received (nothing received is trusted): the indices it blames, none
+    if it is malformed (an index out of the group's ``size``, its own, or one twice)."""
     got = list(payload)
     if len(got) >= size or len(set(got)) != len(got) or any(i >= size or i == sender for i in got):
         return frozenset()
@@ -39,11 +42,12 @@ def read_report(payload: bytes, *, size: int, sender: int) -> frozenset[int]:
 
 
 def culprits(size: int, reports: Mapping[int, Collection[int]]) -> frozenset[int]:
-    """The members (indices) of a group of ``size`` to blame, from the ``reports`` received, by sender index
-    (see the module docstring)."""
+    """The members (indices) of a group of ``size`` to blame, from the ``reports`` received, by
+    sender index (see the module docstring)."""
     if size < 3:
         return frozenset()
-    void = {s for s, r in reports.items() if len(r) == size - 1}  # everyone failed it: its own fault
+    # everyone failed it: its own fault
+    void = {s for s, r in reports.items() if len(r) == size - 1}
     voters = {s: r for s, r in reports.items() if s not in void}
     guilty = set(void)
     for m in range(size):
@@ -55,10 +59,11 @@ def culprits(size: int, reports: Mapping[int, Collection[int]]) -> frozenset[int
 
 
 class ExchangeFailed(AllreduceException):
-    """A round's exchange failed and this peer holds ``culprits`` (peer ids, bytes) to blame: the transport
-    retries without them (or, if this peer is the culprit, averages alone while benched: ``swarm.Swarm.bench``).
-    Raised in the averager's process, it reaches the transport through hivemind's pipe, pickled: its ``args``
-    are (culprits, message), so that it unpickles as itself."""
+    """A round's exchange failed and this peer holds ``culprits`` (peer ids, bytes) to blame: the
+    transport retries without them (or, if this peer is the culprit, averages alone while benched:
+    ``swarm.Swarm.bench``). Raised in the averager's process, it reaches the transport through
+    hivemind's pipe, pickled: its ``args`` are (culprits, message), so that it unpickles as
+    itself."""
 
     def __init__(self, culprits: tuple[bytes, ...], message: str) -> None:
         super().__init__(culprits, message)

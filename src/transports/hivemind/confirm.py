@@ -1,8 +1,8 @@
 """Phase 4 of a round, the confirmation: every peer sends (ok, digest of its result), MACed with the run's key,
 to every groupmate and commits only if all of them reported ok with its own digest (a lost peer, a partial
-all-reduce or a groupmate holding other bits fails the attempt on every member). A peer that failed sends,
-instead of a digest, its report of the groupmates it saw fail, and the group's verdict on whom to blame
-(``blame``) comes out typed (``ExchangeFailed``)."""
+all-reduce or a groupmate holding other bits fails the attempt on every member).
+A peer that failed sends, instead of a digest, its report of the groupmates it saw fail, and the
+group's verdict on whom to blame (``blame``) comes out typed (``ExchangeFailed``)."""
 
 import asyncio
 import hmac
@@ -63,9 +63,9 @@ class Confirmations:
         failed: Collection[Any] = (),
     ) -> None:
         """Send every groupmate (ok, ``digest``) and wait for theirs until ``deadline`` (monotonic); raise
-        ``AllreduceException`` unless every one of them reported ok with this very digest: ``ExchangeFailed``
-        where the group blames some of its members (``blame``). ``failed``: the groupmates this peer's runner
-        saw fail (reported instead of the digest, where it failed)."""
+        ``AllreduceException`` unless every one of them reported ok with this very digest:
+        ``ExchangeFailed`` where the group blames some of its members (``blame``). ``failed``: the
+        groupmates this peer's runner saw fail (reported instead of the digest, where it failed)."""
         others = [p for p in peer_ids if p != self.peer_id]
         if error is not None:
             digest = report(peer_ids, failed)
@@ -100,7 +100,8 @@ class Confirmations:
                 box["event"].clear()
                 left = deadline - time.monotonic()
                 if left <= 0:
-                    error = error or f"{sum(p not in got for p in others)} groupmate(s) never confirmed the result"
+                    silent = sum(p not in got for p in others)
+                    error = error or f"{silent} groupmate(s) never confirmed the result"
                     break
                 try:
                     await asyncio.wait_for(box["event"].wait(), left)

@@ -19,6 +19,6 @@ class HivemindFaults:
     """Replaces the mean part this peer, as a reducer, sends back to a groupmate (it keeps the true one); with a
     block codec, the other contributors' payloads of the part it sends back (uint8)."""
     exchange_fails: Callable[[], bool] | None = None
-    """Asked as each exchange of a part begins; True: this peer's part exchange fails (always, while it says
-    so): it sends its parts to no reducer (``AllreduceException`` at once), and as a reducer it answers every
-    groupmate's parts with an error (``reducer.Runner``)."""
+    """Asked as each exchange of a part begins; True: this peer's part exchange fails (always, while
+    it says so): it sends its parts to no reducer (``AllreduceException`` at once), and as a reducer
+    it answers every groupmate's parts with an error (``reducer.Runner``)."""

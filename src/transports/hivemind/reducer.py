@@ -108,7 +108,8 @@ class Runner(AllReduceRunner):
         self.wire = codec.elementwise_dtype  # parts of an element-wise payload are payloads of the parts
         self.faults = faults
         self.failures: list[str] = []
-        self.blamed: set[Any] = set()  # the groupmates (peer ids) seen failing: a sender or a reducer (blame.py)
+        # the groupmates (peer ids) seen failing: a sender or a reducer (blame.py)
+        self.blamed: set[Any] = set()
         self.tensor_part_reducer.finished.set()  # replaced before use: keep its finalizer quiet
         self.tensor_part_reducer = OrderedReducer(self.tensor_part_reducer.part_shapes, len(self.sender_peer_ids))
         container = self.tensor_part_container
@@ -164,7 +165,7 @@ class Runner(AllReduceRunner):
             yield msg
 
     def injected_failure(self) -> None:
-        """``HivemindFaults.exchange_fails``: this peer's exchange fails, as a sender and as a reducer."""
+        """``HivemindFaults.exchange_fails``: this peer's exchange fails (a sender's, a reducer's)."""
         fails = self.faults.exchange_fails
         if fails is not None and fails():
             raise AllreduceException("injected: this peer's part exchange fails")

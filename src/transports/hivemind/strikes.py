@@ -1,19 +1,21 @@
-"""``Strikes``: a peer the robust merge left out of ``after`` of its last ``window`` rounds, or whose part exchange
-failed a round, is left out of matchmaking a while.
+"""``Strikes``: a peer the robust merge left out of ``after`` of its last ``window`` rounds, or
+whose part exchange failed a round, is left out of matchmaking a while.
 
-The merge (``diloco_core.merge``) already keeps such a peer's contribution out of each round it is far in; this
-saves the swarm the peer's traffic and time too. Each averager counts, per groupmate, its strikes over the last
-``window`` rounds it was in: a round in which a part this averager merged left it out (``round``), or one whose
-exchange it failed (``failed``: it sent nothing, answered with an error, or relayed nothing in time; ``blame``).
-``after`` left-outs among its last ``window`` rounds bench it (honest diversity is left out now and then, an
-attacker in most rounds); a failed exchange benches it at once, since every attempt with it fails on every
-groupmate and the round's retry must go without it. A benched peer is left out for ``seconds``: as a leader,
-this averager turns its join requests away; in a group a benched peer leads (hivemind's followers choose their
-leader) this averager sends nothing and takes nothing from it (``state_tag.stale_verdict``'s ``distrusted``: the
-attempt is retried without it). With the block codecs every peer merges every part, so every peer benches the
-same peers; with the casts, the peers that reduced its parts do (a groupmate that did not bench it waits out the
-attempt's timeout). One log line names each bench and its reason (a failed exchange's: the transport's, which
-also stops waiting for the peer, ``swarm.Swarm.bench``).
+The merge (``diloco_core.merge``) already keeps such a peer's contribution out of each round it is
+far in; this saves the swarm the peer's traffic and time too. Each averager counts, per groupmate,
+its strikes over the last ``window`` rounds it was in: a round in which a part this averager merged
+left it out (``round``), or one whose exchange it failed (``failed``: it sent nothing, answered with
+an error, or relayed nothing in time; ``blame``). ``after`` left-outs among its last ``window``
+rounds bench it (honest diversity is left out now and then, an attacker in most rounds); a failed
+exchange benches it at once, since every attempt with it fails on every groupmate and the round's
+retry must go without it. A benched peer is left out for ``seconds``: as a leader, this averager
+turns its join requests away; in a group a benched peer leads (hivemind's followers choose their
+leader) this averager sends nothing and takes nothing from it (``state_tag.stale_verdict``'s
+``distrusted``: the attempt is retried without it). With the block codecs every peer merges every
+part, so every peer benches the same peers; with the casts, the peers that reduced its parts do (a
+groupmate that did not bench it waits out the attempt's timeout). One log line names each bench and
+its reason (a failed exchange's: the transport's, which also stops waiting for the peer,
+``swarm.Swarm.bench``).
 """
 
 from __future__ import annotations
@@ -47,7 +49,8 @@ class Strikes:
         if not 1 <= after <= window:
             raise ValueError(f"after={after!r}, window={window!r}: expected 1 <= after <= window")
         self.after, self.window, self.seconds, self.clock = after, window, seconds, clock
-        self._history: dict[str, deque[bool]] = {}  # per peer: its last rounds, True where it was struck
+        # per peer: its last rounds, True where it was struck
+        self._history: dict[str, deque[bool]] = {}
         self._until: dict[str, float] = {}
 
     def round(self, group: Iterable[str], left_out: Iterable[str]) -> None:
@@ -60,8 +63,8 @@ class Strikes:
             if peer in out and n >= self.after and not self.benched(peer):
                 self._bench(peer)
                 logger.warning(
-                    "peer %s was left out by the robust merge in %d of its last %d rounds: left out of "
-                    "matchmaking for %.0f s",
+                    "peer %s was left out by the robust merge in %d of its last %d rounds: "
+                    "left out of matchmaking for %.0f s",
                     peer,
                     n,
                     len(history),
@@ -69,8 +72,8 @@ class Strikes:
                 )
 
     def failed(self, peers: Iterable[str], reason: str) -> None:
-        """The exchange of a round failed with ``peers`` (``blame``): a strike each, and a bench at once (the
-        transport names them, with ``reason``)."""
+        """The exchange of a round failed with ``peers`` (``blame``): a strike each, and a bench at
+        once (the transport names them, with ``reason``)."""
         for peer in peers:
             self._history.setdefault(peer, deque(maxlen=self.window)).append(True)
             if not self.benched(peer):

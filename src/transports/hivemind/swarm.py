@@ -15,13 +15,13 @@ long its last round took. From that a peer knows, without waiting:
   whose presence record then went unrefreshed for longer than a live peer refreshes it (dead, or hung). It is
   not expected again until its record is refreshed, so a dead peer costs one round's matchmaking window, not
   one every round until its record expires (or, with ``target_group_size``, every round); one log line names
-  it and the round size now. A peer that averaged alone counts its round too: the peers it expected missed it
-  (a survivor left alone stops waiting for the peer that left). A live peer that sat a round out refreshes its
-  record: it stays expected;
-- which peers are benched (``bench``): a peer held to blame for a failed exchange (``blame``) is not waited for
-  while benched (its averager turns it away: ``strikes``), so the retry and the rounds after it go on without it;
-  one log line names it and why. Blamed itself (its exchanges failed with every groupmate), a peer averages
-  alone while benched (``sits_out``);
+  it and the round size now. A peer that averaged alone counts its round too: the peers it
+  expected missed it (a survivor left alone stops waiting for the peer that left). A live peer
+  that sat a round out refreshes its record: it stays expected;
+- which peers are benched (``bench``): a peer held to blame for a failed exchange (``blame``) is
+  not waited for while benched (its averager turns it away: ``strikes``), so the retry and the
+  rounds after it go on without it; one log line names it and why. Blamed itself (its exchanges
+  failed with every groupmate), a peer averages alone while benched (``sits_out``);
 - when the swarm commits its next round (``wait_for_round``): a joiner waits for it, bounded, and starts
   training from that round's state, in phase with the swarm (else its rounds and the swarm's never meet).
 """
@@ -64,7 +64,8 @@ class Swarm:
         self._suspects: dict[bytes, int] = {}  # of those, the ones that missed a round: the first one they missed
         self._departed: dict[bytes, float | None] = {}  # suspects whose presence went unrefreshed (its expiration
         # then) or expired (None): kept until it is refreshed again, so a configured target stays capped
-        self._benched: dict[bytes, float] = {}  # peers blamed for a failed exchange: until when (monotonic)
+        # peers blamed for a failed exchange: until when (monotonic)
+        self._benched: dict[bytes, float] = {}
         self._ttl = presence_period(resources.config.matchmaking_time)
         """Seconds a presence record lives: stored again every third of it, so one older than that and a second
         missed its refresh."""
@@ -86,16 +87,18 @@ class Swarm:
                 self._suspects.setdefault(p, rounds)  # the first round it missed
 
     def bench(self, peers: Iterable[Any], *, reason: str) -> None:
-        """``peers`` (ids, bytes) were blamed for a failed exchange (``blame``): not waited for while benched
-        (``BENCH_MATCHMAKINGS`` x ``matchmaking_time``); this peer among them: it averages alone that long."""
-        me, seconds = self._res.dht.peer_id.to_bytes(), BENCH_MATCHMAKINGS * self._res.config.matchmaking_time
+        """``peers`` (ids, bytes) were blamed for a failed exchange (``blame``): not waited for while
+        benched (``BENCH_MATCHMAKINGS`` x ``matchmaking_time``); this peer among them: it averages
+        alone that long."""
+        me = self._res.dht.peer_id.to_bytes()
+        seconds = BENCH_MATCHMAKINGS * self._res.config.matchmaking_time
         for p in peers:
             if not isinstance(p, bytes) or self.benched(p):
                 continue
             self._benched[p] = time.monotonic() + seconds
             if p == me:
-                logger.warning("this peer's part exchange failed with every groupmate (%s): it averages alone "
-                               "for %.0f s", reason, seconds)  # fmt: skip
+                logger.warning("this peer's part exchange failed with every groupmate (%s): it averages "
+                               "alone for %.0f s", reason, seconds)  # fmt: skip
             else:
                 logger.warning("peer %s failed its part exchange (%s): rounds go on without it for %.0f s",
                                p.hex()[-8:], reason, seconds)  # fmt: skip
@@ -109,7 +112,8 @@ class Swarm:
         return until is not None
 
     def sits_out(self) -> bool:
-        """Whether this peer is benched itself (its exchanges failed with every groupmate): it averages alone."""
+        """Whether this peer is benched itself (its exchanges failed with every groupmate): it averages
+        alone."""
         return self.benched(self._res.dht.peer_id.to_bytes())
 
     @property
@@ -163,7 +167,8 @@ class Swarm:
             if p in running and running[p][1] != expires:  # refreshed again (a restart is a new peer id)
                 logger.info("peer %s is back in the swarm's rounds (at round %s)", p.hex()[-8:], running[p][0])
                 del self._departed[p]
-        self._counted = {p for p in running if p not in self._departed}  # benched too: one may leave
+        # benched ones too: one may leave
+        self._counted = {p for p in running if p not in self._departed}
         self._rounds_seen = [r for r, _ in running.values()]
         # whatever they do: a joiner may meet us
         self._alive = 1 + sum(p not in self._departed and not self.benched(p) for p in others)
@@ -171,9 +176,10 @@ class Swarm:
 
     def target(self, expected: int | None, *, configured: int | None) -> int | None:
         """The group size a reduce waits for: ``configured`` (``target_group_size``), capped once a peer has
-        departed or benched by the live peers neither departed nor benched (joiners too: a restarted peer may meet
-        this round), else the peers expected (at least 2); None: not known."""
-        if configured and expected and (self._departed or any(self.benched(p) for p in list(self._benched))):
+        departed or benched by the live peers neither departed nor benched (joiners too: a restarted
+        peer may meet this round), else the peers expected (at least 2); None: not known."""
+        benched = any(self.benched(p) for p in list(self._benched))
+        if configured and expected and (self._departed or benched):
             return min(configured, self._alive)
         return configured or (max(2, expected) if expected else None)
 
