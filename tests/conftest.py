@@ -12,6 +12,7 @@ UNIT_MODULES = frozenset(
     {
         "test_codec",
         "test_config_rules",
+        "test_control",
         "test_directions",
         "test_diloco",
         "test_feedback",

@@ -10,7 +10,7 @@ import sys
 import pytest
 
 SRC = pathlib.Path(__file__).resolve().parents[1] / "src"
-CORE_BUDGET = 2760  # code lines (no docstrings, comments, blanks); issue 43: the robust rule bounds influence (2,674 before it); a raise says why in its commit, never here
+CORE_BUDGET = 2880  # code lines (no docstrings, comments, blanks); issue 44: control values judged per contributor, groups of two bounded (issue 43 ended at 2,709); a raise says why in its commit, never here
 FILE_BUDGET = 300  # lines per .py file under src/: a longer file holds more than one concept
 
 

@@ -798,8 +798,8 @@ def test_an_honest_outlier_clips_its_own_contribution():
 
 @pytest.mark.parametrize("wire_dtype", ["fp32", "bf16", "int4"])
 def test_replicas_that_differ_are_caught_by_the_rounds_digest_on_every_worker(wire_dtype):
-    """A replica whose global params differ (a bug, a bit flip, a silent pairing) is an error on every worker,
-    raised by the round's own reduce before anything changes."""
+    """Two replicas whose global params differ (a bug, a bit flip, a silent pairing) are an error on every worker,
+    raised by the round's own reduce before anything changes: with no majority, nobody knows which is right."""
     cfg = DiLoCoConfig(inner_steps=1, outer_lr=1.0, codec=wire_dtype)
 
     def worker(t: Transport):
@@ -808,7 +808,7 @@ def test_replicas_that_differ_are_caught_by_the_rounds_digest_on_every_worker(wi
         dl = DiLoCo(model, opt, t, cfg)
         move_to(model, opt, [0.5, 0.5, 0.5])
         assert dl.step().round == 1  # identical replicas: no complaint
-        if t.rank == 2:
+        if t.rank == 1:
             dl.global_params[0][0] += 1.0  # this replica now differs
         before = dl.global_params[0].clone()
         move_to(model, opt, [0.0, 0.0, 0.0])
@@ -817,8 +817,36 @@ def test_replicas_that_differ_are_caught_by_the_rounds_digest_on_every_worker(wi
         assert dl.round == 1 and torch.equal(dl.global_params[0], before)  # nothing changed
         return str(e.value)
 
-    messages = run_threads(3, worker)
+    messages = run_threads(2, worker)
     assert len(set(messages)) == 1  # the same error on every worker
+
+
+@pytest.mark.parametrize("wire_dtype", ["fp32", "bf16", "int4"])
+def test_a_replica_that_differs_from_the_majority_stops_alone_and_is_named(wire_dtype):
+    """One replica of three differs (or an insider forges its digest): the others go on, and it stops itself (it
+    once stopped every worker: an insider forging its digest stopped the whole run)."""
+    cfg = DiLoCoConfig(inner_steps=1, outer_lr=1.0, codec=wire_dtype)
+
+    def worker(t: Transport):
+        model = Scalar([1.0, 2.0, 3.0])
+        opt = torch.optim.SGD(model.parameters(), lr=1.0)
+        dl = DiLoCo(model, opt, t, cfg)
+        move_to(model, opt, [0.5, 0.5, 0.5])
+        assert dl.step().round == 1
+        if t.rank == 2:
+            dl.global_params[0][0] += 1.0  # this replica now differs
+        before = dl.global_params[0].clone()
+        move_to(model, opt, [0.0, 0.0, 0.0])
+        if t.rank == 2:
+            with pytest.raises(ValueError, match="this worker's global params differ from the majority's"):
+                dl.step()
+            assert dl.round == 1 and torch.equal(dl.global_params[0], before)  # nothing changed here
+            return None
+        report = dl.step()
+        return report.round, [(o.who, o.why) for o in report.outliers]
+
+    results = run_threads(3, worker)
+    assert results[:2] == [(2, [("rank 2", "control values")])] * 2 and results[2] is None
 
 
 def test_norm_clip_is_validated():

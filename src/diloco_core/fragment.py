@@ -61,7 +61,8 @@ class Fragment:
         self.guard = ContributionGuard(codec, norm_clip=norm_clip, numel=sent, compare=compare)
         self.reduce = FlatBuffer(self.local, flat.device, extra=sent - n + self.guard.tail_size)
         self.directions = Directions(self.reduce, codec) if rda else None
-        self.merge = dataclasses.replace(merge, judged=sent, apart=self.directions.at if self.directions else None)
+        apart = self.directions.at if self.directions else None
+        self.merge = dataclasses.replace(merge, judged=sent, apart=apart, controls=self.guard.controls)
         self.feedback = ErrorFeedback(codec, self.reduce.flat, fed=n, on=error_feedback)
         self.param = torch.nn.Parameter(flat, requires_grad=False)
         self.param.grad = self.reduce.body

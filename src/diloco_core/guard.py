@@ -39,6 +39,7 @@ from dataclasses import dataclass
 import torch
 
 from .codecs.base import Codec
+from .control import ControlLayout
 from .flat import norm_of
 
 logger = logging.getLogger("diloco_core.diloco")
@@ -89,8 +90,18 @@ class ContributionGuard:
         self.tail_size = pad + 4 * codec.block + 1
         """Values after the pseudo-gradient: padding, the blocks of the valid flag, the work, the digest and its
         square, the RMS (a block of one)."""
+        self.controls = ControlLayout(
+            valid_at=self.valid_at,
+            work_at=self.work_at,
+            digest_at=self.digest_at,
+            block=codec.block,
+            max_work=MAX_WORK,
+        )
+        """Where the control values sit, for the merge to judge them per contributor (``control.py``)."""
         self.ref_norm = 0.0
         """Contributors' mean pseudo-gradient norm in the last round the guard did not clip (0: none yet)."""
+        self.digest = 0.0
+        """This worker's digest in the round it last marked (``mark``): the merge corrects a minority's."""
         self.means: list[float] = []
         """The mean pseudo-gradient's norm in the last ``WINDOW`` rounds the guard did not clip (oldest first)."""
 
@@ -128,6 +139,7 @@ class ContributionGuard:
             flat[-1] = norm * work / math.sqrt(self.numel) if self.numel else 0.0
         sample = global_flat[:: max(1, global_flat.numel() // 4096)][:4096].detach().cpu()
         h = float(zlib.crc32(sample.numpy().tobytes()) % 16)
+        self.digest = h
         flat[self.digest_at : self.digest_at + block] = h
         flat[self.digest_at + block : self.digest_at + 2 * block] = h * h
 
@@ -142,6 +154,12 @@ class ContributionGuard:
                 f"the workers' global params differ (the round's digest check: {contributors} digests summing to "
                 f"{s1}, their squares to {s2}): a replica diverged; nothing was changed. Resume every worker from "
                 "the same checkpoint"
+            )
+        if self.compare and contributors and s1 != self.digest * contributors:  # the majority's, not mine
+            raise ValueError(
+                f"this worker's global params differ from the majority's (digest {self.digest:g}, theirs "
+                f"{s1 // contributors}): this replica diverged and was named; nothing was changed here. Resume "
+                "it from the others' newest checkpoint"
             )
         valid = min(contributors, max(0, round(flat[self.valid_at].item() * contributors)))
         work = valid + flat[self.work_at].item() * contributors  # exactly ``valid`` where every w - 1 is 0

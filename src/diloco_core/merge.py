@@ -40,6 +40,7 @@ from dataclasses import dataclass
 import torch
 
 from .codecs.base import Codec
+from .control import ControlLayout, judge_controls
 from .judge import judge
 
 __all__ = ["MEAN", "LeftOut", "Merge", "MergeRule", "combined"]
@@ -65,6 +66,8 @@ class LeftOut:
     who: str
     ratio: float
     cosine: float = 1.0
+    why: str = ""
+    """Empty: judged by its values (``ratio``, ``cosine``); else what was wrong with it (``control.py``)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -76,6 +79,8 @@ class Merge:
     """Where the judged values' second slice begins, judged on its own (RDA's norms: ``directions``)."""
     outlier_ratio: float = 3.0
     """``ROBUST``: the radius, in median spreads, beyond which a contribution is clipped (``judge.py``)."""
+    controls: ControlLayout | None = None
+    """Where the guard's control values sit: judged per contributor whatever the rule (``control.py``)."""
 
     def of(
         self,
@@ -118,7 +123,29 @@ class Merge:
                     body.mul_(len(kept) * v.sent / ((v.sent - len(v.gone)) * k))  # (contributors / valid)
                 out[lo:hi] = body
             left_out += [LeftOut(names[i], ratio, cosine) for i, (ratio, cosine) in v.gone.items()]
+        if self.controls is not None:
+            named = self._judge_controls(payloads, codec=codec, out=out, start=start)
+            left_out += [LeftOut(names[i], 1.0, why="control values") for i in sorted(named)]
         return combined(left_out)
+
+    def _judge_controls(
+        self, payloads: Sequence[torch.Tensor], *, codec: Codec, out: torch.Tensor, start: int
+    ) -> set[int]:
+        """The control values in ``out``'s slice, judged per contributor (``control.py``); where any was
+        corrected, their mean again, in contributor order. The contributors corrected (their index)."""
+        layout, n = self.controls, out.numel()
+        lo, hi = max(start, layout.start), min(start + n, layout.end)
+        if lo >= hi:
+            return set()
+        span = range(lo - start, hi - start)
+        values = torch.cat([p.clone() for p in codec.pieces(payloads, n, span=span, size=CHUNK)], dim=1)
+        named = judge_controls(values, layout, lo=lo)
+        if named:
+            total = values[0].clone()
+            for row in values[1:]:
+                total += row
+            out[span.start : span.stop] = total / len(payloads)
+        return named
 
 
 def combined(left_out: Sequence[LeftOut]) -> tuple[LeftOut, ...]:
@@ -127,7 +154,8 @@ def combined(left_out: Sequence[LeftOut]) -> tuple[LeftOut, ...]:
     worst: dict[str, LeftOut] = {}
     for o in left_out:
         seen = worst.get(o.who, o)
-        worst[o.who] = LeftOut(o.who, max(o.ratio, seen.ratio), min(o.cosine, seen.cosine))
+        why = ", ".join(dict.fromkeys(w for w in (seen.why, o.why) if w))
+        worst[o.who] = LeftOut(o.who, max(o.ratio, seen.ratio), min(o.cosine, seen.cosine), why)
     return tuple(worst.values())
 
 

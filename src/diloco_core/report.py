@@ -156,14 +156,22 @@ def log_round(report: RoundReport) -> RoundReport:
         logger.warning("round %d: %d of %d contributions left out (not finite)", report.round, left_out, n)
     if report.valid_contributors == 0 and report.num_contributors:  # 0 contributors: eager's first boundary
         logger.warning("round %d: no valid contribution: no outer step, the global params are unchanged", report.round)
-    if report.outliers:
-        who = ", ".join(f"{o.who} ({o.ratio:.3g}x, cosine {o.cosine:.2f})" for o in report.outliers)
+    far = [o for o in report.outliers if not o.why]
+    if far:
+        who = ", ".join(f"{o.who} ({o.ratio:.3g}x, cosine {o.cosine:.2f})" for o in far)
         logger.warning(
             "round %d: the robust merge left out %d of %d contributions, too far from a majority of the others or "
             "pointing away from them (spread in median spreads, lowest cosine): %s",
             report.round,
-            len(report.outliers),
+            len(far),
             report.num_contributors,
+            who,
+        )
+    if len(far) < len(report.outliers):
+        who = ", ".join(f"{o.who} ({o.why})" for o in report.outliers if o.why)
+        logger.warning(
+            "round %d: the merge corrected what an honest worker never sends, and names its sender: %s",
+            report.round,
             who,
         )
     if report.absent:

@@ -96,7 +96,7 @@ def commit(
         n, sent, received, group, left_out = 1, 0, 0, [], ()
     else:  # the payload bytes this peer really sent and received in the round (its runner counted)
         n, sent, received, group = len(out["peers"]), out["sent"], out["received"], list(out["peers"])
-        left_out = tuple(LeftOut(who, ratio, cosine) for who, ratio, cosine in out["left_out"])
+        left_out = tuple(LeftOut(*entry) for entry in out["left_out"])
     # Alone, the buffer holds my own values as they travel, like every contributor's.
     with averager.get_tensors() as (buf,):
         if outcome.abandoned:  # the caller timed out and may be retrying with these tensors

@@ -16,6 +16,7 @@ widening the pin.
 """
 
 import contextlib
+import dataclasses
 import logging
 import os
 import signal
@@ -255,7 +256,7 @@ class Averager(Presence, Confirmations, DecentralizedAverager):
             deadline=deadline,
             failed=runner.blamed,
         )
-        left_out = [(o.who, o.ratio, o.cosine) for o in combined(runner.left_out)]  # plain values, to the transport
+        left_out = [dataclasses.astuple(o) for o in combined(runner.left_out)]  # plain values, to the transport
         if not error:
             self.strikes.round([str(p) for p in group_info.peer_ids if p != self.peer_id], [o[0] for o in left_out])
         self._groups[group_id].update(digest=digest, sent=runner.bytes_sent, received=runner.bytes_received)

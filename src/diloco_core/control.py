@@ -1,0 +1,99 @@
+"""A contribution's control values, judged one contributor at a time where the merge holds the payloads.
+
+The guard's tail (``guard.py``: valid flag, work - 1, digest, digest², RMS) is averaged with the round, and
+every worker reads the round's counts from the means. Unjudged, one insider's tail wrecked, froze or stopped
+the swarm through them: a work claim of -2.9999 scaled the mean by contributors / work = 30,000; a valid flag
+of -2 summed the valid count to 0 in every round (no outer step for the whole run); a forged digest stopped
+every fixed-rank worker with "a replica diverged". Here each contributor's values are read from its own
+payload, and where one is not what an honest guard writes it is corrected before the mean and the contributor
+named (the strikes count it):
+
+- the valid flag: 0 or 1; any other is taken as 1 (its values are in the sum: counting it keeps the mean a mean
+  of what was summed);
+- the work claim w - 1: w in [1 / ``MAX_WORK``, ``MAX_WORK``] (clamped), and 0 where the flag is 0;
+- the digest and its square: an integer in [0, 15] and its square; where a strict majority of the contributors
+  hold one digest, a contributor holding another gets the majority's (a replica that differs is named instead of
+  stopping everyone; with no majority, as between two, the guard still stops the round);
+- the RMS: finite and >= 0 (else 0).
+
+Each is the first value of its block, the one the guard reads (every codec keeps it, top-k included), judged
+where it lies in the slice a transport merges. Where every contributor's values are what an honest guard writes, nothing is recomputed:
+the mean is the codec's, bit for bit.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["ControlLayout", "judge_controls"]
+
+DIGESTS = 16
+"""The digest's values: 0 to 15 (``guard.py``: CRC-32 of a sample, mod 16)."""
+
+
+@dataclass(frozen=True)
+class ControlLayout:
+    """Where the control values sit in the reduced values (``ContributionGuard``'s tail)."""
+
+    valid_at: int
+    work_at: int
+    digest_at: int
+    block: int
+    max_work: float
+
+    @property
+    def start(self) -> int:
+        return self.valid_at
+
+    @property
+    def end(self) -> int:
+        """One past the RMS, the last value."""
+        return self.digest_at + 2 * self.block + 1
+
+
+def _column(values: torch.Tensor, at: int, lo: int) -> torch.Tensor | None:
+    """Each contributor's value ``at`` (a control block's first value: the one the guard reads, and the one
+    every codec keeps, top-k's included) of ``values`` (contributors x the slice from ``lo``); None where the
+    slice does not hold it."""
+    return values[:, at - lo] if lo <= at < lo + values.shape[1] else None
+
+
+def _fix(column: torch.Tensor | None, wanted: list[float], named: set[int]) -> None:
+    """Each contributor's value set to its ``wanted`` one where it holds another (named)."""
+    if column is None:
+        return
+    for i, (held, value) in enumerate(zip(column.tolist(), wanted)):
+        if held != value:
+            column[i] = value
+            named.add(i)
+
+
+def judge_controls(values: torch.Tensor, layout: ControlLayout, *, lo: int) -> set[int]:
+    """Correct, in place, the control values of ``values`` (contributors x the decoded slice beginning at value
+    ``lo``) that an honest guard never writes; the contributors named (their index)."""
+    named: set[int] = set()
+    valid = _column(values, layout.valid_at, lo)
+    flags = [1.0] * values.shape[0] if valid is None else [0.0 if v == 0.0 else 1.0 for v in valid.tolist()]
+    _fix(valid, flags, named)
+    work = _column(values, layout.work_at, lo)
+    if work is not None:
+        low, high = 1.0 / layout.max_work - 1.0, layout.max_work - 1.0
+        claims = [min(max(w, low), high) if math.isfinite(w) else 0.0 for w in work.tolist()]
+        _fix(work, [c if f else 0.0 for c, f in zip(claims, flags)], named)
+    digest = _column(values, layout.digest_at, lo)
+    square = _column(values, layout.digest_at + layout.block, lo)
+    if digest is not None and square is not None:
+        held = [h if h in range(DIGESTS) and s == h * h else None for h, s in zip(digest.tolist(), square.tolist())]
+        common = Counter(h for h in held if h is not None).most_common(1)
+        if common and 2 * common[0][1] > len(held):
+            major = common[0][0]
+            _fix(digest, [major] * len(held), named)
+            _fix(square, [major * major] * len(held), named)
+    rms = _column(values, layout.end - 1, lo)
+    if rms is not None:
+        _fix(rms, [r if math.isfinite(r) and r >= 0 else 0.0 for r in rms.tolist()], named)
+    return named

@@ -1,0 +1,145 @@
+"""Control values judged per contributor (diloco_core/control.py): what an honest guard never writes is corrected
+and its sender named; what it writes is left as it is."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from threads import run_threads
+
+from diloco_core import MEAN, DiLoCo, DiLoCoConfig, ForwardingTransport, Transport
+from diloco_core.codecs.base import FP32
+from diloco_core.control import ControlLayout, judge_controls
+from diloco_core.guard import MAX_WORK, ContributionGuard
+
+
+def _tails(k: int, *, numel: int = 40, block: int = 8) -> tuple[torch.Tensor, ControlLayout, int]:
+    """k honest contributions' reduce buffers (pseudo-gradient and the guard's tail), as rows, and the layout."""
+    codec = FP32.with_block(block)
+    guard = ContributionGuard(codec, norm_clip=None, numel=numel)
+    rows = []
+    for i in range(k):
+        flat = torch.zeros(numel + guard.tail_size)
+        flat[:numel] = torch.randn(numel, generator=torch.Generator().manual_seed(i))
+        guard.mark(flat, excluded=False, norm=1.0, global_flat=torch.ones(64))
+        rows.append(flat)
+    return torch.stack(rows), guard.controls, numel
+
+
+def test_honest_tails_are_left_as_they_are():
+    values, layout, _ = _tails(3)
+    before = values.clone()
+    assert judge_controls(values, layout, lo=0) == set()
+    assert torch.equal(values, before)
+
+
+def test_a_forged_valid_flag_counts_as_one_and_is_named():
+    values, layout, _ = _tails(3)
+    values[2, layout.valid_at : layout.valid_at + layout.block] = -2.0  # froze every round before
+    assert judge_controls(values, layout, lo=0) == {2}
+    assert bool((values[:, layout.valid_at] == 1.0).all())
+
+
+def test_a_work_claim_is_clamped_to_the_guard_range():
+    values, layout, _ = _tails(3)
+    b = layout.block
+    values[1, layout.work_at : layout.work_at + b] = -2.9999  # scaled the mean by 30,000 before
+    values[2, layout.work_at : layout.work_at + b] = 1e9
+    assert judge_controls(values, layout, lo=0) == {1, 2}
+    assert values[1, layout.work_at].item() == 1 / MAX_WORK - 1
+    assert values[2, layout.work_at].item() == MAX_WORK - 1
+
+
+def test_a_minority_digest_takes_the_majority_s_and_is_named():
+    values, layout, _ = _tails(3)
+    b, at = layout.block, layout.digest_at
+    honest = values[0, at].item()
+    values[1, at : at + b] = (honest + 1) % 16
+    values[1, at + b : at + 2 * b] = ((honest + 1) % 16) ** 2
+    assert judge_controls(values, layout, lo=0) == {1}
+    assert bool((values[:, at] == honest).all()) and bool((values[:, at + b] == honest**2).all())
+
+
+def test_two_digests_apart_have_no_majority_and_stay_for_the_guard_to_refuse():
+    values, layout, _ = _tails(2)
+    at = layout.digest_at
+    values[1, at : at + layout.block] = (values[0, at].item() + 1) % 16
+    values[1, at + layout.block : at + 2 * layout.block] = values[1, at].item() ** 2
+    before = values.clone()
+    assert judge_controls(values, layout, lo=0) == set()
+    assert torch.equal(values, before)
+
+
+def test_a_slice_judges_only_the_blocks_it_holds():
+    values, layout, _ = _tails(3)
+    values[2, layout.valid_at : layout.valid_at + layout.block] = 7.0
+    values[2, layout.work_at : layout.work_at + layout.block] = 50.0
+    lo = layout.work_at  # a part that begins at the work claim: the flag is another part's
+    part = values[:, lo:].clone()
+    assert judge_controls(part, layout, lo=lo) == {2}
+    assert part[2, 0].item() == MAX_WORK - 1 and values[2, layout.valid_at].item() == 7.0
+
+
+def test_a_non_finite_or_negative_rms_is_zero():
+    values, layout, _ = _tails(3)
+    values[0, -1] = float("nan")
+    values[1, -1] = -5.0
+    assert judge_controls(values, layout, lo=0) == {0, 1}
+    assert values[0, -1].item() == 0.0 and values[1, -1].item() == 0.0
+
+
+class _Forger(ForwardingTransport):
+    """An insider: its guard's control value at ``where`` (``ControlLayout``'s attribute) reads ``value``."""
+
+    def __init__(self, inner, where: str, value: float) -> None:
+        super().__init__(inner)
+        self.where, self.value = where, value
+
+    def all_reduce(self, tensors, *, codec=FP32, key="default", merge=MEAN):
+        if merge.controls is not None:
+            at = getattr(merge.controls, self.where)
+            tensors[0][at : at + merge.controls.block] = self.value
+        return self.inner.all_reduce(tensors, codec=codec, key=key, merge=merge)
+
+
+def _run(forge: tuple[str, float] | None, *, codec: str = "int4", rounds: int = 4) -> list:
+    """Three workers fitting one target in ``rounds`` rounds; worker 2 forges ``forge`` (attribute, value)."""
+
+    def worker(t: Transport):
+        if forge is not None and t.rank == 2:
+            t = _Forger(t, *forge)
+        torch.manual_seed(0)
+        model = torch.nn.Linear(8, 8)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        dl = DiLoCo(model, opt, t, DiLoCoConfig(inner_steps=2, codec=codec))
+        data = torch.Generator().manual_seed(t.rank)
+        reports = []
+        while len(reports) < rounds:
+            x = torch.randn(16, 8, generator=data)
+            model(x).sub(x.flip(1)).square().mean().backward()
+            report = dl.step()
+            opt.zero_grad()
+            if report:
+                reports.append(report)
+        return reports, [p.detach().clone() for p in dl.global_params]
+
+    return run_threads(3, worker)
+
+
+@pytest.mark.parametrize(
+    ("forge", "was"),
+    [
+        (("work_at", -2.9999), "the round's mean times 30,000"),
+        (("valid_at", -2.0), "no outer step in any round"),
+        (("digest_at", 3.5), "every worker stopped"),
+    ],
+)
+def test_an_insider_forging_a_control_value_is_corrected_and_named(forge, was):
+    honest = _run(None)
+    forged = _run(forge)
+    for reports, params in forged[:2]:
+        assert all(r.valid_contributors == 3 for r in reports), was
+        assert all([(o.who, o.why) for o in r.outliers] == [("rank 2", "control values")] for r in reports)
+        assert all(bool(torch.isfinite(p).all()) for p in params)
+        moved = sum(float((p - q).norm()) for p, q in zip(params, honest[0][1]))
+        assert moved < sum(float(q.norm()) for q in honest[0][1]), was  # never 30,000 times a round's step
