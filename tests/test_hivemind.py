@@ -346,17 +346,18 @@ def test_stale_verdict_is_the_same_on_every_peer_and_names_who_is_behind():
     assert all(v.group_tag == group and v.own_tag == t for v, t in zip(verdicts, tags))  # one group state for all
     assert str(verdicts[0]) == "3 groupmate(s) hold an older or diverged state"
     assert str(verdicts[4]) == "this peer's state (no state) differs from its group's (round 2)"
-    # two peers, one history each: both pick the same winner (the larger hash)
+    # two peers, one history each: a tie nothing settles (issue 44): neither takes the other's state
     pair = [stale_verdict([group, alone], i) for i in range(2)]
-    winner = max(group, alone)
-    assert sorted((v.kind.value, v.group_tag) for v in pair) == [("behind", winner), ("groupmate", winner)]
+    assert [(v.kind, v.group_tag) for v in pair] == [(Stale.GROUPMATE, group), (Stale.GROUPMATE, alone)]
     # a peer that committed rounds alone (an insider benched by the others: its own scaled updates) does not
     # pull a majority of its group onto its state; with no majority, the most rounds win
     ahead_alone = next_tag(next_tag(alone, b"alone:d"), b"alone:e")
     trio = [stale_verdict([behind, ahead_alone, behind], i) for i in range(3)]
     assert [v.kind for v in trio] == [Stale.GROUPMATE, Stale.BEHIND, Stale.GROUPMATE]
     assert all(v.group_tag == behind for v in trio)
-    assert stale_verdict([behind, ahead_alone], 0).group_tag == ahead_alone
+    # with no majority, a claimed round count wins nothing (issue 44): only a state one round on is taken
+    assert stale_verdict([behind, ahead_alone], 0).kind is Stale.GROUPMATE
+    assert stale_verdict([behind, group], 0).kind is Stale.BEHIND
     # a groupmate this peer benched (strikes.py) is stale whatever it holds: never averaged with, never followed
     for tags in ([behind, ahead_alone], [behind, behind], [None, behind]):
         v = stale_verdict(tags, 0, distrusted=[1])

@@ -44,17 +44,27 @@ def _state(rounds: int) -> tuple[dict, list]:
 
 
 class ScriptedDonors:
-    """The state averager's download, as the swarm serves it: each call returns the next scripted state."""
+    """The state averager's look at the donors, as the swarm serves them: each look (``offers``) shows the next
+    scripted state, served by one donor; ``load_from`` downloads it."""
 
     def __init__(self, states: list) -> None:
         self.states, self.calls = list(states), 0
         self.state_sharing_priority = 0.0
+        self.current = None
 
-    def load_state_from_peers(self, *, wait: bool, timeout: float) -> concurrent.futures.Future:
+    def offers(self, timeout: float) -> concurrent.futures.Future:
         self.calls += 1
-        future: concurrent.futures.Future = concurrent.futures.Future()
-        future.set_result(self.states.pop(0) if len(self.states) > 1 else self.states[0])
-        return future
+        self.current = self.states.pop(0) if len(self.states) > 1 else self.states[0]
+        return _done({b"donor": self.current[0]})
+
+    def load_from(self, peer: bytes, timeout: float) -> concurrent.futures.Future:
+        return _done(self.current)
+
+
+def _done(value: object) -> concurrent.futures.Future:
+    future: concurrent.futures.Future = concurrent.futures.Future()
+    future.set_result(value)
+    return future
 
 
 def _server(donors: ScriptedDonors, tags: dict | None = None) -> StateServer:

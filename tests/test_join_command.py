@@ -173,6 +173,7 @@ def test_a_resync_downloads_again_only_once_the_round_it_waits_for_committed() -
     import threading
     from types import SimpleNamespace
 
+    from transports.hivemind.donor_choice import Offer
     from transports.hivemind.state_server import StateServer
 
     server = StateServer(joining=True, resources=SimpleNamespace(closed=False), lock=threading.RLock(), tags=dict)
@@ -184,11 +185,13 @@ def test_a_resync_downloads_again_only_once_the_round_it_waits_for_committed() -
         polls.append(1)
         return len(polls) >= 3
 
-    def download(timeout: float):
+    def take(*, timeout: float, accept, floor: int):  # one look at the donors: one of them serves ``got``
         downloads.append(timeout)
-        return successor if len(polls) >= 3 else now
+        got = successor if len(polls) >= 3 else now
+        offer = Offer(peer=b"donor", tag=tuple(got[0]["tag"]), prev=tuple(got[0]["prev_tag"]))
+        return got if accept(offer) else None
 
-    server.download = download
+    server.take = take
     assert server.download_successor((1, b"t1"), 30.0, stop=lambda: False, ready=ready) is successor
     assert len(downloads) == 2 and len(polls) == 3
 

@@ -40,6 +40,7 @@ from .auth import RunKeys, unwrap_gather, wrap_gather
 from .blame import ExchangeFailed
 from .block_runner import BlockRunner
 from .confirm import Confirmations
+from .donors import Donors
 from .faults import HivemindFaults
 from .grace import Window
 from .orphan import leave_with_parent
@@ -54,7 +55,7 @@ from .throttle import Throttle
 logger = logging.getLogger(__name__)
 
 
-class Averager(Presence, Confirmations, DecentralizedAverager):
+class Averager(Presence, Donors, Confirmations, DecentralizedAverager):
     """One flat buffer; the round's result replaces it only after the group confirmed one digest."""
 
     state_fn: Callable[[], tuple[Any, list[torch.Tensor]]] | None = None
@@ -195,8 +196,11 @@ class Averager(Presence, Confirmations, DecentralizedAverager):
         arrivals = [g.arrived for g in gathered]
         spread = None if None in arrivals else max(arrivals) - min(arrivals)  # the same on every member
         benched = [i for i, p in enumerate(group_info.peer_ids) if p != self.peer_id and self.strikes.benched(str(p))]
-        verdict = stale_verdict(tags, me, distrusted=benched)
+        peers = [p.to_bytes() for p in group_info.peer_ids]  # to name a groupmate not credible
+        verdict = stale_verdict(tags, me, distrusted=benched, peers=peers)
         if verdict is not None:  # every groupmate reaches the same verdict: nobody sends anything
+            doubtful = [str(p) for p in group_info.peer_ids if p.to_bytes() in verdict.doubtful]
+            self.strikes.failed(doubtful, reason=str(verdict))  # left out of matchmaking a while
             raise StaleStateError(verdict)
         # Per group (a cancelled step may still be confirming while the next one starts).
         group_id = group_info.group_id

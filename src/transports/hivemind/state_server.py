@@ -5,7 +5,7 @@ import contextlib
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -13,10 +13,15 @@ import torch
 from diloco_core.transport import TransportError
 
 from .checks import check_tensor, valid_state
+from .donor_choice import Offer, choose, offer_of
 from .resources import Resources
 from .state_tag import Tag
 
 logger = logging.getLogger(__name__)
+
+OFFER_SECONDS = 15.0
+"""The longest a look at the donors' offers waits for them (a donor answers once it has read the
+requester's presence record from the DHT: at most 10 s)."""
 
 State = tuple[dict, list[torch.Tensor]]
 """(msgpack-able meta, tensors): what a peer serves and a joiner downloads."""
@@ -58,6 +63,10 @@ class StateServer:
         self.averager: Any = None  # the 1-value averager that serves the snapshot (it never averages)
         self._snapshot: State = ({"ready": False}, [])
         self._wanted: threading.Event | None = None  # a snapshot is asked for (``snapshot_soon``)
+        self.claims: Callable[[], dict[bytes, int]] = dict
+        """Per peer id, the rounds its presence record declares (``swarm.Swarm.others``; set by
+        ``TrackedState``)."""
+        self._named: set[tuple[bytes, str]] = set()  # refused donors already named, with why
         self._res, self._lock, self._tags = resources, lock, tags
 
     def take_snapshot(self) -> None:
@@ -100,36 +109,78 @@ class StateServer:
             return self._snapshot
 
     def download(self, timeout: float) -> State:
-        """A whole, well-formed state from any peer that serves one, within ``timeout`` seconds."""
+        """A whole, well-formed, credible state (``donor_choice``: the one the most donors serve)
+        within ``timeout`` seconds."""
         deadline = time.monotonic() + timeout
         while True:
-            left = deadline - time.monotonic()
-            try:
-                # One try may take all the time left (a large state over a slow link); a stalled donor is
-                # caught by hivemind's per-chunk timeout, and a try that outlives its time is cancelled.
-                future = self.averager.load_state_from_peers(wait=False, timeout=max(1.0, left))
-                try:
-                    got = self._res.wait(future, max(1.0, left) + 5)
-                except BaseException:
-                    if not future.done():
-                        future.cancel()
-                    raise
-            except Exception as e:  # a timeout or a peer that vanished: try again
-                if self._res.closed:
-                    raise TransportError("hivemind transport was closed during a state download") from e
-                logger.debug("state download failed: %r", e)
-                got = None
+            got = self.take(timeout=max(1.0, deadline - time.monotonic()))
             if got is not None:
-                meta, tensors = got
-                if valid_state(meta, tensors):
-                    return meta, tensors
-                logger.warning("ignored an invalid or not yet ready state from a peer")
+                return got
             if time.monotonic() + 1.0 > deadline:
+                run = self._res.config.run_id
                 raise TransportError(
-                    f"hivemind: no peer of run {self._res.config.run_id!r} served its state within {timeout:g}s "
+                    f"hivemind: no peer of run {run!r} served its state within {timeout:g}s "
                     "(are initial_peers right, and do all peers use the same secret?)"
                 )
             time.sleep(1.0)
+
+    def take(
+        self,
+        *,
+        timeout: float,
+        accept: Callable[[Offer], bool] = lambda o: True,
+        floor: int | None = None,
+    ) -> State | None:
+        """One look at the donors: what each serves (``Donors.offers``), the state that
+        ``donor_choice.choose`` picks (fitting ``accept``; ``floor``: the rounds of the group state
+        this peer catches up to), downloaded whole from one donor that offered it and checked; None
+        if no donor serves one that fits. Refused donors are named, once each."""
+        wait = min(timeout, OFFER_SECONDS)
+        try:
+            metas = self._res.wait(self.averager.offers(wait), wait + 5)
+        except Exception as e:  # a timeout: try again
+            if self._res.closed:
+                raise TransportError("hivemind transport was closed during a state download") from e
+            return None
+        offers = {p: offer_of(p, m) for p, m in metas.items()}
+        offers = {p: o for p, o in offers.items() if o is not None}
+        choice = choose(offers.values(), claims=self._claims(), floor=floor, accept=accept)
+        self._name(choice.refused)
+        for peer in choice.donors:
+            # One try may take all the time left (a large state over a slow link); a stalled donor
+            # is caught by hivemind's per-chunk timeout.
+            got = self._load_from(peer, max(1.0, timeout))
+            if got is None or not valid_state(*got):
+                self._name([(peer, "its state is malformed or cut short")])
+            elif offer_of(peer, got[0]) == offers[peer]:
+                return got
+            else:  # it committed a round since (or serves another state than it offered)
+                logger.debug("peer %s served another state than it offered", peer.hex()[-8:])
+        return None
+
+    def _load_from(self, peer: bytes, timeout: float) -> Any:
+        try:
+            return self._res.wait(self.averager.load_from(peer, timeout), timeout + 5)
+        except Exception as e:
+            if self._res.closed:
+                raise TransportError("hivemind transport was closed during a state download") from e
+            return None
+
+    def _claims(self) -> dict[bytes, int]:
+        """Per peer, the rounds its presence declares (``claims``), this peer's own included."""
+        claims = dict(self.claims())
+        with self._lock:
+            tag = self._tags().get("tag")
+        if tag is not None:
+            claims[b""] = tag[0]  # this peer (no peer id is empty; the others' records omit it)
+        return claims
+
+    def _name(self, refused: Iterable[tuple[bytes, str]]) -> None:
+        for peer, why in refused:
+            if (peer, why) not in self._named:  # one line per donor and reason
+                self._named.add((peer, why))
+                name = peer.hex()[-8:]
+                logger.warning("hivemind: refused the state peer %s serves: %s", name, why)
 
     def load_state(self, timeout: float) -> State | None:
         """The run state a peer served (downloaded on joining); None on the swarm's first peer."""
@@ -159,30 +210,33 @@ class StateServer:
     def download_successor(
         self, tag: Tag, timeout: float, stop: Callable[[], bool], ready: Callable[[], bool] | None = None
     ) -> State | None:
-        """The state the group commits next after the state tagged ``tag`` (its previous tag is ``tag``),
-        waited for within ``timeout`` seconds; failing that, the state tagged ``tag`` itself; None if no peer
-        served either, or once ``stop()``. A state two or more rounds (reduces) on is returned as soon as it
-        comes: the swarm went on (a peer stalled for rounds) and nobody serves that successor any more. It is
-        taken as a joiner takes the run's, from the donor hivemind tries first (the newest state): its history
-        cannot be checked against ``tag``, and the groupmates' tag check at the next round keeps another chain
-        from being averaged in. A state at or below ``tag``'s round, or one round on from another previous tag,
-        is never returned. ``ready()``: a peer has committed a round after ``tag`` (its presence says so):
-        after a first download, the next waits for it (before: a download every second while the group finished
-        its round, ~30 of them)."""
+        """The state the group commits next after the state tagged ``tag`` (its previous tag is
+        ``tag``), waited for within ``timeout`` seconds; failing that, the state tagged ``tag``
+        itself; None if no peer served either, or once ``stop()``. A state two or more rounds
+        (reduces) on is returned as soon as it comes: the swarm went on (a peer stalled for rounds)
+        and nobody serves that successor any more. It is taken as a joiner takes the run's (``take``:
+        credible, the most donors): its history cannot be checked against ``tag``, and the
+        groupmates' tag check at the next round keeps another chain from being averaged in. A state
+        at or below ``tag``'s round, or one round on from another previous tag, is never returned.
+        Only the donors' offers are read until one fits (a whole state is downloaded once).
+        ``ready()``: a peer has committed a round after ``tag`` (its presence says so): after a
+        first look, the next waits for it (before: a download every second while the group
+        finished its round, ~30 of them)."""
         deadline = time.monotonic() + timeout
-        want, best, tries = list(tag), None, 0
+        want, tries = tag, 0
         while not stop():
             if tries == 0 or ready is None or ready():
                 tries += 1
-                try:
-                    got = self.download(max(1.0, deadline - time.monotonic()))
-                except TransportError:
-                    got = None
-                if got is not None and (got[0].get("prev_tag") == want or rounds_of(got) > want[0] + 1):
+                got = self.take(
+                    timeout=max(1.0, deadline - time.monotonic()),
+                    accept=lambda o: o.prev == want or o.rounds > want[0] + 1,
+                    floor=want[0],
+                )
+                if got is not None:
                     return got  # the round the group is finishing, or a later one (the swarm went on)
-                if got is not None and got[0].get("tag") == want:
-                    best = got  # the group's state now: taken if the newer one does not come in time
             if time.monotonic() + 1.0 > deadline:
                 break
             time.sleep(1.0)
-        return best
+        if stop():
+            return None
+        return self.take(timeout=5.0, accept=lambda o: o.tag == want, floor=want[0])  # as it is now

@@ -16,6 +16,8 @@ from typing import Any
 
 from hivemind.averaging.allreduce import AllreduceException
 
+from .blame import ExchangeFailed
+
 TAG_BYTES = 16
 Tag = tuple[int, bytes]
 INITIAL_TAG: Tag = (0, bytes(TAG_BYTES))
@@ -45,7 +47,8 @@ class Stale(enum.Enum):
     BEHIND = "behind"
     """This peer's state is not its group's (older, diverged or none): it takes the group's state."""
     GROUPMATE = "groupmate"
-    """This peer holds its group's state and some groupmates do not: it retries without them."""
+    """This peer holds its group's state and some groupmates do not, or no state is its group's (a
+    tie that nothing settles): it retries without them."""
 
 
 @dataclass(frozen=True)
@@ -54,43 +57,92 @@ class StaleVerdict:
 
     kind: Stale
     group_tag: Tag
-    """The group's state: the tag with the most holders, then the most rounds, then the larger hash. Holders
-    first: a peer that committed rounds alone (cut off, or an insider left out of every group: benched, it
-    averages its own scaled updates) is not the state a majority of its group takes."""
+    """The group's state: the tag with the most holders. Holders first: a
+    peer that committed rounds alone (cut off, or an insider left out of every group: benched, it
+    averages its own scaled updates) is not the state a majority of its group takes. No tag with
+    more holders than every other (a tie, as in any group of two): a claimed round count settles
+    nothing (an insider claims any), so a peer takes the other's state only if it is exactly one
+    round on from its own (a peer that fell behind by a round, or whose group averaged a round
+    without it), and otherwise keeps its own (``group_tag`` is then its own tag)."""
     own_tag: Tag | None
     """This peer's tag (None: it sent none)."""
     stale: int
     """Groupmates (this peer included) whose tag is not ``group_tag``."""
+    doubtful: tuple[bytes, ...] = ()
+    """Groupmates (peer ids, where the group's were given) whose tag is held by nobody else and
+    claims more than one round beyond every other state in the group: not credible, retried without
+    (``StaleStateError.culprits``)."""
 
     def __str__(self) -> str:
+        if self.doubtful:
+            names = ", ".join(p.hex()[-8:] for p in self.doubtful)
+            return f"peer(s) {names} claim a state over one round beyond the group's: not credible"
         if self.kind is Stale.GROUPMATE:
             return f"{self.stale} groupmate(s) hold an older or diverged state"
         mine = "no state" if self.own_tag is None else f"round {self.own_tag[0]}"
         return f"this peer's state ({mine}) differs from its group's (round {self.group_tag[0]})"
 
 
-class StaleStateError(AllreduceException):
-    """A group's state tags differ: nothing was sent. Raised in the averager's process, it reaches the
-    transport through hivemind's pipe from that process, pickled: its ``args`` is the verdict alone, so
-    that it unpickles as itself, verdict included (tests/test_hivemind.py checks the trip)."""
+class StaleStateError(ExchangeFailed):
+    """A group's state tags differ: nothing was sent. Raised in the averager's process, it reaches
+    the transport through hivemind's pipe from that process, pickled: its ``args`` is the verdict
+    alone, so that it unpickles as itself, verdict included (tests/test_hivemind.py checks the
+    trip). An ``ExchangeFailed`` whose culprits are the groupmates whose tag is not credible
+    (``StaleVerdict.doubtful``): the transport retries without them and names them
+    (``swarm.Swarm.bench``)."""
 
     def __init__(self, verdict: StaleVerdict) -> None:
-        super().__init__(verdict)
-        self.verdict = verdict
+        AllreduceException.__init__(self, verdict)
+        self.verdict, self.culprits, self.message = verdict, verdict.doubtful, str(verdict)
 
     def __str__(self) -> str:
         return str(self.verdict)
 
 
-def stale_verdict(tags: Sequence[Tag | None], me: int, distrusted: Collection[int] = ()) -> StaleVerdict | None:
-    """None if every groupmate holds the same state tag; otherwise the verdict for groupmate ``me``, the
-    same group state on every groupmate: ``me`` is behind (it must re-sync) or a groupmate is. ``distrusted``:
-    groupmates ``me`` benched (``strikes``): their tags count for nothing and they are stale whatever they hold,
-    so ``me`` neither averages with them nor takes their state (they may reach another verdict: none sends)."""
+def _doubtful(tags: Sequence[Tag | None], counted: Sequence[int]) -> list[int]:
+    """The groupmates (of ``counted``) whose tag nobody else holds and whose rounds exceed every
+    other tag's by more than one (peers with no state, or the initial one, have no say)."""
+    out = []
+    for i in counted:
+        t = tags[i]
+        others = [tags[j][0] for j in counted if tags[j] not in (None, t, INITIAL_TAG)]
+        alone = sum(tags[j] == t for j in counted) == 1
+        if t is not None and others and alone and t[0] > max(others) + 1:
+            out.append(i)
+    return out
+
+
+def stale_verdict(
+    tags: Sequence[Tag | None],
+    me: int,
+    distrusted: Collection[int] = (),
+    peers: Sequence[bytes] = (),
+) -> StaleVerdict | None:
+    """None if every groupmate holds the same state tag; otherwise the verdict for groupmate ``me``:
+    ``me`` is behind (it must re-sync) or a groupmate is (see ``StaleVerdict.group_tag``).
+    ``distrusted``: groupmates ``me`` benched (``strikes``): their tags count for nothing and they
+    are stale whatever they hold, so ``me`` neither averages with them nor takes their state (they
+    may reach another verdict: none sends). ``peers``: the group's peer ids, to name the groupmates
+    whose tag is not credible (``doubtful``)."""
     if not distrusted and all(t == tags[0] for t in tags):
         return None
-    held = Counter(t for i, t in enumerate(tags) if t is not None and i not in distrusted)
-    group = max(held, key=lambda t: (held[t], t[0], t[1])) if held else INITIAL_TAG
-    kind = Stale.GROUPMATE if tags[me] == group or not held else Stale.BEHIND
+    counted = [i for i, t in enumerate(tags) if t is not None and i not in distrusted]
+    doubtful = [i for i in _doubtful(tags, counted) if i != me]
+    held = Counter(tags[i] for i in counted)
+    top = max(held.values(), default=0)
+    tied = [t for t in held if held[t] == top]
+    mine = tags[me]
+    if len(tied) == 1:  # the most holders
+        group = tied[0]
+    elif mine is None or mine == INITIAL_TAG:  # no state of its own: the one not in doubt, if one
+        sure = [t for t in tied if all(tags[i] != t for i in doubtful)]
+        group = sure[0] if len(sure) == 1 else INITIAL_TAG
+    else:  # a tie: only a state one round on from this peer's is taken, if it is the only one
+        next_ = [t for t in tied if t[0] == mine[0] + 1]
+        group = next_[0] if len(next_) == 1 else mine
+    behind = bool(held) and group != mine and group in held
+    kind = Stale.BEHIND if behind else Stale.GROUPMATE
+    group = group if held else INITIAL_TAG
     stale = sum(t != group or i in distrusted for i, t in enumerate(tags))
-    return StaleVerdict(kind=kind, group_tag=group, own_tag=tags[me], stale=stale)
+    named = tuple(peers[i] for i in doubtful) if len(peers) == len(tags) else ()
+    return StaleVerdict(kind=kind, group_tag=group, own_tag=mine, stale=stale, doubtful=named)

@@ -42,6 +42,14 @@ class TrackedState:
         self.prev_tag: Tag | None = None
         self.on_resync: Loader | None = None
         self._server, self._res, self._lock, self._swarm = server, resources, lock, swarm
+        server.claims = self.claims  # a donor's claim is weighed against the swarm's (donor_choice)
+
+    def claims(self) -> dict[bytes, int]:
+        """Per live peer (id), the rounds its presence record declares ({} if the DHT does not
+        answer within 2 s)."""
+        got = self._swarm.others(timeout=2.0)
+        rounds = {p: r.value.get("round") for p, r in got.items()}
+        return {p: r for p, r in rounds.items() if type(r) is int and r >= 0}
 
     def track(self, keys: frozenset[str], on_resync: Loader) -> None:
         with self._lock:
