@@ -127,6 +127,18 @@ def test_an_insider_short_of_orders_of_magnitude_moves_the_result_within_the_rad
             assert float((a - b).norm()) <= (ra + rb) / k * (1 + 1e-6)
 
 
+@pytest.mark.parametrize("k", [3, 4])
+def test_a_sign_flipped_insider_gets_less_room_the_more_it_points_away(k):
+    """x-1 at the honest norm is no farther than honest diversity, so it is not left out, but its room
+    shrinks with its cosine with the centre (none at -1): the result stays within 20% of the honest
+    ones' mean (kept in full, it would be a third of it at k = 3)."""
+    honest = _honest(k - 1)
+    got, left_out = _merge(ROBUST, [*honest, -honest[0]], "fp32")
+    mean = torch.stack(honest).mean(0)
+    assert left_out == ()
+    assert float((got - mean).norm()) <= 0.2 * float(mean.norm())
+
+
 def test_a_clipped_round_with_an_excluded_worker_is_the_clipped_merge_of_the_valid_ones():
     """The guard's rescale to the valid contributors also holds where the rule clips: an excluded
     worker's zeros abstain."""

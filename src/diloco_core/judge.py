@@ -67,11 +67,12 @@ def judge(gram: torch.Tensor, *, ratio: float) -> Verdict:
     cos = ga / (sq * (a @ ga)).sqrt()
     out = (far > ratio) & ((cos < 0) | (sq.sqrt() > SCALED * sq.sqrt().median()))
     out[members] = False  # never a member of the centre: never a majority
-    clipped = (far > ratio) & ~out
+    radius = ratio * (1 + cos.clamp(max=0))  # pointing away from the centre: less room, none at -1
+    clipped = (far > radius) & ~out
     gone = {int(sent[i]): (float(far[i]), float(cos[i])) for i in torch.nonzero(out).flatten()}
     if not bool(clipped.any()):
         return Verdict(gone, None, m)
-    lam = torch.where(clipped, ratio / far, 1.0)[~out]  # the share of its offset each one keeps
+    lam = torch.where(clipped, radius / far, 1.0)[~out]  # the share of its offset each one keeps
     weights = torch.zeros(gram.shape[0], dtype=torch.float64)
     weights[sent[~out]] = lam / len(lam) + a[~out] * (1 - lam.mean())
     return Verdict(gone, weights, m)
