@@ -12,11 +12,12 @@ looks like an attack.
   (with it, a majority of the m that sent values); the median spread is the honest scale.
 - **Centre**: the mean of the tightest majority (the contribution with the smallest spread and the
   ⌊m/2⌋ nearest it). A minority cannot move it far: each member is within two spreads of it.
-- **Bounded**: a contribution farther from the centre than the radius (``ratio`` median spreads)
-  counts as if it were on the sphere of that radius about the centre, in its own direction
-  (clipped); the result is the centre plus the mean of the clipped offsets, so one contribution
-  moves it by at most radius / m. Every distance, and the clipped mean's weights, come from the
-  Gram matrix: the centre is a combination of the contributions.
+- **Bounded**: a contribution farther from the centre than its radius (``ratio`` median spreads,
+  times 1 + its cosine with the centre where that is negative: one pointing away gets less room,
+  none at -1) counts as if it were on the sphere of that radius about the centre, in its own
+  direction (clipped); the result is the centre plus the mean of the clipped offsets, so one
+  contribution moves it by at most radius / m. Every distance, and the clipped mean's weights, come
+  from the Gram matrix: the centre is a combination of the contributions.
 - **Left out**: only a contribution beyond the radius that is also flipped (a negative cosine with
   the centre) or scaled by orders of magnitude (a norm over ``SCALED`` times the median norm); never
   a member of the centre, so never a majority. Measured on honest runs: docs/reliability.md.
