@@ -45,7 +45,7 @@ def _peers(n: int, *, faults: dict[int, HivemindFaults], name: str) -> list[Hive
     return peers
 
 
-def _rounds(t: HivemindTransport, *, rank: int, rounds: int, before_round: dict) -> list:
+def _rounds(t: HivemindTransport, *, rank: int, rounds: int, before_round: dict, codec: str = "fp32") -> list:
     """DiLoCo, one inner step a round on ``_grad(rank)``; ``before_round[(rank, r)]()`` runs before
     round r. Each round: ("ok", contributors, seconds) or ("error", message, seconds); a survivor
     stops at an error."""
@@ -56,6 +56,7 @@ def _rounds(t: HivemindTransport, *, rank: int, rounds: int, before_round: dict)
         outer_lr=1.0,
         outer_momentum=0.0,
         merge="mean",
+        codec=codec,
         round_retries=0,
         reduce_timeout=t.own_timeout,
     )
@@ -85,7 +86,7 @@ def _name(peer: HivemindTransport) -> str:
     return PeerID.from_base58(peer.join_addresses[0].rsplit("/p2p/", 1)[1]).to_bytes().hex()[-8:]
 
 
-def _with_a_failing_peer(n: int, tmp_path, rounds: int) -> tuple[list, str]:
+def _with_a_failing_peer(n: int, tmp_path, rounds: int, codec: str) -> tuple[list, str]:
     """``n`` peers; the last one's part exchange fails from round ``FAILING`` on: each peer's
     rounds, and the failing peer's name."""
     flag = str(tmp_path / "fail")
@@ -97,7 +98,7 @@ def _with_a_failing_peer(n: int, tmp_path, rounds: int) -> tuple[list, str]:
     try:
 
         def body(rank: int) -> None:
-            results[rank] = _rounds(peers[rank], rank=rank, rounds=rounds, before_round=before)
+            results[rank] = _rounds(peers[rank], rank=rank, rounds=rounds, before_round=before, codec=codec)
 
         in_threads(body, n, timeout=240, what="hivemind peers")
     finally:
@@ -107,11 +108,12 @@ def _with_a_failing_peer(n: int, tmp_path, rounds: int) -> tuple[list, str]:
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("n", [3, 4])
-def test_the_others_retry_without_a_failing_peer_bench_it_and_go_on(n, tmp_path, caplog):
+@pytest.mark.parametrize(("n", "codec"), [(3, "fp32"), (4, "fp32"), (3, "int8")])
+def test_the_others_retry_without_a_failing_peer_bench_it_and_go_on(n, codec, tmp_path, caplog):
+    """int8: a block codec, whose part owners relay the others' payloads."""
     caplog.set_level(logging.WARNING, logger="transports.hivemind")
     rounds = FAILING + 3
-    results, faulty = _with_a_failing_peer(n, tmp_path, rounds)
+    results, faulty = _with_a_failing_peer(n, tmp_path, rounds, codec)
     survivors = results[: n - 1]
     for out in survivors:
         steps = [o for o in out if o[0] != "params"]

@@ -21,7 +21,7 @@ from typing import Any
 
 from hivemind.averaging.allreduce import AllreduceException
 
-__all__ = ["ExchangeFailed", "culprits", "read_report", "report"]
+__all__ = ["ExchangeFailed", "ShortRelay", "culprits", "read_report", "report"]
 
 
 def report(peers: Sequence[Any], failed: Collection[Any]) -> bytes:
@@ -56,6 +56,11 @@ def culprits(size: int, reports: Mapping[int, Collection[int]]) -> frozenset[int
         if blamers >= 2 and 2 * blamers > len(others):
             guilty.add(m)
     return frozenset(guilty)
+
+
+class ShortRelay(AllreduceException):
+    """A block codec's part owner relayed fewer payloads than the group has others: a sender failed
+    the owner (its part never came), which is the sender's fault, not the relay's (not blamed)."""
 
 
 class ExchangeFailed(AllreduceException):

@@ -32,6 +32,7 @@ from hivemind.utils.asyncio import aiter_with_timeout, amap_in_executor, as_aite
 
 from diloco_core import Codec
 
+from .blame import ShortRelay
 from .checks import check_tensor
 from .reducer import Runner, part_sum
 
@@ -97,6 +98,9 @@ class BlockRunner(Runner):
         n, size = len(self.ordered_peer_ids), self._payload_numel(part.numel())
         got = deserialize_torch_tensor(msg.tensor_part)
         what = f"payloads of part {part_index} from {self.ordered_peer_ids[index]}"
+        whole = got.dim() == 1 and got.dtype == torch.uint8 and got.numel() % size == 0
+        if whole and got.numel() < (n - 1) * size:  # the owner lacks a sender's payload (blame.py)
+            raise ShortRelay(f"{what}: {got.numel() // size} payload(s) of {n - 1}")
         check_tensor(got, shape=((n - 1) * size,), dtype=torch.uint8, what=what, finite=False)
         others = list(got.split(size))
         for p in others:

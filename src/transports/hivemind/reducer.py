@@ -25,6 +25,7 @@ from hivemind.utils.asyncio import aiter_with_timeout, amap_in_executor
 
 from diloco_core import FP32, MEAN, Codec, LeftOut, Merge
 
+from .blame import ShortRelay
 from .checks import check_tensor, checked
 from .faults import HivemindFaults
 
@@ -220,7 +221,7 @@ class Runner(AllReduceRunner):
         """Record that the reducer of slice ``index`` failed; hivemind fills the slice with local values,
         which the confirmation phase then never commits."""
         self.failures.append(f"reducer {peer_id} failed: {type(e).__name__}: {e}")
-        if peer_id != self.peer_id:
+        if peer_id != self.peer_id and not isinstance(e, ShortRelay):  # a relay a sender failed
             self.blamed.add(peer_id)
         self.tensor_part_container.register_failed_reducer(index)
 
