@@ -4,19 +4,22 @@ part's reducer), so this is the one place a rule is written.
 
 - ``MergeRule.MEAN``: the fp32 mean of the decoded payloads, summed in contributor order (``Codec.mean_of``: the
   wire contract ``reference_mean`` writes plainly).
-- ``MergeRule.ROBUST`` (DiLoCo's default): honest diversity is kept and every contribution's influence bounded;
-  only what is far *and* looks like an attack is left out (``judge.py``, from the contributions' Gram matrix, one
-  pass over them). A contribution's *spread* is its L2 distance to the farthest of the ⌊K/2⌋ others nearest to it;
-  the *centre* is the mean of the tightest majority; one farther from the centre than ``outlier_ratio`` median
-  spreads (the radius) is clipped to it, so it moves the result by at most radius / K, and the result is the
-  clipped contributions' mean (a weighted combination of the payloads). Left out (named: ``LeftOut``, what
-  hivemind's strikes count) is only one beyond the radius that is flipped (a negative cosine with the centre) or
-  scaled by orders of magnitude (over ``judge.SCALED`` times the median norm); a clip is never a ``LeftOut`` (a
-  DEBUG line of this module names it). A contribution of zeros abstains (the guard's exclusion): it is not judged,
-  and the result counts it as the plain mean does, so the guard's rescale to the valid contributors gives the
-  kept ones' combination. With fewer than 3 that sent values there is no majority and nothing is judged; a
-  majority is never left out. Where none is clipped or left out (every honest round measured) the result is
-  ``MEAN``'s, bit for bit.
+- ``MergeRule.ROBUST`` (DiLoCo's default): honest diversity is kept and every contribution's
+  influence bounded; only what is far *and* looks like an attack is left out (``judge.py``, from
+  the contributions' Gram matrix, one pass over them). A contribution's *spread* is its L2 distance
+  to the farthest of the ⌊K/2⌋ others nearest to it; the *centre* is the mean of the tightest
+  majority; one farther from the centre than ``outlier_ratio`` median spreads (the radius; less
+  where it points away from the centre) is clipped to it, so it moves the result by at most
+  radius / K, and the result is the clipped contributions' mean (a weighted combination of the
+  payloads). Left out (named: ``LeftOut``, what hivemind's strikes count) is only one beyond the
+  radius that is flipped (a negative cosine with the centre) or scaled by orders of magnitude (over
+  ``judge.SCALED`` times the median norm); a clip is never a ``LeftOut`` (a DEBUG line of this
+  module names it). A contribution of zeros abstains (the guard's exclusion): it is not judged, and
+  the result counts it as the plain mean does, so the guard's rescale to the valid contributors
+  gives the kept ones' combination. With fewer than 3 that sent values there is no majority and
+  nothing is judged; a majority is never left out. Where none is clipped or left out (every round
+  of the default run and of the honest non-IID benchmark measured) the result is ``MEAN``'s, bit
+  for bit.
 
 A merge judges the values before ``judged`` (the pseudo-gradient), those from ``apart`` on apart from those
 before (RDA's norms after its directions); values from ``judged`` on (the contribution guard's tail: flags,
