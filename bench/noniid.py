@@ -15,8 +15,9 @@ Each domain's documents go to train or validation by the trainer's own hash rule
 tokens are cut to the smallest domain's length, so worker r's shard (``Corpus.shard``) is domain r
 exactly, and the run's validation set is every domain's, cut to the same length (the trainer's eval
 weighs them alike). Every run is the trainer's default run but for ``--steps`` (160: 14 rounds of
-H = 10 after the DDP warm start, about 6 minutes a run on the shared 2-core machine), ``diloco.merge``
-and ``--set``; the final global model is also evaluated on each domain's validation tokens. Each
+H = 10 after the DDP warm start, about 6 minutes a run on the shared 2-core machine),
+``diloco.merge`` and ``--set``; the final global model is also evaluated on each domain's
+validation tokens. Each
 round's merge is recorded (``merges.jsonl`` in the run folder): the contributions' norms and
 cosines, who was left out, and whether the result differs from the plain mean of those kept (the
 rule bounded a contribution: "clipped").
