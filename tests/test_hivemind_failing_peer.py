@@ -189,3 +189,52 @@ def test_the_culprits_cross_the_pipe_typed():
     e = pickle.loads(pickle.dumps(ExchangeFailed((b"\x01\x02",), "round not committed")))
     assert isinstance(e, ExchangeFailed) and e.culprits == (b"\x01\x02",)
     assert str(e) == "round not committed"
+
+
+class _Records:
+    """A DHT as ``swarm.Swarm`` reads it: the presence records of the others, set by the test."""
+
+    def __init__(self) -> None:
+        from types import SimpleNamespace
+
+        self.records: dict[bytes, object] = {}
+        self.peer_id = SimpleNamespace(to_bytes=lambda: b"me")
+        self._ns = SimpleNamespace
+
+    def get(self, key: str, *, latest: bool, return_future: bool) -> object:
+        from concurrent.futures import Future
+
+        future: Future = Future()
+        future.set_result(self._ns(value=dict(self.records)) if self.records else None)
+        return future
+
+    def declare(self, peer: bytes, rounds: int) -> None:
+        from hivemind.utils import get_dht_time
+
+        value = {"round": rounds, "joining": False}
+        self.records[peer] = self._ns(value=value, expiration_time=get_dht_time() + 30.0)
+
+
+def test_a_peer_whose_record_is_gone_before_a_lone_round_is_found_departed(caplog):
+    """The survivor's first round after the other left finds no record of it (expired, or the DHT
+    did not answer): it averages alone, and the next round knows the peer left and goes alone at
+    once, one line naming it (before: its target_group_size stayed 2, every round waited it out)."""
+    from types import SimpleNamespace
+
+    from transports.hivemind.swarm import Swarm
+
+    dht = _Records()
+    res = SimpleNamespace(dht=dht, config=SimpleNamespace(matchmaking_time=5.0), closed=False)
+    swarm = Swarm(resources=res, key="presence")
+    dht.declare(b"peer-b", 2)
+    assert swarm.expected("round", tracked=True, timeout=1.0) == 2
+    swarm.committed(3, [b"me", b"peer-b"])
+    dht.records.clear()  # its record is gone
+    expected = swarm.expected("round", tracked=True, timeout=1.0)
+    assert swarm.target(expected, configured=2) == 2  # this round still waits for it
+    swarm.committed(4, [])  # alone
+    caplog.set_level(logging.WARNING, logger="transports.hivemind")
+    expected = swarm.expected("round", tracked=True, timeout=1.0)
+    assert expected == 1 and swarm.target(expected, configured=2) == 1
+    left = [r.getMessage() for r in caplog.records if "left the swarm's rounds" in r.getMessage()]
+    assert len(left) == 1 and b"peer-b".hex()[-8:] in left[0], left

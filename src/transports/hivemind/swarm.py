@@ -59,6 +59,7 @@ class Swarm:
         self._mine: dict = {"key": None, "busy": False, "round": None, "joining": False}
         self._mine.update(committed_at=None, period=None)
         self._counted: set[bytes] = set()  # the peers the last round expected
+        self._missing: set[bytes] = set()  # peers counted before whose presence record is gone
         self._rounds_seen: list[Any] = []  # the rounds the others' presence said at the last read
         self._alive = 1  # this peer and the others with a live record, not departed, at the last read
         self._suspects: dict[bytes, int] = {}  # of those, the ones that missed a round: the first one they missed
@@ -82,7 +83,7 @@ class Swarm:
         says when, and how long the last took; a peer the round expected and ``group`` lacks is a suspect."""
         now, last = get_dht_time(), self._mine["committed_at"]
         self.declare(round=rounds, committed_at=now, period=None if last is None else now - last)
-        for p in self._counted:  # alone (``group`` empty), every peer it expected missed the round
+        for p in self._counted | self._missing:  # alone (``group`` empty): every one missed it
             if p not in group:
                 self._suspects.setdefault(p, rounds)  # the first round it missed
 
@@ -167,8 +168,13 @@ class Swarm:
             if p in running and running[p][1] != expires:  # refreshed again (a restart is a new peer id)
                 logger.info("peer %s is back in the swarm's rounds (at round %s)", p.hex()[-8:], running[p][0])
                 del self._departed[p]
+        # One counted before whose record is gone now (expired, or the DHT did not answer) is
+        # missing: a suspect once a round commits without it, departed at the next read (else a
+        # configured target would wait for it every round).
+        gone = (self._counted | self._missing) - running.keys() - self._departed.keys()
         # benched ones too: one may leave
         self._counted = {p for p in running if p not in self._departed}
+        self._missing = gone
         self._rounds_seen = [r for r, _ in running.values()]
         # whatever they do: a joiner may meet us
         self._alive = 1 + sum(p not in self._departed and not self.benched(p) for p in others)
