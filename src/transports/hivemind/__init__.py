@@ -70,7 +70,8 @@ reduce's attempts: whom and how long it waits, retries, catching up), ``attempt`
 ``averager`` (phases 2 and 4), ``confirm`` (phase 4), ``blame`` (whom a failed exchange blames:
 the retry goes without it), ``strikes`` (benches), ``reducer`` (phase 3), ``block_runner`` (phase 3 for block codecs),
 ``state_tag`` (the state tag and the stale verdict), ``tracked_state`` (a peer's tag, re-sync),
-``state_server`` (state for joiners), ``checks`` (received tensors), ``handle`` (what all_reduce
+``state_server`` (state for joiners), ``donors`` (what each donor serves, a download from one),
+``donor_choice`` (which served state a peer takes), ``checks`` (received tensors), ``handle`` (what all_reduce
 returns), ``deadlines`` (every deadline of a reduce, from two settings), ``resources`` (processes, close), ``faults`` (HivemindFaults, for tests), ``requirement``
 (the install hint when hivemind is missing), ``auth`` (keys from the secret, the records' MACs),
 ``dht_auth`` (the DHT for members only), ``secret`` (where the secret comes from), ``throttle`` (warnings
