@@ -346,9 +346,10 @@ def test_stale_verdict_is_the_same_on_every_peer_and_names_who_is_behind():
     assert all(v.group_tag == group and v.own_tag == t for v, t in zip(verdicts, tags))  # one group state for all
     assert str(verdicts[0]) == "3 groupmate(s) hold an older or diverged state"
     assert str(verdicts[4]) == "this peer's state (no state) differs from its group's (round 2)"
-    # two peers, one history each: a tie nothing settles (issue 44): neither takes the other's state
+    # two peers, one history each: both pick the same winner (the larger hash)
     pair = [stale_verdict([group, alone], i) for i in range(2)]
-    assert [(v.kind, v.group_tag) for v in pair] == [(Stale.GROUPMATE, group), (Stale.GROUPMATE, alone)]
+    winner = max(group, alone)
+    assert sorted((v.kind.value, v.group_tag) for v in pair) == [("behind", winner), ("groupmate", winner)]
     # a peer that committed rounds alone (an insider benched by the others: its own scaled updates) does not
     # pull a majority of its group onto its state; with no majority, the most rounds win
     ahead_alone = next_tag(next_tag(alone, b"alone:d"), b"alone:e")

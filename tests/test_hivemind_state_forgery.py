@@ -118,9 +118,12 @@ def test_in_a_meeting_of_two_only_a_state_one_round_on_is_taken():
     for me, kind in ((0, Stale.BEHIND), (1, Stale.GROUPMATE)):
         v = state_tag.stale_verdict([CHAIN[3], CHAIN[4]], me)
         assert v.kind is kind and v.group_tag == CHAIN[4], v
-    same_round = state_tag.next_tag(CHAIN[3], b"alone")  # one round each, different results
-    assert state_tag.stale_verdict([CHAIN[4], same_round], 0).kind is Stale.GROUPMATE
-    assert state_tag.stale_verdict([CHAIN[4], same_round], 1).kind is Stale.GROUPMATE
+    same_round = state_tag.next_tag(CHAIN[3], b"alone")  # a round alone each: one history again
+    pair = [state_tag.stale_verdict([CHAIN[4], same_round], i) for i in range(2)]
+    winner = max(CHAIN[4], same_round, key=lambda t: t[1])
+    assert {v.group_tag for v in pair} == {winner} and {v.kind for v in pair} == set(Stale)
+    ahead = state_tag.next_tag(CHAIN[4], b"d" * 32)  # two rounds on: neither takes the other's
+    assert state_tag.stale_verdict([CHAIN[3], ahead], 0).kind is Stale.GROUPMATE
     # a majority still decides, and a lone fake among it is named
     trio = [state_tag.stale_verdict([CHAIN[4], CHAIN[4], FORGED], i) for i in range(3)]
     assert [v.kind for v in trio] == [Stale.GROUPMATE, Stale.GROUPMATE, Stale.BEHIND]

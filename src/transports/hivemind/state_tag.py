@@ -63,7 +63,9 @@ class StaleVerdict:
     more holders than every other (a tie, as in any group of two): a claimed round count settles
     nothing (an insider claims any), so a peer takes the other's state only if it is exactly one
     round on from its own (a peer that fell behind by a round, or whose group averaged a round
-    without it), and otherwise keeps its own (``group_tag`` is then its own tag)."""
+    without it), or of its own round with a larger hash (two peers that each averaged a round
+    alone: one history for both again), and otherwise keeps its own (``group_tag`` is then its own
+    tag)."""
     own_tag: Tag | None
     """This peer's tag (None: it sent none)."""
     stale: int
@@ -137,9 +139,11 @@ def stale_verdict(
     elif mine is None or mine == INITIAL_TAG:  # no state of its own: the one not in doubt, if one
         sure = [t for t in tied if all(tags[i] != t for i in doubtful)]
         group = sure[0] if len(sure) == 1 else INITIAL_TAG
-    else:  # a tie: only a state one round on from this peer's is taken, if it is the only one
+    else:  # a tie: a state one round on from this peer's is taken if it is the only one; else, among
+        # states of this peer's round, the larger hash (two peers that both averaged a round alone)
         next_ = [t for t in tied if t[0] == mine[0] + 1]
-        group = next_[0] if len(next_) == 1 else mine
+        same = [t for t in tied if t[0] == mine[0]]
+        group = next_[0] if len(next_) == 1 else max([mine, *same], key=lambda t: t[1])
     behind = bool(held) and group != mine and group in held
     kind = Stale.BEHIND if behind else Stale.GROUPMATE
     group = group if held else INITIAL_TAG
