@@ -678,19 +678,19 @@ def test_an_exception_without_close_leaves_nothing_behind():
 def test_close_removes_a_stale_p2pd_socket_and_keeps_a_live_one(tmp_path):
     """hivemind leaves p2pd's socket file where p2pd ended before its DHT shut down; close removes it once
     nothing listens on it (a crashed peer left one in /tmp twice in about ten runs of the test above)."""
-    from transports.hivemind.resources import _remove_stale
+    from transports.hivemind.socket_files import remove_stale
 
     path = str(tmp_path / "hivemind-p2pd-test.sock")
     listener = socket.socket(socket.AF_UNIX)
     listener.bind(path)
     listener.listen()
     try:
-        _remove_stale(path, wait=0.3)
+        remove_stale(path, wait=0.3)
         assert os.path.exists(path)  # still served: not stale
     finally:
         listener.close()  # the file stays, as a dead p2pd's does
     assert os.path.exists(path)
-    _remove_stale(path)
+    remove_stale(path)
     assert not os.path.exists(path)
 
 

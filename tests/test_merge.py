@@ -151,10 +151,19 @@ def test_a_clipped_round_with_an_excluded_worker_is_the_clipped_merge_of_the_val
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
 
 
-def test_two_contributors_have_no_majority_nothing_is_left_out():
+def test_two_contributors_have_no_majority_nothing_is_left_out_but_neither_weighs_past_the_ratio():
+    """A group of two (a swarm's first round, the founder beside an insider): nobody is left out, and the larger
+    norm is clipped to ``outlier_ratio`` times the smaller (before: x1e6 went in whole and wrecked the start)."""
     a, b = _honest(2)
-    got, left_out = _merge(ROBUST, [a, b * 1e6], "fp32")
-    assert left_out == () and torch.equal(got, (a + b * 1e6) / 2)
+    for scale in (1e6, -1e6):
+        got, left_out = _merge(ROBUST, [a, b * scale], "fp32")
+        assert left_out == ()
+        want = (a.double() + b.double() * scale * (3.0 * a.double().norm() / (b.double() * scale).norm())) / 2
+        torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-6)
+        assert float(got.norm()) <= 2.0 * float(a.norm()) * 1.0001  # at most (1 + 3) / 2 of the honest norm
+    # norms within the ratio: the plain mean, bit for bit
+    got, left_out = _merge(ROBUST, [a, b * 2.0], "fp32")
+    assert left_out == () and torch.equal(got, (a + b * 2.0) / 2)
 
 
 def test_values_past_judged_are_the_plain_mean_of_everyone():

@@ -44,7 +44,8 @@ class Verdict:
     """Left out: (distance to the centre over the median spread, cosine with the centre)."""
     weights: torch.Tensor | None
     """Where one kept is clipped: each contribution's weight in the result (fp64; 0: left out, or
-    sent nothing), summing to 1 over the kept ones that sent values. None: their plain mean."""
+    sent nothing), summing to 1 over the kept ones that sent values (a pair: ``_pair``). None: their
+    plain mean."""
     sent: int
     """Contributions that sent any value (the others, all zeros, abstain: the guard's exclusion)."""
 
@@ -53,7 +54,9 @@ def judge(gram: torch.Tensor, *, ratio: float) -> Verdict:
     """The verdict on k contributions from their fp64 Gram matrix (k, k); radius: ``ratio``."""
     sent = torch.nonzero(gram.diagonal() > 0).flatten()
     m = len(sent)
-    if m < 3:  # no majority among those that sent anything
+    if m == 2:  # no majority: neither is judged, but neither weighs more than ``ratio`` times the other
+        return _pair(gram, sent, ratio=ratio)
+    if m < 3:
         return Verdict({}, None, m)
     g = gram[sent][:, sent]
     sq = g.diagonal()
@@ -77,3 +80,17 @@ def judge(gram: torch.Tensor, *, ratio: float) -> Verdict:
     weights = torch.zeros(gram.shape[0], dtype=torch.float64)
     weights[sent[~out]] = lam / len(lam) + a[~out] * (1 - lam.mean())
     return Verdict(gone, weights, m)
+
+
+def _pair(gram: torch.Tensor, sent: torch.Tensor, *, ratio: float) -> Verdict:
+    """Two contributions (a group of two, a swarm's first round): with no majority nothing is left out, but the
+    larger norm is clipped to ``ratio`` times the smaller, so one insider moves the result by at most ``ratio``
+    honest steps (it wrecked the swarm's start before: x-1e6 beside the founder). The weights are the pair's
+    mean with that clip (they sum to less than 1 where it clips); None where the norms are within ``ratio``."""
+    norms = gram.diagonal()[sent].sqrt()
+    small, large = norms.min(), norms.max()
+    if large <= ratio * small:
+        return Verdict({}, None, 2)
+    weights = torch.zeros(gram.shape[0], dtype=torch.float64)
+    weights[sent] = torch.where(norms == large, ratio * small / large, 1.0) / 2
+    return Verdict({}, weights, 2)

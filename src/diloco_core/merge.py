@@ -16,8 +16,9 @@ part's reducer), so this is the one place a rule is written.
   ``judge.SCALED`` times the median norm); a clip is never a ``LeftOut`` (a DEBUG line of this
   module names it). A contribution of zeros abstains (the guard's exclusion): it is not judged, and
   the result counts it as the plain mean does, so the guard's rescale to the valid contributors
-  gives the kept ones' combination. With fewer than 3 that sent values there is no majority and
-  nothing is judged; a majority is never left out. Where none is clipped or left out (every round
+  gives the kept ones' combination. With two that sent values there is no majority: nothing is
+  left out, but the larger norm is clipped to ``outlier_ratio`` times the smaller (a group of two,
+  a swarm's first round: ``judge._pair``); a majority is never left out. Where none is clipped or left out (every round
   of the default run and of the honest non-IID benchmark measured) the result is ``MEAN``'s, bit
   for bit.
 
@@ -104,7 +105,7 @@ class Merge:
         apart, judged = (max(0, min(n, e - start)) for e in (self.apart or 0, end))
         verdicts = []  # (lo, hi, verdict): each slice judged by its own values
         for lo, hi in ((0, apart), (apart, judged)):
-            if self.rule is MergeRule.ROBUST and k >= 3 and hi - lo >= MIN_JUDGED:
+            if self.rule is MergeRule.ROBUST and k >= 2 and hi - lo >= MIN_JUDGED:
                 gram = torch.zeros(k, k, dtype=torch.float64)
                 for piece in codec.pieces(payloads, n, span=range(lo, hi), size=CHUNK):
                     gram += (piece @ piece.T).double()
