@@ -123,7 +123,16 @@ def test_in_a_meeting_of_two_only_a_state_one_round_on_is_taken():
     winner = max(CHAIN[4], same_round, key=lambda t: t[1])
     assert {v.group_tag for v in pair} == {winner} and {v.kind for v in pair} == set(Stale)
     ahead = state_tag.next_tag(CHAIN[4], b"d" * 32)  # two rounds on: neither takes the other's
-    assert state_tag.stale_verdict([CHAIN[3], ahead], 0).kind is Stale.GROUPMATE
+    apart = [state_tag.stale_verdict([CHAIN[3], ahead], i, peers=[VETERAN, OTHER]) for i in (0, 1)]
+    assert [v.kind for v in apart] == [Stale.GROUPMATE, Stale.GROUPMATE]
+    # each retries without the other (else they met at every attempt until the round failed)
+    assert StaleStateError(apart[0]).culprits == (OTHER,) and apart[1].apart == (VETERAN,)
+    # a joiner that took the run's state before the founder's first round (the initial tag), against
+    # the founder's round 1 (bench/state_attack.py found it: 1,490 attempts, the round failed)
+    lone = state_tag.next_tag(INITIAL_TAG, b"alone:founder")
+    founder, joiner = (state_tag.stale_verdict([lone, INITIAL_TAG], i) for i in (0, 1))
+    assert founder.kind is Stale.GROUPMATE and joiner.kind is Stale.BEHIND
+    assert joiner.group_tag == lone
     # a majority still decides, and a lone fake among it is named
     trio = [state_tag.stale_verdict([CHAIN[4], CHAIN[4], FORGED], i) for i in range(3)]
     assert [v.kind for v in trio] == [Stale.GROUPMATE, Stale.GROUPMATE, Stale.BEHIND]

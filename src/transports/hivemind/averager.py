@@ -199,9 +199,10 @@ class Averager(Presence, Donors, Confirmations, DecentralizedAverager):
         peers = [p.to_bytes() for p in group_info.peer_ids]  # to name a groupmate not credible
         verdict = stale_verdict(tags, me, distrusted=benched, peers=peers)
         if verdict is not None:  # every groupmate reaches the same verdict: nobody sends anything
-            doubtful = [str(p) for p in group_info.peer_ids if p.to_bytes() in verdict.doubtful]
-            self.strikes.failed(doubtful, reason=str(verdict))  # left out of matchmaking a while
-            raise StaleStateError(verdict)
+            stale = StaleStateError(verdict)  # its culprits: left out of matchmaking a while
+            culprits = [str(p) for p in group_info.peer_ids if p.to_bytes() in stale.culprits]
+            self.strikes.failed(culprits, reason=str(verdict))
+            raise stale
         # Per group (a cancelled step may still be confirming while the next one starts).
         group_id = group_info.group_id
         self._groups[group_id] = {"deadline": time.monotonic() + (self._allreduce_timeout or 60.0) - 0.5}

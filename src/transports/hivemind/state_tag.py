@@ -74,11 +74,17 @@ class StaleVerdict:
     """Groupmates (peer ids, where the group's were given) whose tag is held by nobody else and
     claims more than one round beyond every other state in the group: not credible, retried without
     (``StaleStateError.culprits``)."""
+    apart: tuple[bytes, ...] = ()
+    """Groupmates (peer ids) that keep a state this peer does not take either (a tie that nothing
+    settles): retried without too, so that the two do not meet again at every attempt."""
 
     def __str__(self) -> str:
         if self.doubtful:
             names = ", ".join(p.hex()[-8:] for p in self.doubtful)
             return f"peer(s) {names} claim a state over one round beyond the group's: not credible"
+        if self.apart:
+            names = ", ".join(p.hex()[-8:] for p in self.apart)
+            return f"peer(s) {names} keep a state this peer does not take, nor they its own"
         if self.kind is Stale.GROUPMATE:
             return f"{self.stale} groupmate(s) hold an older or diverged state"
         mine = "no state" if self.own_tag is None else f"round {self.own_tag[0]}"
@@ -90,12 +96,13 @@ class StaleStateError(ExchangeFailed):
     the transport through hivemind's pipe from that process, pickled: its ``args`` is the verdict
     alone, so that it unpickles as itself, verdict included (tests/test_hivemind.py checks the
     trip). An ``ExchangeFailed`` whose culprits are the groupmates whose tag is not credible
-    (``StaleVerdict.doubtful``): the transport retries without them and names them
-    (``swarm.Swarm.bench``)."""
+    (``StaleVerdict.doubtful``) or who keep a state apart (``apart``): the transport retries
+    without them and names them (``swarm.Swarm.bench``)."""
 
     def __init__(self, verdict: StaleVerdict) -> None:
         AllreduceException.__init__(self, verdict)
-        self.verdict, self.culprits, self.message = verdict, verdict.doubtful, str(verdict)
+        self.verdict, self.message = verdict, str(verdict)
+        self.culprits = verdict.doubtful + verdict.apart
 
     def __str__(self) -> str:
         return str(self.verdict)
@@ -114,6 +121,30 @@ def _doubtful(tags: Sequence[Tag | None], counted: Sequence[int]) -> list[int]:
     return out
 
 
+def _group_of(
+    tags: Sequence[Tag | None], i: int, counted: Sequence[int], doubtful: Collection[int]
+) -> tuple[Tag, bool]:
+    """The state groupmate ``i`` takes for its group's (see ``StaleVerdict.group_tag``), and whether
+    it takes it (it is behind)."""
+    held = Counter(tags[k] for k in counted)
+    if not held:
+        return INITIAL_TAG, False
+    top = max(held.values())
+    tied = [t for t in held if held[t] == top]
+    mine = tags[i]
+    if len(tied) == 1:  # the most holders
+        group = tied[0]
+    elif mine is None:  # no state of its own: the one state not in doubt, if there is just one
+        sure = [t for t in tied if all(tags[k] != t for k in doubtful)]
+        group = sure[0] if len(sure) == 1 else INITIAL_TAG
+    else:  # a tie: a state one round on from this peer's is taken if it is the only one; else,
+        # among states of its own round, the larger hash (two peers each averaged a round alone)
+        next_ = [t for t in tied if t[0] == mine[0] + 1]
+        same = [t for t in tied if t[0] == mine[0]]
+        group = next_[0] if len(next_) == 1 else max([mine, *same], key=lambda t: t[1])
+    return group, group != mine and group in held
+
+
 def stale_verdict(
     tags: Sequence[Tag | None],
     me: int,
@@ -125,28 +156,24 @@ def stale_verdict(
     ``distrusted``: groupmates ``me`` benched (``strikes``): their tags count for nothing and they
     are stale whatever they hold, so ``me`` neither averages with them nor takes their state (they
     may reach another verdict: none sends). ``peers``: the group's peer ids, to name the groupmates
-    whose tag is not credible (``doubtful``)."""
+    to retry without (``doubtful`` and ``apart``)."""
     if not distrusted and all(t == tags[0] for t in tags):
         return None
     counted = [i for i, t in enumerate(tags) if t is not None and i not in distrusted]
-    doubtful = [i for i in _doubtful(tags, counted) if i != me]
-    held = Counter(tags[i] for i in counted)
-    top = max(held.values(), default=0)
-    tied = [t for t in held if held[t] == top]
-    mine = tags[me]
-    if len(tied) == 1:  # the most holders
-        group = tied[0]
-    elif mine is None or mine == INITIAL_TAG:  # no state of its own: the one not in doubt, if one
-        sure = [t for t in tied if all(tags[i] != t for i in doubtful)]
-        group = sure[0] if len(sure) == 1 else INITIAL_TAG
-    else:  # a tie: a state one round on from this peer's is taken if it is the only one; else, among
-        # states of this peer's round, the larger hash (two peers that both averaged a round alone)
-        next_ = [t for t in tied if t[0] == mine[0] + 1]
-        same = [t for t in tied if t[0] == mine[0]]
-        group = next_[0] if len(next_) == 1 else max([mine, *same], key=lambda t: t[1])
-    behind = bool(held) and group != mine and group in held
+    doubtful = _doubtful(tags, counted)
+    group, behind = _group_of(tags, me, counted, doubtful)
     kind = Stale.BEHIND if behind else Stale.GROUPMATE
-    group = group if held else INITIAL_TAG
     stale = sum(t != group or i in distrusted for i, t in enumerate(tags))
-    named = tuple(peers[i] for i in doubtful) if len(peers) == len(tags) else ()
-    return StaleVerdict(kind=kind, group_tag=group, own_tag=mine, stale=stale, doubtful=named)
+    # Groupmates that keep a state of their own (they take neither this one nor another): with them
+    # every attempt would end here again.
+    others = [j for j in counted if j != me and tags[j] != group]
+    apart = [j for j in others if not _group_of(tags, j, counted, doubtful)[1]]
+    named = len(peers) == len(tags)
+    return StaleVerdict(
+        kind=kind,
+        group_tag=group,
+        own_tag=tags[me],
+        stale=stale,
+        doubtful=tuple(peers[i] for i in doubtful if i != me) if named else (),
+        apart=tuple(peers[i] for i in apart if i not in doubtful) if named else (),
+    )
