@@ -1,7 +1,7 @@
 """``Averager``: hivemind's ``DecentralizedAverager`` with the state check and the confirmation of a round.
 
 Phase 2 (state check): groupmates' state tags came with matchmaking; if they differ nobody sends anything.
-Phase 3 runs ``reducer.Runner`` (casts) or ``block_runner.BlockRunner`` (block codecs). Phase 4
+Phase 3 runs ``block_runner.BlockRunner`` (every codec), its relays checked (``relay_check``). Phase 4
 (confirm): every peer sends (ok, digest of its result) to every groupmate and commits only if all of
 them reported ok with its own digest.
 
@@ -47,7 +47,7 @@ from .orphan import leave_with_parent
 from .presence import Presence
 from .quiet_logs import quiet_hivemind_records
 from .reduce_number import Number, OutOfStepError, step_verdict
-from .reducer import Runner
+from .relay_check import RelayChecks
 from .state_tag import StaleStateError, stale_verdict, tag_or_none
 from .strikes import BENCH_MATCHMAKINGS, Strikes
 from .throttle import Throttle
@@ -55,7 +55,7 @@ from .throttle import Throttle
 logger = logging.getLogger(__name__)
 
 
-class Averager(Presence, Donors, Confirmations, DecentralizedAverager):
+class Averager(Presence, Donors, Confirmations, RelayChecks, DecentralizedAverager):
     """One flat buffer; the round's result replaces it only after the group confirmed one digest."""
 
     state_fn: Callable[[], tuple[Any, list[torch.Tensor]]] | None = None
@@ -77,6 +77,7 @@ class Averager(Presence, Donors, Confirmations, DecentralizedAverager):
         self.codec, self.merge, self.faults, self.presence_key, self.keys = codec, merge, faults, presence_key, keys
         self._presence: dict = {}
         self._confirms: OrderedDict[bytes, dict] = OrderedDict()
+        self._relay_digests: OrderedDict[bytes, dict] = OrderedDict()
         self._groups: dict[bytes, dict] = {}  # per group id: its deadline, then its result's digest
         self._turned_away = Throttle("turned away join requests without a valid token")  # anyone can send them
         self._refused = Throttle("refused the state to peers without a presence record of the run (yet)")
@@ -226,9 +227,9 @@ class Averager(Presence, Donors, Confirmations, DecentralizedAverager):
         self, tensors: Sequence[torch.Tensor], group_info: Any, group_id: bytes | None = None, **kwargs: Any
     ) -> None:
         group_id = group_info.group_id if group_id is None else group_id
-        # Block codecs: payloads gathered per block-aligned part (block_runner); casts: the butterfly (reducer).
-        runner_type = Runner if self.codec.elementwise_dtype is not None else BlockRunner
-        runner = runner_type(
+        # Every codec: payloads gathered per part, each member merges them (block_runner): no mean
+        # returned by a part's owner.
+        runner = BlockRunner(
             p2p=self._p2p,
             servicer_type=type(self),
             prefix=self.prefix,
@@ -251,8 +252,10 @@ class Averager(Presence, Donors, Confirmations, DecentralizedAverager):
                 error = "partial all-reduce: " + "; ".join(runner.failures[:3])
         except Exception as e:  # noqa: BLE001 - any failure fails the round on every groupmate (confirm)
             error = f"{type(e).__name__}: {e}"
-        digest = b"" if error else runner.digest()
         deadline = self._groups[group_id]["deadline"]
+        if runner.checks:  # relayed payloads against their senders' digests (relay_check)
+            error = await self._check_relays(runner, group_id, error=error, deadline=deadline)
+        digest = b"" if error else runner.digest()
         await self._confirm(
             group_info.peer_ids,
             group_id,

@@ -1,9 +1,15 @@
-"""The exchange of a round in a block codec (int8, int4): payloads gathered, never a re-quantized mean.
+"""The exchange of a round, every codec: payloads gathered, never a mean of an owner's making.
 
 A block codec's payload cannot be cut anywhere, and a mean re-encoded by the part's owner would be
 quantized twice. So the butterfly's parts are cut at codec blocks (``values_per_part``): the averaged
 buffer holds fp32 values, each part is a block-aligned slice, and its payload (``codec.encode`` of the
 slice) is a valid payload of those values, exactly the matching blocks of the whole contribution's.
+Casts (fp32, fp16, bf16) travel the same way, their buffer in the wire dtype, each member's merge of a
+part (in fp32) rounded to the wire dtype as the butterfly's owner did: the very same bits as the
+butterfly, but no member takes a part's mean from its owner (an insider owner returned -100 times
+its slice to everyone). The price: n - 1 payloads sent per member, against the butterfly's
+2 (n - 1) / n (the same for 2 peers), and every member merges every part. With 3 or more peers every
+relayed payload is checked against its sender's digest (``relay_check``) before the round commits.
 Per part, every contributor sends the part's owner its payload; the owner sends each groupmate the
 payloads of the *other* contributors (group order, concatenated), and every peer sums all the part's
 payloads, its own included, merged (``Merge.of``) in group order: the very same fp32 mean on every
@@ -35,6 +41,7 @@ from diloco_core import Codec
 from .blame import ShortRelay
 from .checks import check_tensor
 from .reducer import Runner, part_sum
+from .relay_check import payload_digest
 
 _NONE = runtime_pb2.CompressionType.NONE
 
@@ -52,19 +59,30 @@ async def _numbered(stream: Any) -> AsyncIterator[tuple[int, Any]]:
 
 
 class BlockRunner(Runner):
-    """``Runner`` for block codecs (see the module docstring). The averaged tensor holds fp32 values."""
+    """``Runner`` for every codec (see the module docstring). The averaged tensor holds fp32 values
+    (block codecs) or the wire dtype's (casts)."""
 
     def __init__(self, *, codec: Codec, part_size_bytes: int, **kwargs: Any) -> None:
-        # hivemind cuts parts of part_size_bytes / 4 values from the fp32 buffer: whole blocks each.
-        super().__init__(codec=codec, part_size_bytes=4 * values_per_part(codec, part_size_bytes), **kwargs)
+        # hivemind cuts parts of part_size_bytes / itemsize values from the buffer (fp32 for block
+        # codecs, the wire dtype for casts): whole blocks each.
+        itemsize = (codec.elementwise_dtype or torch.float32).itemsize
+        vpp = values_per_part(codec, part_size_bytes)
+        super().__init__(codec=codec, part_size_bytes=itemsize * vpp, **kwargs)
         self.codec = codec
+        self.payload_dtype = codec.payload_spec(1)[1]
         self.me = self.ordered_peer_ids.index(self.peer_id)
         self.own: dict[tuple[int, int], torch.Tensor] = {}  # my payload of each part, by (owner, part index)
+        # 3 or more peers: an owner relays others' payloads, checked by their digests (relay_check)
+        self.checks = len(self.ordered_peer_ids) > 2
+        self.claims: dict[tuple[int, int], bytes] = {}  # my payloads' digests, by (owner, part)
+        self.seen: dict[tuple[int, int, int], bytes] = {}  # (owner, part, sender): received digest
 
     def _encode(self, where: tuple[int, int]) -> torch.Tensor:
         """My payload of a groupmate's part ``where`` = (owner index, part index), kept to sum with the others'."""
         payload = self.codec.encode(self.inputs[where[0]][where[1]])
         self.own[where] = payload
+        if self.checks:
+            self.claims[where] = payload_digest(payload)
         return payload
 
     def _payload_numel(self, values: int) -> int:
@@ -98,17 +116,27 @@ class BlockRunner(Runner):
         n, size = len(self.ordered_peer_ids), self._payload_numel(part.numel())
         got = deserialize_torch_tensor(msg.tensor_part)
         what = f"payloads of part {part_index} from {self.ordered_peer_ids[index]}"
-        whole = got.dim() == 1 and got.dtype == torch.uint8 and got.numel() % size == 0
+        whole = got.dim() == 1 and got.dtype == self.payload_dtype and got.numel() % size == 0
         if whole and got.numel() < (n - 1) * size:  # the owner lacks a sender's payload (blame.py)
             raise ShortRelay(f"{what}: {got.numel() // size} payload(s) of {n - 1}")
-        check_tensor(got, shape=((n - 1) * size,), dtype=torch.uint8, what=what, finite=False)
+        dtype = self.payload_dtype
+        check_tensor(got, shape=((n - 1) * size,), dtype=dtype, what=what, finite=False)
         others = list(got.split(size))
         for p in others:
             self.codec.check(p, part.numel())
+        if self.checks:  # the other senders' payloads as relayed (the owner's: its contribution)
+            for sender, p in zip((i for i in range(n) if i != self.me), others):
+                if sender != index:
+                    self.seen[(index, part_index, sender)] = payload_digest(p)
         payloads = others[: self.me] + [self.own.pop(where)] + others[self.me :]
         start = self.starts[index][part_index]
-        self.left_out += self.merge.of(payloads, codec=self.codec, out=part, start=start, who=self.who)
-        return got.numel(), part_sum(part)
+        # casts: merged in fp32, then rounded to the wire dtype as the butterfly's owner did
+        out = part if self.wire is None else torch.empty(part.numel())
+        codec = self.codec
+        self.left_out += self.merge.of(payloads, codec=codec, out=out, start=start, who=self.who)
+        if out is not part:
+            part.copy_(out)
+        return got.numel() * got.element_size(), part_sum(part)
 
     async def _communicate_with_peer(self, peer_id: Any) -> None:
         index = self.ordered_peer_ids.index(peer_id)
@@ -117,8 +145,11 @@ class BlockRunner(Runner):
         if peer_id == self.peer_id:  # the parts I own: my payload goes straight to my reducer
             for part_index, part in enumerate(self.inputs[index]):
                 payload = await loop.run_in_executor(None, self.codec.encode, part)
+                if payload.data_ptr() == part.data_ptr():  # fp32: the values, which the mean replaces
+                    payload = payload.clone()  # while the relays to the others still read them
                 mean, _ = await self.tensor_part_reducer.accumulate_part(self.me, part_index, payload)
-                self._register((index, part_index), mean, part_sum(mean))
+                part.copy_(mean)  # casts: rounded to the wire dtype
+                self._register((index, part_index), part, part_sum(part))
             return
         try:
             self.injected_failure()
@@ -160,17 +191,19 @@ class BlockRunner(Runner):
                 if k >= len(numels):
                     raise AllreduceException("sender sent more parts than expected")
                 payload = deserialize_torch_tensor(msg.tensor_part)
-                check_tensor(
-                    payload, shape=(self._payload_numel(numels[k]),), dtype=torch.uint8, what=what, finite=False
-                )
+                shape = (self._payload_numel(numels[k]),)
+                dtype = self.payload_dtype
+                check_tensor(payload, shape=shape, dtype=dtype, what=what, finite=False)
                 self.codec.check(payload, numels[k])
+                if self.checks:
+                    self.seen[(self.me, k, sender_index)] = payload_digest(payload)
                 return payload
 
             payloads = amap_in_executor(
                 lambda item: receive(*item), _numbered(stream), max_prefetch=self.tensor_part_container.prefetch
             )
             async for payload in payloads:
-                self.bytes_received += payload.numel()
+                self.bytes_received += payload.numel() * payload.element_size()
                 if faults.reducer_received_part is not None:
                     faults.reducer_received_part()
                 try:
@@ -178,7 +211,10 @@ class BlockRunner(Runner):
                     part_index += 1
                 except BannedException:
                     break
-                out = torch.cat([received[i] for i in sorted(received) if i != sender_index])
+                others = [received[i] for i in sorted(received) if i != sender_index]
+                if faults.relay_payloads is not None:
+                    others = faults.relay_payloads(others, received[self.me])
+                out = torch.cat(others)
                 if faults.reducer_sends_mean is not None:
                     out = faults.reducer_sends_mean(out)
                 serialized = await loop.run_in_executor(None, functools.partial(serialize_torch_tensor, out, _NONE))

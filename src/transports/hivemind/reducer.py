@@ -1,16 +1,16 @@
-"""The butterfly all-reduce of one group (phase 3 of a round): every peer reduces one slice of the values.
+"""What the exchange of one group (phase 3 of a round) builds on: every peer owns one slice of the values.
 
-``OrderedReducer`` sums each slice's parts in group order; ``Runner`` returns the rounded mean itself,
-checks what it receives and fingerprints the result for the confirmation (``averager.py``).
+``OrderedReducer`` keeps each sender's payload of a part and merges them in group order; ``Runner``
+writes every mean part straight into the averaged tensors, records failures and fingerprints the
+result for the confirmation (``averager.py``). The exchange itself is ``block_runner.BlockRunner``'s
+(every codec: an owner relays the senders' payloads, never a mean of its own making).
 
-They override hivemind's private ``AllReduceRunner._communicate_with_peer``,
-``AllReduceRunner._accumulate_parts_streaming`` and ``AllReduceRunner._ban_sender``, and read private
+They override hivemind's private ``AllReduceRunner._ban_sender``, and read private
 attributes of its ``TensorPartContainer``: this is why pyproject.toml pins hivemind to the versions
 tested (``>=1.1.10,<1.2``). Check these overrides against hivemind's before widening the pin.
 """
 
 import asyncio
-import functools
 import hashlib
 import itertools
 from collections.abc import Sequence
@@ -19,14 +19,10 @@ from typing import Any
 import torch
 from hivemind.averaging.allreduce import AllreduceException, AllReduceRunner
 from hivemind.averaging.partition import BannedException, TensorPartReducer
-from hivemind.compression import deserialize_torch_tensor, serialize_torch_tensor
-from hivemind.proto import averaging_pb2, runtime_pb2
-from hivemind.utils.asyncio import aiter_with_timeout, amap_in_executor
 
 from diloco_core import FP32, MEAN, Codec, LeftOut, Merge
 
 from .blame import ShortRelay
-from .checks import check_tensor, checked
 from .faults import HivemindFaults
 
 
@@ -101,8 +97,8 @@ class OrderedReducer(TensorPartReducer):
 
 
 class Runner(AllReduceRunner):
-    """Returns the rounded mean itself (not a delta), checks what it receives, records failures, and
-    writes every mean part straight into the averaged tensors (no final concatenation and copy)."""
+    """Records failures and writes every mean part straight into the averaged tensors (no final
+    concatenation and copy); the exchange is ``block_runner.BlockRunner``'s."""
 
     def __init__(self, *, codec: Codec, merge: Merge, faults: HivemindFaults, **kwargs: Any) -> None:
         super().__init__(**kwargs)
@@ -123,7 +119,6 @@ class Runner(AllReduceRunner):
         self.starts = [[next(flat) for _ in parts] for parts in self.inputs]
         mine = self.starts[self.ordered_peer_ids.index(self.peer_id)]
         self.tensor_part_reducer.merge_with(codec=codec, merge=merge, starts=mine, who=self.who, left_out=self.left_out)
-        self.expected = [[p.shape for p in parts] for parts in self.inputs]
         self.part_sums: dict[tuple[int, int], int] = {}
         self.bytes_sent = self.bytes_received = 0  # the values' payloads this peer sent and received
         container.iterate_output_tensors = self._outputs_in_place
@@ -160,11 +155,6 @@ class Runner(AllReduceRunner):
         sums = [self.part_sums[k] for k in sorted(self.part_sums)]
         return hashlib.sha256(repr(sums).encode()).digest()[:16]
 
-    async def _generate_input_for_peer(self, peer_index: int) -> Any:
-        async for msg in super()._generate_input_for_peer(peer_index):
-            self.bytes_sent += len(msg.tensor_part.buffer)
-            yield msg
-
     def injected_failure(self) -> None:
         """``HivemindFaults.exchange_fails``: this peer's exchange fails (a sender's, a reducer's)."""
         fails = self.faults.exchange_fails
@@ -178,45 +168,6 @@ class Runner(AllReduceRunner):
                 self.blamed.add(peer_id)
         await super()._ban_sender(peer_id)
 
-    async def _communicate_with_peer(self, peer_id: Any) -> None:
-        index = self.ordered_peer_ids.index(peer_id)
-        container = self.tensor_part_container
-        if peer_id == self.peer_id:
-            me = self.sender_peer_ids.index(peer_id)
-            for part_index, part in enumerate(self.parts_for_local_averaging):
-                mean, _ = await self.tensor_part_reducer.accumulate_part(me, part_index, part)
-                mean = mean.to(self.wire)
-                self._register((index, part_index), mean, part_sum(mean))
-            return
-        try:
-            self.injected_failure()
-            stream = await self._get_peer_stub(peer_id).rpc_aggregate_part(self._generate_input_for_peer(index))
-
-            def receive(msg: Any) -> tuple[torch.Tensor, int]:  # in an executor thread
-                if msg.code != averaging_pb2.AVERAGED_PART:
-                    raise AllreduceException(f"{peer_id} sent {averaging_pb2.MessageCode.Name(msg.code)}")
-                mean = checked(deserialize_torch_tensor(msg.tensor_part), f"mean part from {peer_id}")
-                return mean, part_sum(mean)
-
-            part_index, expected = 0, self.expected[index]
-            means = amap_in_executor(
-                receive, aiter_with_timeout(stream, self.reducer_timeout), max_prefetch=container.prefetch
-            )
-            async for mean, sum_ in means:
-                if part_index >= len(expected):
-                    raise AllreduceException(f"{peer_id} sent more parts than expected")
-                what = f"mean part from {peer_id}"
-                check_tensor(mean, shape=expected[part_index], dtype=self.wire, what=what, finite=False)
-                self.bytes_received += mean.numel() * mean.element_size()
-                self._register((index, part_index), mean, sum_)
-                part_index += 1
-            if part_index != container.num_parts_by_peer[index]:
-                want = container.num_parts_by_peer[index]
-                raise AllreduceException(f"{peer_id} sent {part_index} parts, expected {want}")
-        except BaseException as e:
-            self._reducer_failed(peer_id, index, e)
-            raise
-
     def _reducer_failed(self, peer_id: Any, index: int, e: BaseException) -> None:
         """Record that the reducer of slice ``index`` failed; hivemind fills the slice with local values,
         which the confirmation phase then never commits."""
@@ -224,39 +175,3 @@ class Runner(AllReduceRunner):
         if peer_id != self.peer_id and not isinstance(e, ShortRelay):  # a relay a sender failed
             self.blamed.add(peer_id)
         self.tensor_part_container.register_failed_reducer(index)
-
-    async def _accumulate_parts_streaming(self, stream: Any, sender_index: int) -> Any:
-        part_index = 0
-        shapes = self.tensor_part_reducer.part_shapes
-        faults = self.faults
-        try:
-            self.injected_failure()
-            loop = asyncio.get_event_loop()
-            what = f"part from sender {sender_index}"
-            parts = amap_in_executor(
-                lambda msg: checked(deserialize_torch_tensor(msg.tensor_part), what),
-                stream,
-                max_prefetch=self.tensor_part_container.prefetch,
-            )
-            async for part in parts:
-                if part_index >= len(shapes):
-                    raise AllreduceException("sender sent more parts than expected")
-                check_tensor(part, shape=shapes[part_index], dtype=self.wire, what=what, finite=False)
-                self.bytes_received += part.numel() * part.element_size()
-                if faults.reducer_received_part is not None:
-                    faults.reducer_received_part()
-                try:
-                    mean, _ = await self.tensor_part_reducer.accumulate_part(sender_index, part_index, part)
-                    part_index += 1
-                except BannedException:
-                    break
-                out = mean.to(self.wire)
-                if faults.reducer_sends_mean is not None:
-                    out = faults.reducer_sends_mean(out)
-                serialize = functools.partial(serialize_torch_tensor, out, runtime_pb2.CompressionType.NONE)
-                serialized = await loop.run_in_executor(None, serialize)
-                self.bytes_sent += len(serialized.buffer)
-                yield averaging_pb2.AveragingData(code=averaging_pb2.AVERAGED_PART, tensor_part=serialized)
-        finally:
-            if part_index != self.tensor_part_reducer.num_parts:
-                await self._ban_sender(self.sender_peer_ids[sender_index])
