@@ -185,3 +185,29 @@ def test_an_insider_owner_substituting_its_own_payload_int4_is_named_and_left_ou
 def test_an_insider_owner_returning_minus_100x_fp16_is_named_and_left_out(caplog):
     faults = HivemindFaults(reducer_sends_mean=lambda t: t * -100)
     _insider_run(faults, "fp16", caplog)
+
+
+@pytest.mark.timeout(180)
+def test_a_member_whose_merge_left_itself_out_says_so_in_one_warning_line(caplog):
+    """3 peers, the third's values 1e4 times the others': its own merge leaves it out, and it says so
+    (a strong signal of an owner's substitution, or of its own values being off); the others do not."""
+    caplog.set_level(logging.WARNING, logger="transports.hivemind.attempts")
+    cfg = {"run_id": f"left-me-out-{os.getpid()}", "secret": "s", **FAST, "target_group_size": 3}
+    peers = [HivemindTransport(HivemindConfig(**cfg))]
+    merge = Merge(rule=MergeRule.ROBUST)
+    results: list = [None] * 3
+    try:
+        for _ in range(2):
+            peers.append(HivemindTransport(HivemindConfig(**cfg, initial_peers=peers[0].join_addresses)))
+
+        def body(rank: int) -> None:
+            x = _values(rank) * (1e4 if rank == 2 else 1.0)
+            results[rank] = peers[rank].all_reduce([x], codec=codec_for("int8"), merge=merge).wait(60)
+
+        in_threads(body, 3, timeout=120, what="hivemind peers")
+    finally:
+        for p in peers:
+            p.close()
+    assert all(len(r.left_out) == 1 for r in results), results
+    said = [r.getMessage() for r in caplog.records if "left this peer's own contribution out" in r.getMessage()]
+    assert len(said) == 1, said

@@ -151,9 +151,24 @@ class Attempts:
                     "hivemind all_reduce attempt %d failed (%s); retrying among the survivors", tries, failed
                 )
                 continue
+            if out is not None:
+                self._left_me_out(out["left_out"])
             if windowed and out is not None:  # measured from the first round on
                 self._windows.committed(key, group=len(out["peers"]), target=target, spread=out.get("spread"))
             return Attempted(out=out, tracked=tracked, target=target, window=window)
+
+    def _left_me_out(self, left_out: list) -> None:
+        """One WARNING line where the group's merge left this peer's own contribution out: a strong
+        signal that a part's owner relayed payloads that were not its groupmates' (an insider)."""
+        me = str(self._res.dht.peer_id)
+        mine = [o for o in left_out if o[0] == me]
+        if mine:
+            logger.warning(
+                "the merge left this peer's own contribution out (%s): a part's owner may have "
+                "relayed payloads that are not its groupmates' (an insider), or this peer's values "
+                "are far from the others'",
+                mine[0][3] or f"{mine[0][1]:.3g} x the median spread",
+            )
 
     def _catch_up(self, outcome: Outcome, *, timeout: float | None) -> None:
         """If another peer has committed the round this peer is about to contribute to, take that round's
