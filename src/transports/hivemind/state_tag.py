@@ -122,7 +122,7 @@ def _doubtful(tags: Sequence[Tag | None], counted: Sequence[int]) -> list[int]:
 
 
 def _group_of(
-    tags: Sequence[Tag | None], i: int, counted: Sequence[int], doubtful: Collection[int]
+    tags: Sequence[Tag | None], i: int, *, counted: Sequence[int], doubtful: Collection[int]
 ) -> tuple[Tag, bool]:
     """The state groupmate ``i`` takes for its group's (see ``StaleVerdict.group_tag``), and whether
     it takes it (it is behind)."""
@@ -161,13 +161,13 @@ def stale_verdict(
         return None
     counted = [i for i, t in enumerate(tags) if t is not None and i not in distrusted]
     doubtful = _doubtful(tags, counted)
-    group, behind = _group_of(tags, me, counted, doubtful)
+    group, behind = _group_of(tags, me, counted=counted, doubtful=doubtful)
     kind = Stale.BEHIND if behind else Stale.GROUPMATE
     stale = sum(t != group or i in distrusted for i, t in enumerate(tags))
     # Groupmates that keep a state of their own (they take neither this one nor another): with them
     # every attempt would end here again.
     others = [j for j in counted if j != me and tags[j] != group]
-    apart = [j for j in others if not _group_of(tags, j, counted, doubtful)[1]]
+    apart = [j for j in others if not _group_of(tags, j, counted=counted, doubtful=doubtful)[1]]
     named = len(peers) == len(tags)
     return StaleVerdict(
         kind=kind,
