@@ -16,13 +16,14 @@ One all-reduce (``HivemindTransport.all_reduce``) runs in phases:
 2. state check (for the reduces of the run state's key: DiLoCo's rounds): groupmates' state tags
    came with matchmaking; if they differ nothing is sent, peers holding the group's state retry
    without the others, and a peer that is behind takes the group's state (``StateReplaced``);
-3. butterfly all-reduce: every peer owns one slice of the values. Casts: the owner sums the wire
-   values in fp32 *in group order* (``Merge.of``) and sends back the mean rounded to the wire
-   dtype (not hivemind's compressed delta ``local + fp16(avg - local)``). Block codecs (int8, int4):
-   parts are cut at codec blocks, every contributor sends the owner its payload of each part, the owner
-   sends each groupmate the *other* contributors' payloads, and every peer sums all of a part's
-   payloads in group order itself (``block_runner``): the mean is never re-quantized. Either way every
-   participant holds the very same bits;
+3. all-reduce: every peer owns one slice of the values, cut into parts (at codec blocks for block
+   codecs). Every contributor sends a part's owner its payload of it, the owner sends each groupmate
+   the *other* contributors' payloads, and every peer merges all of a part's payloads in group order
+   itself (``Merge.of``, ``block_runner``): no peer takes a mean from an owner. Casts: merged in
+   fp32, rounded to the wire dtype (the bits the butterfly's owner sent back); block codecs: never
+   re-quantized. Every participant holds the very same bits. With 3 or more peers, every member
+   then sends each groupmate the digests of its own payloads and of those it relayed
+   (``relay_check``): a payload not its sender's fails the round, blaming the owner that relayed it;
 4. confirm: every peer sends (ok, digest of its result) to every groupmate. It commits only if all
    groupmates reported ok with its own digest; a lost peer or a partial all-reduce (hivemind fills a
    dead reducer's slice with local values) fails the attempt on every survivor, and the round is
@@ -43,8 +44,8 @@ is ``sum_in_group_order(decode(encode(x_i))) / n`` in fp32, never rounded again,
 contributor: ``reference_mean`` of the contributions in group order, exactly (so for 2 peers in any
 order). Bytes sent per peer, counted as they go (payload bytes, not framing): for 2 peers one whole
 payload of its values, like the butterfly (int8 0.254x, int4 0.129x of fp32 at block 256); for n
-peers n - 1 payloads (casts: the butterfly's about 2(n - 1)/n). Alone, a peer gets its own values as
-they travel (``decode(encode(x))``).
+peers n - 1 payloads, casts too (the butterfly's was about 2(n - 1)/n). Alone, a peer gets its own
+values as they travel (``decode(encode(x))``).
 
 ``broadcast`` has no source rank: the run's first peer (started without ``initial_peers``) keeps its
 values, a joining peer downloads them from any peer that already holds them (``src`` must be 0,
@@ -67,7 +68,8 @@ with ``codec.check``: shape, dtype, finite non-negative scales).
 One concept per module: ``config`` (HivemindConfig), ``transport`` (HivemindTransport), ``attempts`` (a
 reduce's attempts: whom and how long it waits, retries, catching up), ``attempt`` (one attempt, phases 1 and
 5), ``grace`` (a quorum's grace windows), ``swarm`` (presence: whom a reduce waits for, a joiner's phase),
-``averager`` (phases 2 and 4), ``confirm`` (phase 4), ``blame`` (whom a failed exchange blames:
+``averager`` (phases 2 and 4), ``confirm`` (phase 4), ``relay_check`` (relayed payloads against
+their senders' digests), ``blame`` (whom a failed exchange blames:
 the retry goes without it), ``strikes`` (benches), ``reducer`` (phase 3), ``block_runner`` (phase 3 for block codecs),
 ``state_tag`` (the state tag and the stale verdict), ``tracked_state`` (a peer's tag, re-sync),
 ``state_server`` (state for joiners), ``donors`` (what each donor serves, a download from one),

@@ -11,9 +11,8 @@ exchange benches it at once, since every attempt with it fails on every groupmat
 retry must go without it. A benched peer is left out for ``seconds``: as a leader, this averager
 turns its join requests away; in a group a benched peer leads (hivemind's followers choose their
 leader) this averager sends nothing and takes nothing from it (``state_tag.stale_verdict``'s
-``distrusted``: the attempt is retried without it). With the block codecs every peer merges every
-part, so every peer benches the same peers; with the casts, the peers that reduced its parts do (a
-groupmate that did not bench it waits out the attempt's timeout). One log line names each bench and
+``distrusted``: the attempt is retried without it). Every peer merges every part (casts too), so
+every peer benches the same peers. One log line names each bench and
 its reason (a failed exchange's: the transport's, which also stops waiting for the peer,
 ``swarm.Swarm.bench``).
 """
