@@ -72,6 +72,8 @@ class Attempts:
         window = self._windows.window(key, target=target) if windowed else None
         if window is not None:
             self._catch_up(outcome, timeout=None)  # the round closed without me (as expected() read): take its result
+        elif tracked and self._swarm.behind_by_two(self._state.tag[0]):  # meeting a groupmate two rounds on
+            self._catch_up(outcome, timeout=None)  # would be a tie nothing settles: take the swarm's state first
         start = time.monotonic()
         deadline = start + limits.retries  # room for one failed attempt and a regroup (deadlines)
         tries = 0

@@ -36,6 +36,7 @@ import torch
 from hivemind.utils import get_dht_time
 
 from .deadlines import deadlines
+from .donor_choice import swarm_round
 from .presence import presence_period
 from .resources import Resources
 from .state_server import StateServer, broadcast_values, rounds_of
@@ -197,6 +198,14 @@ class Swarm:
                 r.value.get("round") for r in self.others(timeout).values() if not r.value.get("joining")
             ]
         return any(isinstance(r, int) and r > rounds for r in self._rounds_seen)
+
+    def behind_by_two(self, rounds: int) -> bool:
+        """Whether the swarm, as ``expected`` last read it, is two rounds or more past ``rounds`` (this peer's):
+        by the most rounds at least two peers declare (``donor_choice.swarm_round``), so that one peer's claim
+        (an insider's round 10^6) moves nobody."""
+        claims = [r for r in self._rounds_seen if isinstance(r, int) and not isinstance(r, bool)]
+        credible = swarm_round([*claims, rounds])
+        return credible is not None and credible >= rounds + 2
 
     def absent(self, group: list[bytes]) -> tuple[str, ...]:
         """The peers the last round expected that ``group`` lacks (the ends of their ids, as logs name them)."""
