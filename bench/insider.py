@@ -1,16 +1,17 @@
-"""Insiders against the merge: one worker of three sends its pseudo-gradient scaled by 1e6, -1e6 or -10 every
-round, and the run's final eval loss is compared with the two honest workers training alone.
+"""Insiders against the merge: one worker of three attacks every round, and the run's final eval loss is compared
+with the two honest workers training alone. The attacks: its pseudo-gradient scaled (x1e6, x-1e6, x-10: what the
+merge judges, ``Merge.judged``), or one control value of the guard's tail forged (``work=``, ``valid=``,
+``digest=``: what the merge judges per contributor, ``Merge.controls``).
 
 Not part of the test run. Every run is the trainer's default run (``diloco train``) but for the number of
 workers, ``--steps`` and ``--set`` overrides; the insider is the last worker, a ``ForwardingTransport`` that
-scales the pseudo-gradient part of every round's contribution (what the merge judges: ``Merge.judged``), so the
-guard's tail (flags, digest) stays what its honest software writes. ``--merge mean`` shows what the plain mean
-does with the same insiders.
+changes what it sends. ``--merge mean`` shows what the plain mean does with the same insiders.
 
     python bench/insider.py --out runs/insider                      # in-process workers (threads)
+    python bench/insider.py --out runs/insider --attacks work=-2.9999,valid=-2,digest=3.5   # forged control values
     python bench/insider.py --out runs/insider-gloo --transport torch   # 3 gloo processes under torchrun
     python bench/insider.py --out runs/insider-hm --transport hivemind --workers 4  # 4 hivemind peers (processes)
-    python bench/insider.py --out runs/insider-long --steps 330 --scales=-1 --set diloco.norm_clip=4  # 30 rounds
+    python bench/insider.py --out runs/insider-long --steps 330 --attacks=x-1 --set diloco.norm_clip=4  # 30 rounds
 
 On hivemind every peer is a process of its own on 127.0.0.1 (its own shard of the data, ``train.num_shards``);
 the first prints its join command, the others join its addresses; the honest baseline is one peer fewer.
@@ -37,17 +38,24 @@ from diloco_train.train import train
 
 
 class Insider(ForwardingTransport):
-    """Sends every round's pseudo-gradient times ``scale`` (a worker whose software, or owner, went wrong)."""
+    """One insider's attack on every round's contribution: ``x<scale>`` sends the pseudo-gradient times
+    ``scale`` (a worker whose software, or owner, went wrong); ``work=<v>``, ``valid=<v>`` and ``digest=<v>``
+    send that control value in the guard's tail (``Merge.controls``) instead of the honest one."""
 
-    def __init__(self, inner: Transport, scale: float) -> None:
+    def __init__(self, inner: Transport, attack: str) -> None:
         super().__init__(inner)
-        self.scale = scale
+        self.attack = attack
 
     def all_reduce(
         self, tensors: Sequence[torch.Tensor], *, codec: Codec = FP32, key: str = "default", merge: Merge = MEAN
     ) -> ReduceHandle:
-        if merge.judged is not None:  # a round's contribution: [pseudo-gradient | guard tail]
-            tensors[0].view(-1)[: merge.judged].mul_(self.scale)
+        flat = tensors[0].view(-1)
+        if merge.judged is not None and self.attack.startswith("x"):  # [pseudo-gradient | guard tail]
+            flat[: merge.judged].mul_(float(self.attack[1:]))
+        elif merge.controls is not None:
+            what, value = self.attack.split("=")
+            at = getattr(merge.controls, f"{what}_at")
+            flat[at : at + merge.controls.block] = float(value)
         return self.inner.all_reduce(tensors, codec=codec, key=key, merge=merge)
 
 
@@ -62,10 +70,10 @@ def _overrides(args: argparse.Namespace, workers: int, out: Path) -> list[str]:
     ]
 
 
-def _wrap(scale: float | None, insider_rank: int):
-    if scale is None:
+def _wrap(attack: str | None, insider_rank: int):
+    if attack is None:
         return None
-    return lambda t: Insider(t, scale) if t.rank == insider_rank else t
+    return lambda t: Insider(t, attack) if t.rank == insider_rank else t
 
 
 HIVEMIND = [
@@ -77,8 +85,8 @@ HIVEMIND = [
 ]
 
 
-def _hivemind(args: argparse.Namespace, *, name: str, workers: int, scale: float | None, overrides: list[str]) -> None:
-    """``workers`` peers as processes; the last is the insider (if ``scale``). Their run folders: name-pN."""
+def _hivemind(args: argparse.Namespace, *, name: str, workers: int, attack: str | None, overrides: list[str]) -> None:
+    """``workers`` peers as processes; the last is the insider (if ``attack``). Their run folders: name-pN."""
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     base = [*overrides, *HIVEMIND, f"train.num_shards={workers}", f"transport.target_group_size={workers}"]
@@ -89,17 +97,17 @@ def _hivemind(args: argparse.Namespace, *, name: str, workers: int, scale: float
         for i in range(workers):
             sets = [*base, f"train.shard={i}", *joined]
             cmd = [sys.executable, __file__, "--worker", f"{name}/p{i}", "--out", str(out)]
-            cmd += ["--scale", repr(scale if i == workers - 1 else None)]
+            cmd += ["--attack", str(attack if i == workers - 1 else None)]
             cmd += [a for o in sets for a in ("--set", o)]
             err = open(out / f"{name}-p{i}.err", "w")  # noqa: SIM115 - the child writes it until it exits
             procs.append(subprocess.Popen(cmd, stderr=err, stdout=subprocess.DEVNULL, start_new_session=True))
             if i == 0:
                 joined = [f"transport.initial_peers={_first_addresses(out / f'{name}-p0.err', procs[0])}"]
-        honest = procs if scale is None else procs[:-1]
+        honest = procs if attack is None else procs[:-1]
         for i, p in enumerate(honest):
             if p.wait(timeout=3600) != 0:
                 raise RuntimeError(f"an honest peer of {name} exited with {p.returncode} (see {out}/{name}-p{i}.err)")
-        if scale is not None:  # benched, the insider averages its own updates alone: its run may end or crawl on
+        if attack is not None:  # benched, the insider averages its own updates alone: its run may end or crawl on
             try:
                 procs[-1].wait(timeout=30)
             except subprocess.TimeoutExpired:
@@ -125,7 +133,7 @@ def _first_addresses(err: Path, proc: subprocess.Popen) -> str:
     raise RuntimeError(f"the first peer printed no join command within 120 s: {err}")
 
 
-def run(args: argparse.Namespace, *, name: str, workers: int, scale: float | None) -> dict:
+def run(args: argparse.Namespace, *, name: str, workers: int, attack: str | None) -> dict:
     """One run (read back if finished): its eval loss and how many rounds left someone out."""
     out = Path(args.out)
     run_dir = out / name / "p0" if args.transport == "hivemind" else out / name
@@ -133,14 +141,14 @@ def run(args: argparse.Namespace, *, name: str, workers: int, scale: float | Non
         overrides = _overrides(args, workers, out)
         if args.transport == "torch":
             cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(workers), "--master-port"]
-            cmd += [str(args.port), __file__, "--worker", name, "--scale", repr(scale), "--out", str(out)]
+            cmd += [str(args.port), __file__, "--worker", name, "--attack", str(attack), "--out", str(out)]
             cmd += [a for o in [*overrides, "transport.kind=torch"] for a in ("--set", o)]
             subprocess.run(cmd, check=True, timeout=3600)
         elif args.transport == "hivemind":
-            _hivemind(args, name=name, workers=workers, scale=scale, overrides=overrides)
+            _hivemind(args, name=name, workers=workers, attack=attack, overrides=overrides)
         else:
             try:
-                train(build_config(overrides=overrides), run_dir, show_progress=False, wrap=_wrap(scale, workers - 1))
+                train(build_config(overrides=overrides), run_dir, show_progress=False, wrap=_wrap(attack, workers - 1))
             except ValueError as e:  # the trainer stopped it (a diverged run: the plain mean's fate)
                 print(f"{name}: {e}", file=sys.stderr)
                 return {
@@ -149,6 +157,7 @@ def run(args: argparse.Namespace, *, name: str, workers: int, scale: float | Non
                     "rounds": 0,
                     "rounds_with_left_out": 0,
                     "rounds_without_all": 0,
+                    "first_named": None,
                 }
     records = read_metrics(run_dir)
     summary = next(r for r in records if r["type"] == "summary")
@@ -159,18 +168,19 @@ def run(args: argparse.Namespace, *, name: str, workers: int, scale: float | Non
         "rounds": len(rounds),
         "rounds_with_left_out": sum(1 for r in rounds if r.get("left_out")),
         "rounds_without_all": sum(1 for r in rounds if r["num_contributors"] < workers),
+        "first_named": next((r["round"] for r in rounds if r.get("left_out")), None),
     }
 
 
 def _worker(args: argparse.Namespace) -> None:
-    """One torchrun rank of a gloo run (the last rank is the insider), or one hivemind peer (``--scale``: its own)."""
-    scale = None if args.scale == "None" else float(args.scale)
+    """One torchrun rank of a gloo run (the last rank is the insider), or one hivemind peer (``--attack``: its own)."""
+    attack = None if args.attack == "None" else args.attack
     config = build_config(overrides=args.set)
     run_dir = Path(args.out) / args.worker
     if "WORLD_SIZE" in os.environ:
-        train(config, run_dir, show_progress=False, wrap=_wrap(scale, int(os.environ["WORLD_SIZE"]) - 1))
+        train(config, run_dir, show_progress=False, wrap=_wrap(attack, int(os.environ["WORLD_SIZE"]) - 1))
     else:
-        insider = None if scale is None else (lambda t: Insider(t, scale))
+        insider = None if attack is None else (lambda t: Insider(t, attack))
         train(config, run_dir, show_progress=False, wrap=insider)
 
 
@@ -181,29 +191,36 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--merge", default="robust", choices=["robust", "mean"], help="diloco.merge")
     p.add_argument("--transport", default="inprocess", choices=["inprocess", "torch", "hivemind"])
     p.add_argument("--workers", type=int, default=3, help="workers with the insider (the honest baseline: one fewer)")
-    p.add_argument("--scales", default="1e6,-1e6,-10", help="comma-separated: the insider's scale in each run")
+    p.add_argument(
+        "--attacks",
+        default="x1e6,x-1e6,x-10",
+        help="comma-separated, one run each: x<scale> (its pseudo-gradient times scale), or a forged control value: "
+        "work=<w - 1>, valid=<flag>, digest=<h> (e.g. work=-2.9999,valid=-2,digest=3.5)",
+    )
     p.add_argument("--port", type=int, default=29517, help="torchrun's rendezvous port (--transport torch)")
     p.add_argument("--set", action="append", default=[], help="a further trainer override, key=value")
     p.add_argument("--worker", help=argparse.SUPPRESS)
-    p.add_argument("--scale", help=argparse.SUPPRESS)
+    p.add_argument("--attack", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.worker:
         _worker(args)
         return 0
     tag = f"{args.transport}-{args.merge}"
     honest = args.workers - 1
-    rows = [run(args, name=f"{tag}-honest{honest}", workers=honest, scale=None)]
-    scales = [float(x) for x in args.scales.split(",")]
-    rows += [run(args, name=f"{tag}-insider{s:g}", workers=args.workers, scale=s) for s in scales]
+    rows = [run(args, name=f"{tag}-honest{honest}", workers=honest, attack=None)]
+    attacks = args.attacks.split(",")
+    rows += [run(args, name=f"{tag}-insider{a.replace('=', '')}", workers=args.workers, attack=a) for a in attacks]
     base = rows[0]["eval_after"]
     print(
-        f"| run | eval loss | vs the {honest} honest alone | rounds with a contribution left out | with fewer contributors |"
+        f"| run | eval loss | vs the {honest} honest alone | rounds with a contribution left out or named "
+        "| first round naming it | with fewer contributors |"
     )
-    print("|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|")
     for r in rows:  # fewer contributors: someone missing from the group (on hivemind: the insider, once benched)
         print(
             f"| {r['name']} | {r['eval_after']:.4f} | {r['eval_after'] / base - 1:+.2%} "
-            f"| {r['rounds_with_left_out']}/{r['rounds']} | {r['rounds_without_all']}/{r['rounds']} |"
+            f"| {r['rounds_with_left_out']}/{r['rounds']} | {r['first_named']} "
+            f"| {r['rounds_without_all']}/{r['rounds']} |"
         )
     worst = max(r["eval_after"] / base - 1 if r["eval_after"] == r["eval_after"] else float("inf") for r in rows[1:])
     print(f"worst insider run: {worst:+.2%} against the honest workers alone (target: <= +2%)")

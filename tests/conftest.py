@@ -17,6 +17,7 @@ UNIT_MODULES = frozenset(
         "test_diloco",
         "test_feedback",
         "test_merge",
+        "test_noniid_bench",
         "test_optimizer",
         "test_overlap",
         "test_int2_codec",

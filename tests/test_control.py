@@ -7,7 +7,7 @@ import pytest
 import torch
 from threads import run_threads
 
-from diloco_core import MEAN, DiLoCo, DiLoCoConfig, ForwardingTransport, Transport
+from diloco_core import MEAN, DiLoCo, DiLoCoConfig, ForwardingTransport, Transport, codec_for
 from diloco_core.codecs.base import FP32
 from diloco_core.control import ControlLayout, judge_controls
 from diloco_core.guard import MAX_WORK, ContributionGuard
@@ -108,8 +108,11 @@ def _run(forge: tuple[str, float] | None, *, codec: str = "int4", rounds: int = 
     def worker(t: Transport):
         if forge is not None and t.rank == 2:
             t = _Forger(t, *forge)
-        torch.manual_seed(0)
         model = torch.nn.Linear(8, 8)
+        init = torch.Generator().manual_seed(0)  # the same start on every worker (threads share torch's global RNG)
+        with torch.no_grad():
+            for p in model.parameters():
+                p.copy_(torch.randn(p.shape, generator=init))
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
         dl = DiLoCo(model, opt, t, DiLoCoConfig(inner_steps=2, codec=codec))
         data = torch.Generator().manual_seed(t.rank)
@@ -143,3 +146,26 @@ def test_an_insider_forging_a_control_value_is_corrected_and_named(forge, was):
         assert all(bool(torch.isfinite(p).all()) for p in params)
         moved = sum(float((p - q).norm()) for p, q in zip(params, honest[0][1]))
         assert moved < sum(float(q.norm()) for q in honest[0][1]), was  # never 30,000 times a round's step
+
+
+def test_values_a_block_codec_rounds_are_judged_by_what_they_stand_for():
+    """int4 at block 256 carries a block of 121 (digest 11, squared) as 121.0000076: an honest digest so decoded is
+    the honest one, never named, and the insider's 3.5 beside two such honest ones is still corrected (the
+    trainer's run stopped at round 26 when it was not: no digest matched exactly, so there was no majority)."""
+    codec = codec_for("int4", block=256)
+    guard = ContributionGuard(codec, norm_clip=None, numel=512)
+    layout, b = guard.controls, codec.block
+    rows = []
+    for i in range(3):
+        flat = torch.zeros(512 + guard.tail_size)
+        flat[:512] = torch.randn(512, generator=torch.Generator().manual_seed(i))
+        guard.mark(flat, excluded=False, norm=1.0, global_flat=torch.ones(8))
+        flat[layout.digest_at : layout.digest_at + b] = 11.0
+        flat[layout.digest_at + b : layout.digest_at + 2 * b] = 121.0
+        rows.append(codec.decode(codec.encode(flat), torch.empty_like(flat)))
+    values = torch.stack(rows)
+    assert values[0, layout.digest_at + b].item() != 121.0  # the case: not exactly the square
+    assert judge_controls(values.clone(), layout, lo=0) == set()
+    values[2, layout.digest_at : layout.digest_at + b] = 3.5
+    assert judge_controls(values, layout, lo=0) == {2}
+    assert values[2, layout.digest_at].item() == 11.0

@@ -33,6 +33,9 @@ __all__ = ["ControlLayout", "judge_controls"]
 
 DIGESTS = 16
 """The digest's values: 0 to 15 (``guard.py``: CRC-32 of a sample, mod 16)."""
+TOLERANCE = 0.25
+"""How far a codec may move a control value (block codecs scale each block: 13 comes back as 12.99...); the
+guard rounds the means too."""
 
 
 @dataclass(frozen=True)
@@ -62,12 +65,23 @@ def _column(values: torch.Tensor, at: int, lo: int) -> torch.Tensor | None:
     return values[:, at - lo] if lo <= at < lo + values.shape[1] else None
 
 
-def _fix(column: torch.Tensor | None, wanted: list[float], named: set[int]) -> None:
-    """Each contributor's value set to its ``wanted`` one where it holds another (named)."""
+def _near(value: float, target: float) -> bool:
+    """Within what a codec's rounding moves a control value (int4 carries a block of 13 as 12.99...)."""
+    return abs(value - target) <= TOLERANCE
+
+
+def _integer(value: float) -> int | None:
+    """The integer a decoded control value stands for; None if it stands for none."""
+    nearest = round(value) if math.isfinite(value) else None
+    return nearest if nearest is not None and _near(value, nearest) else None
+
+
+def _fix(column: torch.Tensor | None, wanted: list[float | None], named: set[int]) -> None:
+    """Each contributor's value set to its ``wanted`` one (None: its own is fine), the contributor named."""
     if column is None:
         return
-    for i, (held, value) in enumerate(zip(column.tolist(), wanted)):
-        if held != value:
+    for i, value in enumerate(wanted):
+        if value is not None:
             column[i] = value
             named.add(i)
 
@@ -77,23 +91,30 @@ def judge_controls(values: torch.Tensor, layout: ControlLayout, *, lo: int) -> s
     ``lo``) that an honest guard never writes; the contributors named (their index)."""
     named: set[int] = set()
     valid = _column(values, layout.valid_at, lo)
-    flags = [1.0] * values.shape[0] if valid is None else [0.0 if v == 0.0 else 1.0 for v in valid.tolist()]
-    _fix(valid, flags, named)
+    flags = [_integer(v) for v in valid.tolist()] if valid is not None else [1] * values.shape[0]
+    _fix(valid, [None if f in (0, 1) else 1.0 for f in flags], named)
     work = _column(values, layout.work_at, lo)
     if work is not None:
         low, high = 1.0 / layout.max_work - 1.0, layout.max_work - 1.0
-        claims = [min(max(w, low), high) if math.isfinite(w) else 0.0 for w in work.tolist()]
-        _fix(work, [c if f else 0.0 for c, f in zip(claims, flags)], named)
+        wanted = []
+        for w, f in zip(work.tolist(), flags):
+            if f == 0:  # an excluded contribution weighs nothing: its claim is 0
+                wanted.append(None if _near(w, 0.0) else 0.0)
+            else:
+                wanted.append(None if math.isfinite(w) and low <= w <= high else min(max(w, low), high))
+        _fix(work, [0.0 if v is not None and not math.isfinite(v) else v for v in wanted], named)
     digest = _column(values, layout.digest_at, lo)
     square = _column(values, layout.digest_at + layout.block, lo)
     if digest is not None and square is not None:
-        held = [h if h in range(DIGESTS) and s == h * h else None for h, s in zip(digest.tolist(), square.tolist())]
+        held = [_integer(h) for h in digest.tolist()]
+        held = [h if h in range(DIGESTS) and _near(s, h * h) else None for h, s in zip(held, square.tolist())]
         common = Counter(h for h in held if h is not None).most_common(1)
         if common and 2 * common[0][1] > len(held):
             major = common[0][0]
-            _fix(digest, [major] * len(held), named)
-            _fix(square, [major * major] * len(held), named)
+            wrong = [h != major for h in held]
+            _fix(digest, [float(major) if bad else None for bad in wrong], named)
+            _fix(square, [float(major * major) if bad else None for bad in wrong], named)
     rms = _column(values, layout.end - 1, lo)
     if rms is not None:
-        _fix(rms, [r if math.isfinite(r) and r >= 0 else 0.0 for r in rms.tolist()], named)
+        _fix(rms, [None if math.isfinite(r) and r >= 0 else 0.0 for r in rms.tolist()], named)
     return named

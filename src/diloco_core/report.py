@@ -160,8 +160,9 @@ def log_round(report: RoundReport) -> RoundReport:
     if far:
         who = ", ".join(f"{o.who} ({o.ratio:.3g}x, cosine {o.cosine:.2f})" for o in far)
         logger.warning(
-            "round %d: the robust merge left out %d of %d contributions, too far from a majority of the others or "
-            "pointing away from them (spread in median spreads, lowest cosine): %s",
+            "round %d: the robust merge left out %d of %d contributions, far from the centre of a majority and "
+            "flipped or scaled by orders of magnitude (distance to the centre in median spreads, cosine with "
+            "it): %s",
             report.round,
             len(far),
             report.num_contributors,

@@ -196,7 +196,12 @@ class Reporter:
                 "absent": list(report.absent),
                 "grace_s": report.grace_seconds,
                 "left_out": [
-                    {"who": o.who, "ratio": o.ratio if math.isfinite(o.ratio) else None, "cosine": o.cosine}
+                    {
+                        "who": o.who,
+                        "ratio": o.ratio if math.isfinite(o.ratio) else None,
+                        "cosine": o.cosine,
+                        "why": o.why,
+                    }
                     for o in report.outliers
                 ],
             }
