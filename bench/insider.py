@@ -102,7 +102,7 @@ def _hivemind(args: argparse.Namespace, *, name: str, workers: int, attack: str 
             err = open(out / f"{name}-p{i}.err", "w")  # noqa: SIM115 - the child writes it until it exits
             procs.append(subprocess.Popen(cmd, stderr=err, stdout=subprocess.DEVNULL, start_new_session=True))
             if i == 0:
-                joined = [f"transport.initial_peers={_first_addresses(out / f'{name}-p0.err', procs[0])}"]
+                joined = [f"transport.initial_peers={first_addresses(out / f'{name}-p0.err', procs[0])}"]
         honest = procs if attack is None else procs[:-1]
         for i, p in enumerate(honest):
             if p.wait(timeout=3600) != 0:
@@ -120,7 +120,7 @@ def _hivemind(args: argparse.Namespace, *, name: str, workers: int, attack: str 
                 os.killpg(p.pid, 9)
 
 
-def _first_addresses(err: Path, proc: subprocess.Popen) -> str:
+def first_addresses(err: Path, proc: subprocess.Popen) -> str:
     """The addresses the first peer printed in its join command (a JSON list)."""
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:

@@ -22,6 +22,8 @@ import sys
 import time
 from pathlib import Path
 
+from insider import first_addresses  # bench/ is the script's folder: on sys.path
+
 ROOT = Path(__file__).resolve().parents[1]
 BENCH_LINE = re.compile(r"benched|left out of matchmaking", re.IGNORECASE)
 
@@ -38,18 +40,6 @@ def _rounds(run: Path) -> list[dict]:
     path = run / "metrics.jsonl"
     lines = path.read_text().splitlines() if path.is_file() else []
     return [r for r in (json.loads(x) for x in lines if x.strip().endswith("}")) if r["type"] == "round"]
-
-
-def _addresses(err: Path, proc: subprocess.Popen) -> str:
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        found = re.search(r"transport\.initial_peers=(\[[^\]]*\])", err.read_text())
-        if found:
-            return found.group(1)
-        if proc.poll() is not None:
-            raise RuntimeError(f"the founder exited ({proc.returncode}): {err}")
-        time.sleep(0.5)
-    raise RuntimeError(f"the founder printed no join command within 120 s: {err}")
 
 
 def _most_in_ten(rounds: list[dict], who: str) -> int:
@@ -89,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         founder_steps = (args.lone_rounds + args.rounds) * h
         procs.append(_peer(out, "founder", steps=founder_steps, sets=[*sets, "train.shard=0"]))
-        joined = f"transport.initial_peers={_addresses(out / 'founder.err', procs[0])}"
+        joined = f"transport.initial_peers={first_addresses(out / 'founder.err', procs[0])}"
         while len(_rounds(out / "founder")) < args.lone_rounds:
             if procs[0].poll() is not None:
                 raise RuntimeError(f"the founder exited ({procs[0].returncode}) in its lone rounds")
