@@ -26,11 +26,12 @@ def test_every_insider_is_left_out_of_every_round_and_the_run_ends_as_the_honest
     rows = [line.split(" | ") for line in table.splitlines() if line.startswith("| inprocess")]
     assert [r[0] for r in rows] == [
         "| inprocess-robust-honest2",
-        *(f"| inprocess-robust-insider{s}" for s in ("1e+06", "-1e+06", "-10")),
+        *(f"| inprocess-robust-insider{s}" for s in ("x1e6", "x-1e6", "x-10")),
     ]
     assert [r[3] for r in rows[1:]] == ["6/6"] * 3, table
-    assert [r[4] for r in rows] == ["0/6 |"] * 4, table  # nobody missing from a round (no one benched in-process)
+    assert [r[4] for r in rows] == ["None", "1", "1", "1"], table  # named from the first round
+    assert [r[5] for r in rows] == ["0/6 |"] * 4, table  # nobody missing from a round (no one benched in-process)
     assert len({r[1] for r in rows[1:]}) == 1, table  # the insider's scale changes nothing: it is left out
-    records = [json.loads(line) for line in (tmp_path / "inprocess-robust-insider-10" / "metrics.jsonl").open()]
+    records = [json.loads(line) for line in (tmp_path / "inprocess-robust-insiderx-10" / "metrics.jsonl").open()]
     left_out = [r["left_out"] for r in records if r["type"] == "round"]
     assert all(lo and lo[0]["who"] == "rank 2" and lo[0]["ratio"] > 3 for lo in left_out), left_out
