@@ -1,5 +1,37 @@
+import multiprocessing.util
+import os
+import shutil
+import tempfile
+
 import pytest
 from world import KINDS, GlooWorld, make_world
+
+_CHILD_TMP_KEY = pytest.StashKey[tuple]()
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """The suite's child processes keep their temp folders in one folder of the session's, removed at
+    its end: a child killed with SIGKILL (a crash the tests stage) cannot remove the pymp-* folder
+    multiprocessing made for it. This process keeps /tmp (its tmp_path's unix sockets stay short),
+    and makes its own pymp-* folder now, so that the processes it forks share it (multiprocessing
+    removes it when this process exits) instead of each making one."""
+    tempfile.gettempdir()  # cached for this process before TMPDIR changes
+    multiprocessing.util.get_temp_dir()
+    children = tempfile.mkdtemp(prefix="diloco-tests-")
+    config.stash[_CHILD_TMP_KEY] = (children, os.environ.get("TMPDIR"))
+    os.environ["TMPDIR"] = children
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    children, before = config.stash.get(_CHILD_TMP_KEY, (None, None))
+    if children is None:
+        return
+    if before is None:
+        os.environ.pop("TMPDIR", None)
+    else:
+        os.environ["TMPDIR"] = before
+    shutil.rmtree(children, ignore_errors=True)
+
 
 # The test tiers (README "Tests"): every test is in exactly one, by its module.
 # - unit: in this process only (no subprocess, no sockets, no process group, no Inductor kernels, whose C++
