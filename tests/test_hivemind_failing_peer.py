@@ -21,7 +21,9 @@ from transports.hivemind.strikes import BENCH_MATCHMAKINGS
 
 pytest.importorskip("hivemind")
 
-N = 64
+N = 1024
+"""Four int8 blocks: with fewer values than a block per peer, some peers own no part, and a failing
+peer and the one owner would blame each other alone (``block_runner.values_per_part``)."""
 MATCHMAKING = 5.0
 """A round that waits for a peer that never comes takes 2 x this; the rounds here take well under
 1 s."""
@@ -238,3 +240,21 @@ def test_a_peer_whose_record_is_gone_before_a_lone_round_is_found_departed(caplo
     assert expected == 1 and swarm.target(expected, configured=2) == 1
     left = [r.getMessage() for r in caplog.records if "left the swarm's rounds" in r.getMessage()]
     assert len(left) == 1 and b"peer-b".hex()[-8:] in left[0], left
+
+
+@pytest.mark.parametrize(("codec", "values", "members"), [("fp32", 80, 4), ("int8", 1030, 3), ("int4", 5000, 8)])
+def test_every_member_owns_a_part_where_the_values_allow(codec, values, members):
+    """With one owner, a failing sender and the owner blame each other and nobody else sees a thing:
+    the CI run that failed had 4 peers and one part (its 23.6 s of retries ended the survivor's run)."""
+    from hivemind.averaging.partition import TensorPartContainer
+
+    from diloco_core.codecs.names import CODECS
+    from transports.hivemind.block_runner import values_per_part
+
+    c = CODECS[codec]
+    vpp = values_per_part(c, 2**19, values=values, members=members)
+    itemsize = (c.elementwise_dtype or torch.float32).itemsize
+    container = TensorPartContainer([torch.zeros(values)], [1.0] * members, part_size_bytes=itemsize * vpp)
+    assert all(n > 0 for n in container.num_parts_by_peer), container.num_parts_by_peer
+    # a model's worth of values: parts as large as part_size_bytes allows, as before
+    assert values_per_part(c, 2**19, values=10**8, members=members) == 2**19 // c.payload_bytes(c.block) * c.block

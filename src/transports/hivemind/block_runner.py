@@ -46,9 +46,14 @@ from .relay_check import payload_digest
 _NONE = runtime_pb2.CompressionType.NONE
 
 
-def values_per_part(codec: Codec, part_size_bytes: int) -> int:
-    """Values per butterfly part: whole blocks whose payload fits ``part_size_bytes`` (one block at least)."""
-    return max(1, part_size_bytes // codec.payload_bytes(codec.block)) * codec.block
+def values_per_part(codec: Codec, part_size_bytes: int, *, values: int, members: int) -> int:
+    """Values per butterfly part: whole blocks whose payload fits ``part_size_bytes`` (one block at
+    least), and no more than a ``members``' share of the ``values``, so that every member owns a part
+    where the values allow: the blame (``blame.py``) needs every pair of members to exchange (with one
+    owner, a failing sender and that owner blame each other and nobody else sees a thing)."""
+    fits = max(1, part_size_bytes // codec.payload_bytes(codec.block))
+    share = max(1, values // members // codec.block)
+    return min(fits, share) * codec.block
 
 
 async def _numbered(stream: Any) -> AsyncIterator[tuple[int, Any]]:
@@ -66,7 +71,9 @@ class BlockRunner(Runner):
         # hivemind cuts parts of part_size_bytes / itemsize values from the buffer (fp32 for block
         # codecs, the wire dtype for casts): whole blocks each.
         itemsize = (codec.elementwise_dtype or torch.float32).itemsize
-        vpp = values_per_part(codec, part_size_bytes)
+        values = sum(t.numel() for t in kwargs["tensors"])
+        members = len(kwargs["ordered_peer_ids"])
+        vpp = values_per_part(codec, part_size_bytes, values=values, members=members)
         super().__init__(codec=codec, part_size_bytes=itemsize * vpp, **kwargs)
         self.codec = codec
         self.payload_dtype = codec.payload_spec(1)[1]
@@ -212,6 +219,8 @@ class BlockRunner(Runner):
                 except BannedException:
                     break
                 others = [received[i] for i in sorted(received) if i != sender_index]
+                if len(received) < len(self.ordered_peer_ids):  # a sender was banned: a short relay
+                    self.short_relayed.add(self.sender_peer_ids[sender_index])
                 if faults.relay_payloads is not None:
                     others = faults.relay_payloads(others, received[self.me])
                 out = torch.cat(others)

@@ -107,6 +107,7 @@ class Runner(AllReduceRunner):
         self.failures: list[str] = []
         # the groupmates (peer ids) seen failing: a sender or a reducer (blame.py)
         self.blamed: set[Any] = set()
+        self.short_relayed: set[Any] = set()  # the senders this peer relayed a short part to
         self.tensor_part_reducer.finished.set()  # replaced before use: keep its finalizer quiet
         self.tensor_part_reducer = OrderedReducer(self.tensor_part_reducer.part_shapes, len(self.sender_peer_ids))
         container = self.tensor_part_container
@@ -162,9 +163,11 @@ class Runner(AllReduceRunner):
             raise AllreduceException("injected: this peer's part exchange fails")
 
     async def _ban_sender(self, peer_id: Any) -> None:
+        """A sender that broke off after this peer relayed it a short part (lacking another sender's
+        payload: ``ShortRelay``) is not blamed: it broke off because of that."""
         if peer_id not in self.banned_senders:
             self.failures.append(f"sender {peer_id} failed")
-            if peer_id != self.peer_id:
+            if peer_id != self.peer_id and peer_id not in self.short_relayed:
                 self.blamed.add(peer_id)
         await super()._ban_sender(peer_id)
 
