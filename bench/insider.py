@@ -11,6 +11,8 @@ changes what it sends. ``--merge mean`` shows what the plain mean does with the 
     python bench/insider.py --out runs/insider --attacks work=-2.9999,valid=-2,digest=3.5   # forged control values
     python bench/insider.py --out runs/insider-gloo --transport torch   # 3 gloo processes under torchrun
     python bench/insider.py --out runs/insider-hm --transport hivemind --workers 4  # 4 hivemind peers (processes)
+    python bench/insider.py --out runs/insider-hm --transport hivemind --workers 4 --attacks=x-1e6 --late 40
+        # a group of two at the start: the founder and the insider, the two other honest peers 40 s later
     python bench/insider.py --out runs/insider-long --steps 330 --attacks=x-1 --set diloco.norm_clip=4  # 30 rounds
 
 On hivemind every peer is a process of its own on 127.0.0.1 (its own shard of the data, ``train.num_shards``);
@@ -94,7 +96,11 @@ def _hivemind(args: argparse.Namespace, *, name: str, workers: int, attack: str 
     procs: list[subprocess.Popen] = []
     try:
         joined: list[str] = []
-        for i in range(workers):
+        # --late: the insider starts second, the other honest peers ``late`` s after it (a pair first)
+        order = [0, workers - 1, *range(1, workers - 1)] if args.late else list(range(workers))
+        for i in order:
+            if args.late and [i] == order[2:3]:
+                time.sleep(args.late)
             sets = [*base, f"train.shard={i}", *joined]
             cmd = [sys.executable, __file__, "--worker", f"{name}/p{i}", "--out", str(out)]
             cmd += ["--attack", str(attack if i == workers - 1 else None)]
@@ -103,17 +109,21 @@ def _hivemind(args: argparse.Namespace, *, name: str, workers: int, attack: str 
             procs.append(subprocess.Popen(cmd, stderr=err, stdout=subprocess.DEVNULL, start_new_session=True))
             if i == 0:
                 joined = [f"transport.initial_peers={first_addresses(out / f'{name}-p0.err', procs[0])}"]
-        honest = procs if attack is None else procs[:-1]
-        for i, p in enumerate(honest):
-            if p.wait(timeout=3600) != 0:
-                raise RuntimeError(f"an honest peer of {name} exited with {p.returncode} (see {out}/{name}-p{i}.err)")
+        by_index = dict(zip(order, procs))
+        honest = range(workers) if attack is None else range(workers - 1)
+        for i in honest:
+            if by_index[i].wait(timeout=3600) != 0:
+                raise RuntimeError(
+                    f"an honest peer of {name} exited with {by_index[i].returncode} (see {out}/{name}-p{i}.err)"
+                )
         if attack is not None:  # benched, the insider averages its own updates alone: its run may end or crawl on
+            insider = by_index[workers - 1]
             try:
-                procs[-1].wait(timeout=30)
+                insider.wait(timeout=30)
             except subprocess.TimeoutExpired:
-                os.killpg(procs[-1].pid, 15)
-                procs[-1].wait(timeout=30)
-            print(f"{name}: the insider's own run ended with exit code {procs[-1].returncode} (after the honest peers)")
+                os.killpg(insider.pid, 15)
+                insider.wait(timeout=30)
+            print(f"{name}: the insider's own run ended with exit code {insider.returncode} (after the honest peers)")
     finally:
         for p in procs:
             if p.poll() is None:
@@ -197,6 +207,13 @@ def main(argv: list[str] | None = None) -> int:
         help="comma-separated, one run each: x<scale> (its pseudo-gradient times scale), or a forged control value: "
         "work=<w - 1>, valid=<flag>, digest=<h> (e.g. work=-2.9999,valid=-2,digest=3.5)",
     )
+    p.add_argument(
+        "--late",
+        type=float,
+        default=0.0,
+        help="hivemind: the insider starts second and the other honest peers this many seconds later "
+        "(a group of two, the founder and the insider, at the start)",
+    )
     p.add_argument("--port", type=int, default=29517, help="torchrun's rendezvous port (--transport torch)")
     p.add_argument("--set", action="append", default=[], help="a further trainer override, key=value")
     p.add_argument("--worker", help=argparse.SUPPRESS)
@@ -205,7 +222,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.worker:
         _worker(args)
         return 0
-    tag = f"{args.transport}-{args.merge}"
+    tag = f"{args.transport}-{args.merge}" + (f"-late{args.late:g}" if args.late else "")
     honest = args.workers - 1
     rows = [run(args, name=f"{tag}-honest{honest}", workers=honest, attack=None)]
     attacks = args.attacks.split(",")
