@@ -258,3 +258,43 @@ def test_every_member_owns_a_part_where_the_values_allow(codec, values, members)
     assert all(n > 0 for n in container.num_parts_by_peer), container.num_parts_by_peer
     # a model's worth of values: parts as large as part_size_bytes allows, as before
     assert values_per_part(c, 2**19, values=10**8, members=members) == 2**19 // c.payload_bytes(c.block) * c.block
+
+
+@pytest.mark.timeout(300)
+def test_a_peer_that_withholds_from_a_group_on_a_verdict_of_its_own_is_not_benched(tmp_path, caplog):
+    """Peer 0 benched peer 2 (strikes after rounds the others did not see: the insider bench's
+    valid-flag run) and withholds from every group with it; peers 1 and 2 have not, so they see peer
+    0 send nothing. Before, they blamed peer 0 and benched it (there, the honest peer averaged alone
+    for the rest of the run); now peer 0 says it abstains, nobody is benched, no round fails."""
+    caplog.set_level(logging.WARNING, logger="transports.hivemind")
+    flag = tmp_path / "distrusted"  # peer 2's id, from round FAILING on
+
+    def distrusts(peer: str) -> bool:  # in peer 0's averager processes
+        return flag.exists() and flag.read_text() == peer
+
+    peers = _peers(3, faults={0: HivemindFaults(distrusts=distrusts)}, name="abstain")
+    distrusted = str(_peer_id(peers[2]))
+    withholder = _name(peers[0])
+    rounds = FAILING + 2
+    results: list = [None] * 3
+    before = {"faulty": 0, (0, FAILING): lambda: flag.write_text(distrusted)}
+    try:
+
+        def body(rank: int) -> None:
+            results[rank] = _rounds(peers[rank], rank=rank, rounds=rounds, before_round=before)
+
+        in_threads(body, 3, timeout=240, what="hivemind peers")
+    finally:
+        for p in peers:
+            p.close()
+    for out in results[1:]:
+        steps = [o for o in out if o[0] != "params"]
+        assert [o[0] for o in steps] == ["ok"] * rounds, steps
+    lines = [r.getMessage() for r in caplog.records]
+    assert not [m for m in lines if "failed its part exchange" in m and withholder in m.split()[1]], lines
+
+
+def _peer_id(peer: HivemindTransport):
+    from hivemind.p2p import PeerID
+
+    return PeerID.from_base58(peer.join_addresses[0].rsplit("/p2p/", 1)[1])

@@ -54,6 +54,9 @@ from .throttle import Throttle
 
 logger = logging.getLogger(__name__)
 
+ABSTAIN_TIMEOUT = 5.0
+"""Seconds a groupmate has to take this peer's word that it withholds from a group (``confirm``)."""
+
 
 class Averager(Presence, Donors, Confirmations, RelayChecks, DecentralizedAverager):
     """One flat buffer; the round's result replaces it only after the group confirmed one digest."""
@@ -77,6 +80,7 @@ class Averager(Presence, Donors, Confirmations, RelayChecks, DecentralizedAverag
         self.codec, self.merge, self.faults, self.presence_key, self.keys = codec, merge, faults, presence_key, keys
         self._presence: dict = {}
         self._confirms: OrderedDict[bytes, dict] = OrderedDict()
+        self._abstained: dict[str, float] = {}
         self._relay_digests: OrderedDict[bytes, dict] = OrderedDict()
         self._groups: dict[bytes, dict] = {}  # per group id: its deadline, then its result's digest
         self._turned_away = Throttle("turned away join requests without a valid token")  # anyone can send them
@@ -85,6 +89,7 @@ class Averager(Presence, Donors, Confirmations, RelayChecks, DecentralizedAverag
         super().__init__(**kwargs)
         bench = BENCH_MATCHMAKINGS * self.matchmaking_kwargs["min_matchmaking_time"]
         self.strikes = Strikes(seconds=bench)
+        self.apart_seconds = 2 * self.matchmaking_kwargs["min_matchmaking_time"]
 
     def run(self) -> None:
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl+C is the parent's: it closes us cleanly
@@ -125,7 +130,7 @@ class Averager(Presence, Donors, Confirmations, RelayChecks, DecentralizedAverag
             self._turned_away.tick(f"from {context.remote_id}")
             yield averaging_pb2.MessageFromLeader(code=averaging_pb2.PROTOCOL_VIOLATION)
             return
-        if self.strikes.benched(str(context.remote_id)):
+        if self._distrusts(str(context.remote_id)):
             self._benched.tick(f"from {context.remote_id}")
             yield averaging_pb2.MessageFromLeader(code=averaging_pb2.GROUP_IS_FULL)
             return
@@ -179,6 +184,11 @@ class Averager(Presence, Donors, Confirmations, RelayChecks, DecentralizedAverag
             if getattr(self, "_p2p", None) is not None:
                 await self._p2p.shutdown()
 
+    def _distrusts(self, peer: str) -> bool:
+        """Benched (``strikes``), kept apart after it abstained (``confirm``), or a test's verdict."""
+        own = self.faults.distrusts
+        return self.strikes.benched(peer) or self.kept_apart(peer) or (own is not None and own(peer))
+
     async def _aggregate_with_group(self, group_info: Any, min_vector_size: int, **kwargs: Any) -> Any:
         gathered = [unwrap_gather(self.serializer, g) for g in group_info.gathered]
         # Every groupmate checks every member's token (its leader did already): all reach the same verdict.
@@ -196,13 +206,15 @@ class Averager(Presence, Donors, Confirmations, RelayChecks, DecentralizedAverag
         tags = [tag_or_none(g.data) for g in gathered]
         arrivals = [g.arrived for g in gathered]
         spread = None if None in arrivals else max(arrivals) - min(arrivals)  # the same on every member
-        benched = [i for i, p in enumerate(group_info.peer_ids) if p != self.peer_id and self.strikes.benched(str(p))]
+        benched = [i for i, p in enumerate(group_info.peer_ids) if p != self.peer_id and self._distrusts(str(p))]
         peers = [p.to_bytes() for p in group_info.peer_ids]  # to name a groupmate not credible
         verdict = stale_verdict(tags, me, distrusted=benched, peers=peers)
         if verdict is not None:  # every groupmate reaches the same verdict: nobody sends anything
             stale = StaleStateError(verdict)  # its culprits: left out of matchmaking a while
             culprits = [str(p) for p in group_info.peer_ids if p.to_bytes() in stale.culprits]
             self.strikes.failed(culprits, reason=str(verdict))
+            if benched:  # a verdict of this peer's own (the others may not have benched them): say so
+                await self.abstain(group_info.peer_ids, group_info.group_id, timeout=ABSTAIN_TIMEOUT)
             raise stale
         # Per group (a cancelled step may still be confirming while the next one starts).
         group_id = group_info.group_id

@@ -2,7 +2,11 @@
 to every groupmate and commits only if all of them reported ok with its own digest (a lost peer, a partial
 all-reduce or a groupmate holding other bits fails the attempt on every member).
 A peer that failed sends, instead of a digest, its report of the groupmates it saw fail, and the
-group's verdict on whom to blame (``blame``) comes out typed (``ExchangeFailed``)."""
+group's verdict on whom to blame (``blame``) comes out typed (``ExchangeFailed``).
+A peer that withholds from a group on purpose (a stale verdict: a groupmate it benched, or one out of
+step, ``averager``) tells every groupmate so at once (``abstain``): its groupmates may not have
+reached its verdict (they did not bench that peer) and see it send nothing, but nobody is blamed for
+a groupmate that abstained (an honest peer was benched for it before)."""
 
 import asyncio
 import hmac
@@ -31,6 +35,15 @@ class Confirmations:
     keys: RunKeys
     _confirms: OrderedDict[bytes, dict]
     """Per group id: the confirmations received ({peer: (ok, digest)}) and an event set on each."""
+    _abstained: dict[str, float]
+    """Groupmates (peer ids, ``str``) that abstained from a group of this peer's: until when (monotonic)
+    it keeps apart from them (``kept_apart``)."""
+    apart_seconds: float = 0.0
+
+    def kept_apart(self, peer: str) -> bool:
+        """Whether ``peer`` abstained from a group of this peer's in the last ``apart_seconds``: they
+        do not meet (it would abstain again), as a stale groupmate is retried without."""
+        return self._abstained.get(peer, 0.0) > time.monotonic()
 
     async def rpc_confirm(
         self, request: averaging_pb2.AveragingData, context: P2PContext
@@ -42,15 +55,27 @@ class Confirmations:
             return averaging_pb2.AveragingData(code=averaging_pb2.PROTOCOL_VIOLATION)  # not from a peer of the run
         box = self._confirm_box(request.group_id)
         box["got"][context.remote_id] = (request.code == averaging_pb2.AVERAGED_PART, digest)
+        if request.code == averaging_pb2.CANCELLED:
+            box["abstained"].add(context.remote_id)
         box["event"].set()
         return averaging_pb2.AveragingData(code=averaging_pb2.AVERAGED_PART)
 
     def _confirm_box(self, group_id: bytes) -> dict:
         if group_id not in self._confirms:
-            self._confirms[group_id] = {"got": {}, "event": asyncio.Event()}
+            self._confirms[group_id] = {"got": {}, "abstained": set(), "event": asyncio.Event()}
             while len(self._confirms) > 16:  # a peer only ever needs its latest groups
                 self._confirms.popitem(last=False)
         return self._confirms[group_id]
+
+    async def abstain(self, peer_ids: Sequence[Any], group_id: bytes, *, timeout: float) -> None:
+        """Tell every groupmate that this peer sends nothing in group ``group_id`` (see the module
+        docstring); a groupmate that does not answer within ``timeout`` s is left to its deadline."""
+        code, empty = averaging_pb2.CANCELLED, b""
+        mac = self.keys.confirm_mac(group_id, self.peer_id.to_bytes(), code, empty)
+        msg = averaging_pb2.AveragingData(code=code, group_id=group_id, tensor_part=runtime_pb2.Tensor(buffer=mac))
+        stubs = [self.get_stub(self._p2p, p, namespace=self.prefix) for p in peer_ids if p != self.peer_id]
+        sends = [asyncio.wait_for(stub.rpc_confirm(msg), timeout) for stub in stubs]
+        await asyncio.gather(*sends, return_exceptions=True)
 
     async def _confirm(
         self,
@@ -109,6 +134,9 @@ class Confirmations:
                     pass
         finally:
             delivered = await asyncio.gather(*sends, return_exceptions=True)
+            abstained = {peer_ids.index(p) for p in box["abstained"] if p in others}
+            for i in abstained:
+                self._abstained[str(peer_ids[i])] = time.monotonic() + self.apart_seconds
             self._confirms.pop(group_id, None)
         if error is None and not all(d is True for d in delivered):
             # A groupmate that did not get my confirmation will not commit; neither may I.
@@ -119,7 +147,7 @@ class Confirmations:
             for p, (ok, d) in got.items():  # a groupmate that confirmed blames nobody
                 i = peer_ids.index(p)
                 reports[i] = frozenset() if ok else read_report(d, size=size, sender=i)
-            guilty = culprits(size, reports)
+            guilty = culprits(size, reports) - abstained  # withheld on purpose: no fault
             if guilty:
                 blamed = tuple(peer_ids[i].to_bytes() for i in sorted(guilty))
                 raise ExchangeFailed(blamed, f"round not committed: {error}")

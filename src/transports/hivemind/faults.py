@@ -28,3 +28,7 @@ class HivemindFaults:
     """Asked as each exchange of a part begins; True: this peer's part exchange fails (always, while
     it says so): it sends its parts to no reducer (``AllreduceException`` at once), and as a reducer
     it answers every groupmate's parts with an error (``block_runner.BlockRunner``)."""
+    distrusts: Callable[[str], bool] | None = None
+    """Asked of each groupmate (its peer id, as ``str``) as a group forms; True: this peer treats it
+    as benched, a verdict of its own its groupmates need not share (as ``strikes`` after rounds the
+    others did not see)."""
