@@ -104,13 +104,22 @@ class Merge:
         end = n + start if self.judged is None else self.judged
         apart, judged = (max(0, min(n, e - start)) for e in (self.apart or 0, end))
         verdicts = []  # (lo, hi, verdict): each slice judged by its own values
+        cast = codec.elementwise_dtype is not None  # its pieces are its values: mean them as they pass
         for lo, hi in ((0, apart), (apart, judged)):
             if self.rule is MergeRule.ROBUST and k >= 2 and hi - lo >= MIN_JUDGED:
                 gram = torch.zeros(k, k, dtype=torch.float64)
+                at = lo
                 for piece in codec.pieces(payloads, n, span=range(lo, hi), size=CHUNK):
                     gram += (piece @ piece.T).double()
+                    if cast:
+                        _mean_rows(piece, out[at : at + piece.shape[1]])
+                    at += piece.shape[1]
                 verdicts.append((lo, hi, judge(gram, ratio=self.outlier_ratio)))
-        codec.mean_of(payloads, out, scratch)
+        cuts = [0, *(x for lo, hi, _ in verdicts for x in (lo, hi)), n] if cast else [0, n]
+        for lo, hi in zip(cuts[::2], cuts[1::2]):  # the values no Gram pass meaned
+            if hi > lo:
+                part = None if scratch is None else scratch[lo:hi]
+                codec.mean_of([p[lo:hi] for p in payloads] if cast else payloads, out[lo:hi], part)
         names, left_out = list(who) or [str(i) for i in range(k)], []
         for lo, hi, v in verdicts:
             if v.weights is not None:  # some clipped: the weighted combination, as the plain mean counts abstainers
@@ -150,6 +159,18 @@ class Merge:
                 total += row
             out[span.start : span.stop] = total / len(payloads)
         return named
+
+
+def _mean_rows(piece: torch.Tensor, out: torch.Tensor) -> None:
+    """``out`` = the mean of ``piece``'s rows (decoded payloads) as ``Codec.mean_of`` computes it:
+    summed in order, then divided (the same bits)."""
+    if len(piece) > 1:
+        torch.add(piece[0], piece[1], out=out)
+    else:
+        out.copy_(piece[0])
+    for row in piece[2:]:
+        out.add_(row)
+    out.div_(len(piece))
 
 
 def combined(left_out: Sequence[LeftOut]) -> tuple[LeftOut, ...]:
