@@ -98,8 +98,9 @@ def _hivemind(args: argparse.Namespace, *, name: str, workers: int, attack: str 
         joined: list[str] = []
         # --late: the insider starts second, the other honest peers ``late`` s after it (a pair first)
         order = [0, workers - 1, *range(1, workers - 1)] if args.late else list(range(workers))
+        delayed = order[2] if args.late and workers > 2 else None  # the first of the late peers
         for i in order:
-            if args.late and [i] == order[2:3]:
+            if i == delayed:
                 time.sleep(args.late)
             sets = [*base, f"train.shard={i}", *joined]
             cmd = [sys.executable, __file__, "--worker", f"{name}/p{i}", "--out", str(out)]
