@@ -3,8 +3,10 @@ environment variable; the join command names it, never shows it; `ps` shows it f
 
 from __future__ import annotations
 
+import fnmatch
 import json
 import os
+import re
 import shlex
 import subprocess
 import sys
@@ -18,6 +20,18 @@ from transports.hivemind.config import HivemindConfig
 from transports.hivemind.secret import read_secret
 
 SRC = Path(__file__).resolve().parents[1] / "src"
+
+
+def test_every_secret_file_the_docs_write_is_one_git_ignores():
+    """docs/wan.md and docs/lan.md write the secret into the checkout: `git add -A` must not take it."""
+    root = SRC.parent
+    ignored = [p.strip() for p in (root / ".gitignore").read_text().splitlines() if p.strip()]
+    written = [
+        m for doc in ("wan.md", "lan.md") for m in re.findall(r"> ([^\s)]+)\)?\n", (root / "docs" / doc).read_text())
+    ]
+    assert sorted(written) == ["lan.secret", "wan.secret"]
+    for name in written:
+        assert any(fnmatch.fnmatch(name, pattern) for pattern in ignored), (name, ignored)
 
 
 def test_the_secret_comes_from_a_private_file_or_an_environment_variable(tmp_path, monkeypatch):
