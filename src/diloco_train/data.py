@@ -39,7 +39,7 @@ class DataConfig:
     seq_len: int = field(default=64, metadata=integer(low=1))
     """Tokens per training window (each window reads seq_len + 1 tokens)."""
     hf_dataset: str = field(default="", metadata=string())
-    """Hugging Face dataset name or local path (needs ``pip install diloco[hf]``); replaces ``path``."""
+    """Hugging Face dataset name or local path (needs ``pip install 'diloco[hf]'``); replaces ``path``."""
     hf_split: str = field(default="train", metadata=string())
     """Split of ``hf_dataset`` to read."""
     hf_tokenizer: str = field(default="", metadata=string())

@@ -119,7 +119,7 @@ def export(run_dir: str | Path, out: str | Path | None = None, *, step: int | No
     try:
         from safetensors.torch import save_file
     except ImportError:
-        raise ValueError("diloco export writes safetensors: pip install safetensors (or diloco[train])") from None
+        raise ValueError("diloco export writes safetensors: pip install safetensors (or 'diloco[train]')") from None
 
     run_dir = Path(run_dir)
     model_config, data, _ = _configs(run_dir)

@@ -6,6 +6,7 @@ how a section's workers start, and connects them with ``TransportSpec.connect``;
 
 from __future__ import annotations
 
+import importlib
 import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -84,6 +85,7 @@ def _hivemind(section: Mapping[str, Any]) -> Transport:
 def _hivemind_spec(
     *, kind: str, section: dict[str, Any], own: Mapping[str, Any], link: LinkConfig | None
 ) -> TransportSpec:
+    importlib.import_module(".hivemind", __package__)  # a missing hivemind says so before a run starts
     return TransportSpec(
         kind=kind,
         section=section,
