@@ -15,7 +15,8 @@ def configure_plot_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--out",
         metavar="FILE.png",
-        help="output file (default: plot.png in the only run, else runs.png next to the first)",
+        help="output file (default: plot.png in the only run, else runs.png next to the first; "
+        "another --x than step adds it: plot-all.png, never the run's own plot.png)",
     )
     p.add_argument(
         "--x",
@@ -25,10 +26,18 @@ def configure_plot_parser(p: argparse.ArgumentParser) -> None:
     )
 
 
+def default_out(runs: list[str], *, x: str) -> Path:
+    """Where a plot goes without ``--out``: the run's own plot.png is the trainer's (step axis), so
+    another axis gets a name of its own (``plot-all.png``), as does a plot of several runs."""
+    first = Path(runs[0])
+    stem = "plot" if len(runs) == 1 else "runs"
+    name = f"{stem}.png" if x == "step" else f"{stem}-{x}.png"
+    return first / name if len(runs) == 1 else first.parent / name
+
+
 def plot_main(args: argparse.Namespace) -> int:
     from .plot import plot_runs
 
-    first = Path(args.runs[0])
-    out = args.out or (first / "plot.png" if len(args.runs) == 1 else first.parent / "runs.png")
+    out = args.out or default_out(args.runs, x=args.x)
     print(plot_runs(args.runs, out, x=args.x))
     return 0
