@@ -69,6 +69,8 @@ UNIT_MODULES = frozenset(
         "test_time_to_loss_bench",
         "test_train_plot",
         "test_train_sinks",
+        "test_train_log",
+        "test_train_report",
     }
 )
 TIERS = ("unit", "integration", "slow")

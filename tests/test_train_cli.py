@@ -82,6 +82,24 @@ def test_bad_input_is_one_line_on_stderr_and_exit_2(
 
 
 @pytest.mark.timeout(60)
+def test_a_missing_hivemind_is_one_line_with_a_quoted_install_command_before_the_run_starts(tmp_path: Path) -> None:
+    code = (
+        "import sys; sys.modules['hivemind'] = None\n"  # as if it were not installed
+        "from diloco_train.cli import main\n"
+        "sys.exit(main(sys.argv[1:]))\n"
+    )
+    args = ["train", "--set", "transport.kind=hivemind", "--set", "train.shard=0", "--set", "train.num_shards=2"]
+    args += ["--set", f"train.runs_dir={tmp_path!s}", "-q"]
+    out = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, timeout=50, check=False)
+    assert out.returncode == 2, out.stderr
+    # one line, quoted for zsh (an unquoted diloco[hivemind] is a glob there), and no run header before it
+    assert out.stderr.splitlines() == [
+        "diloco: error: the hivemind transport needs hivemind, which is not installed: pip install 'diloco[hivemind]'"
+    ]
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.timeout(60)
 def test_an_error_inside_the_worker_threads_ends_the_run_cleanly(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -193,7 +211,11 @@ def test_a_warm_start_that_averages_updates_sends_every_step_and_resumes_exactly
 def test_the_summary_puts_diloco_traffic_against_ddp(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     wire = ["--set", "diloco.codec=int4"]
     assert main(["train", "--name", "r", "--set", f"train.runs_dir={tmp_path!s}", *FAST, *wire]) == 0
-    out = capsys.readouterr().out
+    captured = capsys.readouterr()
+    out = captured.out
+    # the header says that the first step (a twelfth of 12) is DDP's, which sends every step
+    assert "; its first step DDP (a warm start: gradients all-reduced every step" in captured.err
+    assert "compute utilization" in out and "goodput" in out
     # 12 steps, a round every 3: DDP would all-reduce the same number of values 12 times in fp32, DiLoCo
     # 4 times in int4 (4 bits a value and an fp32 scale per 256: 7.76x fewer bytes): 3 x 7.76.
     assert "DDP would have sent" in out and "23.3x what DiLoCo sent (4 rounds)" in out
@@ -233,6 +255,13 @@ def test_plot_of_several_runs_goes_next_to_the_first(tmp_path: Path, capsys: pyt
     capsys.readouterr()
     assert main(["plot", str(tmp_path / "a"), str(tmp_path / "a")]) == 0
     assert (tmp_path / "runs.png").stat().st_size > 1000
+    # another axis never overwrites the run's own plot.png (the trainer's, step axis)
+    own = (tmp_path / "a" / "plot.png").read_bytes()
+    assert main(["plot", str(tmp_path / "a"), "--x", "all"]) == 0
+    assert (tmp_path / "a" / "plot.png").read_bytes() == own
+    assert (tmp_path / "a" / "plot-all.png").stat().st_size > 1000
+    assert main(["plot", str(tmp_path / "a"), str(tmp_path / "a"), "--x", "time"]) == 0
+    assert (tmp_path / "runs-time.png").stat().st_size > 1000
 
 
 @pytest.mark.timeout(150)

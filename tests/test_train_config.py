@@ -85,8 +85,7 @@ def test_a_bad_ddp_wire_names_the_field_and_the_choices() -> None:
 def test_the_default_warm_start_is_a_twelfth_of_the_steps_where_ranks_are_fixed(
     overrides: list[str], fixed_ranks: bool, warm: int
 ) -> None:
-    transport = SimpleNamespace(capabilities=Capabilities(fixed_ranks=fixed_ranks))
-    assert warm_start_steps(build_config(overrides=overrides), transport) == warm
+    assert warm_start_steps(build_config(overrides=overrides), fixed_ranks=fixed_ranks) == warm
 
 
 @pytest.mark.timeout(30)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import math
 import multiprocessing.util
 import os
 import shlex
@@ -15,8 +14,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import NoReturn
 
-from diloco_core import FP32, DiLoCoConfig, TransportError
-from diloco_core.codecs.names import codec_of
+from diloco_core import TransportError
 
 from .export_cli import EXPORT_EXAMPLE, configure_export_parser, export_main
 from .interrupts import INTERRUPTS
@@ -134,10 +132,10 @@ def _train(args: argparse.Namespace, argv: list[str]) -> int:
     from transports import transport_spec
 
     from .config import build_config, load_toml, parse_override
-    from .launch import check_quorum, describe_workers, train
-    from .metrics import perplexity
+    from .launch import check_quorum, train
     from .resume_merge import merge_onto_saved
     from .run_name import check_name, default_name, resume_command
+    from .run_words import run_header, run_summary, traffic_line
 
     if args.name is not None:
         check_name(args.name)
@@ -167,16 +165,13 @@ def _train(args: argparse.Namespace, argv: list[str]) -> int:
             config = build_config(args.config, args.overrides)
     for w in caught:
         print(f"diloco: {w.message}", file=sys.stderr)
-    check_quorum(config, transport_spec(config.transport))  # a config error, before the run's first line
+    spec = transport_spec(config.transport)
+    check_quorum(config, spec)  # a config error, before the run's first line
     name = args.name or default_name(config.train.mode)  # torchrun's ranks take rank 0's (launch)
     run_dir = Path(config.train.runs_dir) / name
     t = config.train
     if os.environ.get("RANK", "0") == "0":  # under torchrun, rank 0 speaks for the run
-        print(
-            f"run {run_dir}: {t.mode}, {describe_workers(config)}, model {config.model.preset}, {t.steps} steps"
-            + (f", {rounds_in_words(config.diloco)}" if t.mode == "diloco" else ""),
-            file=sys.stderr,
-        )
+        print(run_header(config, run_dir, fixed_ranks=spec.fixed_ranks), file=sys.stderr)
     command = ["diloco", "train", *argv]
     # Under ``diloco torchrun`` the hint repeats its launcher options (the wrapper passes them down).
     torchrun_args = os.environ.get(TORCHRUN_ARGS_ENV)
@@ -196,29 +191,12 @@ def _train(args: argparse.Namespace, argv: list[str]) -> int:
         _exit_now(INTERRUPTS.status)
     if not result.rank0:  # a process of a multi-process run without rank 0, which reports
         return 0
-    wall = result.wall_seconds
-    util = result.compute_seconds / wall if wall else 0.0
-    print(
-        f"eval loss {result.eval_before:.4f} (perplexity {perplexity(result.eval_before):.2f}) -> "
-        f"{result.eval_after:.4f} (perplexity {perplexity(result.eval_after):.2f}) after {result.steps} steps\n"
-        f"wall {wall:.1f}s, compute utilization {100 * util:.1f}% (rank 0: compute / wall), "
-        f"{result.bytes_sent / 1e6:.1f} MB sent by rank 0\n"
-        f"files: {run_dir}/metrics.jsonl, config.toml, plot.png, checkpoints/",
-    )
-    if not math.isfinite(result.eval_after):
-        print("the eval loss is not finite: training diverged (states that were not finite were not checkpointed)")
+    print(run_summary(result, run_dir))
     if result.steps < t.steps:
         print(f"stopped at step {result.steps} of {t.steps} (train.stop_after); resume with: {again()}")
-    if result.rounds:
-        # DDP all-reduces the gradient, as many values as a round's pseudo-gradient, at every step, in fp32.
-        codec = codec_of(config.diloco)
-        as_fp32 = FP32.payload_bytes(1 << 20) / codec.payload_bytes(1 << 20)  # 1 << 20: whole codec blocks
-        ddp = result.round_bytes / result.rounds * as_fp32 * result.steps_run
-        print(
-            f"traffic: DDP would have sent ~{ddp / 1e6:,.0f} MB for these {result.steps_run} steps, "
-            f"{ddp / max(result.bytes_sent, 1):.1f}x what DiLoCo sent ({result.rounds} rounds); compare the loss with "
-            "--set train.mode=ddp and --set train.mode=single (docs/results.md)"
-        )
+    traffic = traffic_line(result, config)
+    if traffic is not None:
+        print(traffic)
     return 0
 
 
@@ -243,13 +221,6 @@ def _exit_now(status: int) -> NoReturn:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(status)
-
-
-def rounds_in_words(c: DiLoCoConfig) -> str:
-    """When the run's outer rounds come, in words."""
-    if c.round_seconds is None:
-        return f"outer round every {c.inner_steps}"
-    return f"outer rounds of {c.round_seconds:g}s (elastic: {c.inner_steps} steps a round's work)"
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -46,11 +46,15 @@ class TrainResult:
     bytes_sent: int
     """Bytes rank 0 put on the wire in the run (every invocation of a resumed one)."""
     steps_run: int = 0
-    """Steps whose records metrics.jsonl holds: the run's, across resumes (``steps`` unless logs were lost)."""
+    """Steps the records of metrics.jsonl cover: the run's, across resumes (``steps`` unless logs were lost); in
+    an elastic run a round's work at once, as its records share the round's step."""
     rounds: int = 0
     """DiLoCo outer rounds in the run."""
     round_bytes: int = 0
     """Of ``bytes_sent``, what rank 0 sent in outer rounds (the rest: DDP steps of a warm start)."""
+    goodput: float = 0.0
+    """The workers' busy seconds over workers x wall (``pace.Pace``), of this process's workers; 0 where
+    unknown (a resumed run's earlier invocations are not in it)."""
     rank0: bool = True
     """Whether this process ran rank 0, which reports the run; another process's result holds NaN losses."""
 
@@ -93,6 +97,15 @@ def truncate_metrics(run_dir: Path, step: int) -> None:
     os.replace(tmp, path)
 
 
+def _advanced(steps: Sequence[int], *, since: int) -> int:
+    """How many steps the records of ``steps`` (in order) cover from step ``since``: one each in lock-step,
+    the whole round's work where an elastic round moves the step (its records share a step)."""
+    covered = 0
+    for step in steps:
+        covered += max(0, step - since - covered)
+    return covered
+
+
 def perplexity(loss: float) -> float:
     """exp(loss), capped at exp(80) (NaN stays NaN)."""
     return math.exp(min(loss, 80.0))
@@ -115,7 +128,9 @@ class Reporter:
         self.compute = sum(r["compute_s"] for r in steps)
         self.comm = sum(r["comm_s"] for r in steps)
         self.bytes_sent = sum(r["bytes_sent"] for r in steps)
-        self.steps = len(steps)
+        self.steps = _advanced([r["step"] for r in steps], since=0)
+        self.last_step = start_step
+        """The step of the newest record (or the resume step): a record advances the run by its step less this."""
         self.rounds = len(rounds)
         self.round_bytes = sum(r["bytes_sent"] for r in rounds)
         self.offset = max(timed, default=0.0)
@@ -155,7 +170,9 @@ class Reporter:
         self.compute += record["compute_s"]
         self.comm += record["comm_s"]
         self.bytes_sent += record["bytes_sent"]
-        self.steps += 1
+        advance = max(0, record["step"] - self.last_step)
+        self.last_step += advance
+        self.steps += advance
         rate = record["tokens_per_s"]
         self._rate = rate if self._rate is None else 0.9 * self._rate + 0.1 * rate
         self.write(record)
@@ -167,7 +184,10 @@ class Reporter:
                 workers=self.contributors,
                 refresh=False,
             )
-            self.bar.update(1)
+            # one in lock-step; an elastic round's work where its round moves the step (its last one may
+            # go past train.steps: the bar keeps its total in sight)
+            self.bar.total = max(self.bar.total, self.bar.n + advance)
+            self.bar.update(advance)
 
     def round(self, step: int, report: RoundReport) -> None:
         self.contributors = report.num_contributors
@@ -221,6 +241,7 @@ class Reporter:
         history = [r for r in read_metrics(self.run_dir) if r.get("type") == "eval"]
         before = history[0]["loss"] if history else math.nan
         wall = self.clock()
+        goodput = Pace.goodput(busy, wall)
         self.write(
             {
                 "type": "summary",
@@ -229,7 +250,7 @@ class Reporter:
                 "compute_s": self.compute,
                 "comm_s": self.comm,
                 "utilization": self.compute / wall if wall else 0.0,
-                "goodput": Pace.goodput(busy, wall),
+                "goodput": goodput,
                 "bytes_sent": self.bytes_sent,
                 "eval_before": before,
                 "eval_after": eval_after,
@@ -246,6 +267,7 @@ class Reporter:
             steps_run=self.steps,
             rounds=self.rounds,
             round_bytes=self.round_bytes,
+            goodput=goodput,
         )
 
     def close(self) -> None:

@@ -21,14 +21,13 @@ from .model import Llama
 __all__ = ["Comm", "Sync", "ddp_wire", "warm_start_steps"]
 
 
-def warm_start_steps(config: RunConfig, transport: Transport | None) -> int:
+def warm_start_steps(config: RunConfig, *, fixed_ranks: bool) -> int:
     """``train.ddp_warm_start``, or where unset a twelfth of the steps if the transport's ranks are fixed
     (and the model is whole: FSDP islands have no DDP phase)."""
     t = config.train
     if t.ddp_warm_start is not None:
         return t.ddp_warm_start
-    fixed = transport is not None and transport.capabilities.fixed_ranks
-    return t.steps // 12 if fixed and t.fsdp_shards == 1 else 0
+    return t.steps // 12 if fixed_ranks and t.fsdp_shards == 1 else 0
 
 
 def ddp_wire(config: RunConfig) -> str:
@@ -73,7 +72,8 @@ class Sync:
         self.wire = codec_of(config.diloco, ddp_wire(config))
         self.feedback: ErrorFeedback | None = None
         mode = config.train.mode
-        self.warm = warm_start_steps(config, transport) if mode == "diloco" else 0  # DDP steps before DiLoCo
+        fixed = transport is not None and transport.capabilities.fixed_ranks
+        self.warm = warm_start_steps(config, fixed_ranks=fixed) if mode == "diloco" else 0  # DDP steps first
         self.diloco: DiLoCo | None = None
         self._warm_diloco = False  # self.diloco is the warm start's (warm_start_sync = "updates")
         self.grads: FlatBuffer | None = None
