@@ -211,10 +211,7 @@ def test_a_warm_start_that_averages_updates_sends_every_step_and_resumes_exactly
 def test_the_summary_puts_diloco_traffic_against_ddp(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     wire = ["--set", "diloco.codec=int4"]
     assert main(["train", "--name", "r", "--set", f"train.runs_dir={tmp_path!s}", *FAST, *wire]) == 0
-    captured = capsys.readouterr()
-    out = captured.out
-    # the header says that the first step (a twelfth of 12) is DDP's, which sends every step
-    assert "; its first step DDP (a warm start: gradients all-reduced every step" in captured.err
+    out = capsys.readouterr().out
     assert "compute utilization" in out and "goodput" in out
     # 12 steps, a round every 3: DDP would all-reduce the same number of values 12 times in fp32, DiLoCo
     # 4 times in int4 (4 bits a value and an fp32 scale per 256: 7.76x fewer bytes): 3 x 7.76.

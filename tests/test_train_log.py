@@ -13,7 +13,7 @@ from diloco_train.log_tag import AboveTheBar
 def test_a_warning_during_a_run_starts_a_line_of_its_own_above_the_bar() -> None:
     out = io.StringIO()
     handler = AboveTheBar(out)
-    handler.setFormatter(logging.Formatter("%(levelname)s: %(message)s"))
+    handler.setFormatter(logging.Formatter("[w] %(message)s"))  # no level: hivemind renames them
     log = logging.getLogger("diloco_test_above_the_bar")
     log.propagate = False
     log.addHandler(handler)
@@ -27,5 +27,5 @@ def test_a_warning_during_a_run_starts_a_line_of_its_own_above_the_bar() -> None
         log.removeHandler(handler)
     line = next(x for x in out.getvalue().split("\n") if "a round failed" in x)
     # what the terminal shows of that line: the text after its last carriage return
-    assert line.split("\r")[-1] == "WARNING: a round failed", repr(line)
+    assert line.split("\r")[-1] == "[w] a round failed", repr(line)
     assert "4/10" in out.getvalue().split("a round failed")[1]  # the bar drawn again below it

@@ -7,7 +7,9 @@ from pathlib import Path
 
 import pytest
 
+from diloco_train.config import build_config
 from diloco_train.metrics import Reporter
+from diloco_train.run_words import run_header
 
 
 def _record(step: int) -> dict:
@@ -60,3 +62,24 @@ def test_a_resumed_run_counts_what_its_earlier_records_covered(tmp_path: Path) -
         assert again.finish(step=32, eval_after=1.0).steps_run == 32
     finally:
         again.close()
+
+
+@pytest.mark.parametrize(
+    ("overrides", "fixed_ranks", "words"),
+    [
+        ([], True, "; its first 50 steps DDP (a warm start: gradients all-reduced every step, train.ddp_warm_start)"),
+        (["train.ddp_warm_start=1"], True, "; its first step DDP (a warm start"),
+        (["train.ddp_warm_start=0"], True, None),
+        ([], False, None),  # peers come and go: no warm start by default
+        (["train.mode=ddp"], True, None),
+    ],
+)
+def test_the_header_names_the_ddp_warm_start_which_sends_every_step(
+    overrides: list[str], fixed_ranks: bool, words: str | None
+) -> None:
+    line = run_header(build_config(overrides=overrides), Path("runs/r"), fixed_ranks=fixed_ranks)
+    assert line.startswith("run runs/r: ") and "\n" not in line
+    if words is None:
+        assert "warm start" not in line
+    else:
+        assert words in line
