@@ -44,7 +44,19 @@ def _codec(bits: int, block: int, *, fused: bool) -> BlockCodec:
     return codec
 
 
-@pytest.mark.parametrize(("bits", "block"), [(8, 256), (4, 256), (4, 32), (8, 65536), (1, 256), (1, 32)])
+@pytest.mark.parametrize(
+    ("bits", "block"),
+    [
+        # the default codec (int4) and the 1-bit kernel in the default run; each other kernel costs an Inductor
+        # compile of ~5 s (-m slow)
+        pytest.param(8, 256, marks=pytest.mark.slow),
+        (4, 256),
+        pytest.param(4, 32, marks=pytest.mark.slow),
+        pytest.param(8, 65536, marks=pytest.mark.slow),
+        pytest.param(1, 256, marks=pytest.mark.slow),
+        (1, 32),
+    ],
+)
 @pytest.mark.parametrize("n", [MIN_VALUES, 2**20 + 2**18 + 777, 3 * 2**20])
 def test_fused_kernels_equal_the_eager_code_bit_for_bit(bits, block, n):
     fused, eager = _codec(bits, block, fused=True), _codec(bits, block, fused=False)

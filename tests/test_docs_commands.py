@@ -90,6 +90,7 @@ def test_every_docs_command_is_run_or_skipped_for_a_reason() -> None:
     assert any(not _skipped(c) and _slow(c) for c in found["lan.md"] + found["wan.md"])
 
 
+@pytest.mark.slow  # ~48 s, 16 processes: with -m slow, as test_every_command_that_runs_on_one_machine_runs[trainer.md] (the default run was 12 minutes)
 @pytest.mark.timeout(600)
 def test_the_in_process_commands_of_the_trainer_doc_run(tmp_path: Path) -> None:
     picked = [c for c in commands("trainer.md") if not _skipped(c) and not _slow(c)]

@@ -27,6 +27,7 @@ def _grad(rank: int) -> torch.Tensor:
     return torch.randn(N, generator=g) * 0.01 + 0.02 * (rank + 1)
 
 
+@pytest.mark.slow  # ~12 s; the same quorum rule in-process: test_elastic.py's stalled worker
 @pytest.mark.timeout(240)
 def test_a_round_closes_without_a_stalled_peer_which_takes_its_result_and_meets_the_next_in_phase():
     # peer 2 stalls before round 2 and misses it; the others pause before round 3, where it meets them

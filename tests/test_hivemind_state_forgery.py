@@ -240,6 +240,7 @@ def _peer(transport, seed: int):
     return diloco, one_round
 
 
+@pytest.mark.slow  # ~21 s: real peers; the donor choice it relies on is tested without processes above
 @pytest.mark.timeout(240)
 def test_real_peers_a_fake_tag_poisons_neither_the_veteran_it_meets_nor_a_fresh_joiner(caplog):
     """The insider holds the run's secret: it noises its global state and loads a fake tag through

@@ -70,7 +70,9 @@ def _steps(metrics: Path) -> int:
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("when", ["after-a-checkpoint", "in-a-round"])
+@pytest.mark.parametrize(
+    "when", [pytest.param("after-a-checkpoint", marks=pytest.mark.slow), "in-a-round"]
+)  # ~4 s each
 def test_ctrl_c_on_a_hivemind_peer_is_one_line(tmp_path: Path, when: str) -> None:
     """SIGINT to the peer's process group (a terminal's Ctrl+C reaches p2pd and every child too). Before:
     p2pd shut down on it, the averagers failed to close through it and printed ~150 lines of tracebacks,

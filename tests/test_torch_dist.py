@@ -117,7 +117,11 @@ def test_a_peer_that_exits_mid_run_is_a_transport_error_within_the_timeout(tmp_p
         assert "torch.distributed all_reduce" in message
 
 
-@pytest.mark.parametrize("wire_dtype", ["fp32", "fp16", "int8"])  # lossy ones with error feedback
+# lossy ones with error feedback; fp16 and int8 (~5 s of torchrun each) with -m slow: test_contract.py runs every
+# wire dtype over gloo in the default run
+@pytest.mark.parametrize(
+    "wire_dtype", ["fp32", pytest.param("fp16", marks=pytest.mark.slow), pytest.param("int8", marks=pytest.mark.slow)]
+)
 def test_torchrun_job_agrees_across_ranks_and_with_the_in_process_oracle(wire_dtype, tmp_path):
     path = os.pathsep.join([HERE, os.path.join(os.path.dirname(HERE), "src")])  # this checkout's code, not an install
     env = procs.loopback_env(OMP_NUM_THREADS="1", PYTHONPATH=path)

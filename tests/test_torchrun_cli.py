@@ -50,7 +50,7 @@ def test_the_launcher_options_and_the_train_command_are_split_at_train() -> None
 
 
 @pytest.mark.timeout(200)
-@pytest.mark.parametrize("when", ["after-a-checkpoint", "mid-run"])
+@pytest.mark.parametrize("when", ["after-a-checkpoint", pytest.param("mid-run", marks=pytest.mark.slow)])  # ~5 s each
 def test_ctrl_c_under_diloco_torchrun_is_one_line(tmp_path: Path, when: str) -> None:
     """SIGINT to the launcher's process group, as a terminal's Ctrl+C sends it to torchrun and both workers."""
     name = f"ctrl-c-{when}"

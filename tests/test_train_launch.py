@@ -18,6 +18,7 @@ import torch
 from test_overlap import TRAINER_MODES
 
 
+@pytest.mark.slow  # ~12 s; torchrun jobs agree across ranks in test_torch_dist.py and test_torchrun_cli.py
 @pytest.mark.timeout(240)
 def test_torchrun_two_workers_end_with_identical_global_params(tmp_path):
     env = procs.loopback_env()
@@ -52,6 +53,7 @@ def test_torchrun_two_workers_end_with_identical_global_params(tmp_path):
     assert torch.equal(ranks[0]["global"], ranks[1]["global"])
 
 
+@pytest.mark.slow  # ~6 s of torchrun; the name rank 0 makes up is shared through the same rendezvous as test_torchrun_cli.py's
 @pytest.mark.timeout(240)
 def test_torchrun_ranks_without_a_name_share_rank_0s(tmp_path):
     """Each rank makes up a name from the time; ranks started in different seconds (made so here by
