@@ -117,7 +117,7 @@ def test_background_niceness_reaches_every_process_of_the_peer():
 
 def test_without_hivemind_the_error_says_what_to_install(monkeypatch):
     monkeypatch.setitem(sys.modules, "hivemind", None)
-    with pytest.raises(ImportError, match=r"pip install diloco\[hivemind\]"):
+    with pytest.raises(ImportError, match=r"pip install 'diloco\[hivemind\]'"):
         create_transport({"kind": "hivemind", "host_maddrs": LOCAL})
 
 

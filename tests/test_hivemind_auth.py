@@ -107,6 +107,7 @@ class _Outsider(RunKeys):
         return derive_keys("outsider", SECRET).dht_authorizer()
 
 
+@pytest.mark.slow  # ~15 s; a peer without the secret can neither contribute nor read (test_hivemind.py)
 @pytest.mark.timeout(150)
 def test_an_outsider_that_knows_the_namespace_cannot_join_a_round_nor_get_the_state(caplog):
     """It reads the run's matchmaking records and asks the honest leaders to join: turned away (no valid join
