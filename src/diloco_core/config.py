@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import math
 import warnings
 from dataclasses import dataclass, field
@@ -11,7 +12,9 @@ from .codecs.names import CODECS
 from .codecs.sparse import DENSITY
 from .rules import boolean, check_field, check_fields, choice, integer, is_int, number, rule, string
 
-__all__ = ["MERGE_RULES", "OVERLAP_MODES", "DiLoCoConfig", "codec_from_alias", "outer_lr_for"]
+__all__ = ["MERGE_RULES", "OVERLAP_MODES", "DiLoCoConfig", "codec_from_alias", "outer_lr_for", "outer_lr_of"]
+
+logger = logging.getLogger(__name__)
 
 OVERLAP_MODES = ("none", "streaming", "eager")
 """How a round's reduce meets training (``DiLoCoConfig.overlap``, docs/overlap.md)."""
@@ -166,3 +169,19 @@ class DiLoCoConfig:
             torch.device(self.global_device)
         except RuntimeError as e:
             raise ValueError(f"global_device={self.global_device!r} is invalid: {e}") from None
+
+
+def outer_lr_of(config: DiLoCoConfig, *, world_size: int, fixed_ranks: bool) -> float:
+    """``config.outer_lr``, or the rule's for the world size (eager: for 1, as M's share of each step lags);
+    said where peers come and go, as the world size is then a guess."""
+    if config.outer_lr is not None:
+        return config.outer_lr
+    lr = outer_lr_for(1 if config.overlap == "eager" else world_size, config.outer_momentum)
+    if not fixed_ranks:
+        logger.warning(
+            "outer_lr is unset and the transport's peers come and go: using %.3g, the rule's value "
+            "for %d worker(s); set outer_lr for the number you expect",
+            lr,
+            world_size,
+        )
+    return lr

@@ -12,7 +12,7 @@ import torch
 
 from .agreement import check_settings, settings_of
 from .codecs.names import codec_of
-from .config import DiLoCoConfig, outer_lr_for
+from .config import DiLoCoConfig, outer_lr_of
 from .diloco_state import load_state, state_of
 from .eager import Eager
 from .flat import FlatBuffer, local_of
@@ -23,7 +23,7 @@ from .report import PendingRound, RoundReport
 from .rounds import Rounds
 from .run_state import RunState
 from .streaming import begins_at, strided_fragments, user_fragments
-from .transport import StateReplaced, Transport, TransportError
+from .transport import StateReplaced, Transport, TransportError, check_own_timeout
 
 __all__ = ["DiLoCo", "PendingRound", "RoundReport"]
 
@@ -82,13 +82,7 @@ class DiLoCo:
         self.inner_optimizer = inner_optimizer
         self.transport = transport
         self.config = config
-        own = transport.own_timeout
-        if own is not None and own > config.reduce_timeout:
-            raise ValueError(
-                f"reduce_timeout={config.reduce_timeout:g} is shorter than the transport's own timeout ({own:g}s): "
-                f"the core would give up on reduces the transport still runs; set reduce_timeout >= {own:g} "
-                "or lower the transport's timeout"
-            )
+        check_own_timeout(transport, config.reduce_timeout)
         self.params = [p for p in model.parameters() if p.requires_grad]
         if not self.params:
             raise ValueError("model has no trainable parameters")
@@ -114,22 +108,13 @@ class DiLoCo:
         """The parts synchronized on their own, each a slice of the global copy (one unless streaming)."""
         self.guard = self.fragments[0].guard
         """The first fragment's contribution guard (``diloco_core.guard``; the only one unless streaming)."""
-        momentum = config.outer_momentum
-        rule_m = 1 if config.overlap == "eager" else transport.world_size  # eager: M's share of each step lags
-        self.outer_lr = config.outer_lr if config.outer_lr is not None else outer_lr_for(rule_m, momentum)
+        self.outer_lr = outer_lr_of(config, world_size=transport.world_size, fixed_ranks=fixed)
         """The outer SGD's learning rate: ``config.outer_lr``, or the rule's for the world size (eager: for 1)."""
-        if config.outer_lr is None and not fixed:
-            logger.warning(
-                "outer_lr is unset and the transport's peers come and go: using %.3g, the rule's value "
-                "for %d worker(s); set outer_lr for the number you expect",
-                self.outer_lr,
-                transport.world_size,
-            )
         self.outer_optimizer = torch.optim.SGD(
             [f.param for f in self.fragments],
             lr=self.outer_lr,
-            momentum=momentum,
-            nesterov=config.nesterov and momentum > 0,
+            momentum=config.outer_momentum,
+            nesterov=config.nesterov and config.outer_momentum > 0,
             fused=True,  # one pass over the flat buffer instead of three (and no temporary the size of the model)
         )
         self.rounds = Rounds(

@@ -45,7 +45,7 @@ import torch
 
 from .codecs.base import Codec
 from .control import ControlLayout, judge_controls
-from .judge import judge
+from .judge import Verdict, judge
 
 __all__ = ["MEAN", "LeftOut", "Merge", "MergeRule", "combined"]
 
@@ -120,22 +120,10 @@ class Merge:
             if hi > lo:
                 part = None if scratch is None else scratch[lo:hi]
                 codec.mean_of([p[lo:hi] for p in payloads] if cast else payloads, out[lo:hi], part)
-        names, left_out = list(who) or [str(i) for i in range(k)], []
-        for lo, hi, v in verdicts:
-            if v.weights is not None:  # some clipped: the weighted combination, as the plain mean counts abstainers
-                w = (v.weights * (v.sent / k)).float()  # (times valid / contributors: the guard's rescale)
-                at = lo
-                for piece in codec.pieces(payloads, n, span=range(lo, hi), size=CHUNK):
-                    out[at : at + piece.shape[1]] = w @ piece
-                    at += piece.shape[1]
-                logger.debug("merge: bounded, weights %s", dict(zip(names, v.weights.tolist())))
-            elif v.gone:  # the slice's values: the mean of those kept (an attacked round; the tail stays everyone's)
-                kept = [p for i, p in enumerate(payloads) if i not in v.gone]
-                body = codec.mean_of(kept, torch.empty_like(out), scratch)[lo:hi]
-                if v.sent < k:  # as the plain mean counts those kept that sent anything: the guard's rescale
-                    body.mul_(len(kept) * v.sent / ((v.sent - len(v.gone)) * k))  # (contributors / valid)
-                out[lo:hi] = body
-            left_out += [LeftOut(names[i], ratio, cosine) for i, (ratio, cosine) in v.gone.items()]
+        names = list(who) or [str(i) for i in range(k)]
+        left_out = [
+            o for v in verdicts for o in _apply(v, payloads, codec=codec, out=out, scratch=scratch, names=names)
+        ]
         if self.controls is not None:
             named = self._judge_controls(payloads, codec=codec, out=out, start=start)
             left_out += [LeftOut(names[i], 1.0, why="control values") for i in sorted(named)]
@@ -159,6 +147,34 @@ class Merge:
                 total += row
             out[span.start : span.stop] = total / len(payloads)
         return named
+
+
+def _apply(
+    verdict: tuple[int, int, Verdict],
+    payloads: Sequence[torch.Tensor],
+    *,
+    codec: Codec,
+    out: torch.Tensor,
+    scratch: torch.Tensor | None,
+    names: Sequence[str],
+) -> list[LeftOut]:
+    """A slice's verdict ``(lo, hi, verdict)`` applied to ``out`` (everyone's mean so far); who it left out."""
+    lo, hi, v = verdict
+    k, n = len(payloads), out.numel()
+    if v.weights is not None:  # some clipped: the weighted combination, as the plain mean counts abstainers
+        w = (v.weights * (v.sent / k)).float()  # (times valid / contributors: the guard's rescale)
+        at = lo
+        for piece in codec.pieces(payloads, n, span=range(lo, hi), size=CHUNK):
+            out[at : at + piece.shape[1]] = w @ piece
+            at += piece.shape[1]
+        logger.debug("merge: bounded, weights %s", dict(zip(names, v.weights.tolist())))
+    elif v.gone:  # the slice's values: the mean of those kept (an attacked round; the tail stays everyone's)
+        kept = [p for i, p in enumerate(payloads) if i not in v.gone]
+        body = codec.mean_of(kept, torch.empty_like(out), scratch)[lo:hi]
+        if v.sent < k:  # as the plain mean counts those kept that sent anything: the guard's rescale
+            body.mul_(len(kept) * v.sent / ((v.sent - len(v.gone)) * k))  # (contributors / valid)
+        out[lo:hi] = body
+    return [LeftOut(names[i], ratio, cosine) for i, (ratio, cosine) in v.gone.items()]
 
 
 def _mean_rows(piece: torch.Tensor, out: torch.Tensor) -> None:

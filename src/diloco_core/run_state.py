@@ -15,7 +15,7 @@ from __future__ import annotations
 import math
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -131,16 +131,7 @@ class RunState:
             raise ValueError(f"a peer's DiLoCo state holds {n} momentum buffers for {len(keys)} outer parameter(s)")
         for t, f in zip(tensors[:n], frags):
             _check(t, f.param, "outer momentum")
-        pending = []
-        for entry, mean in zip(flights, tensors[n:]):
-            frag = entry.get("fragment") if isinstance(entry, dict) else None
-            if not isinstance(frag, int) or not 0 <= frag < len(frags):
-                raise ValueError(f"a peer's DiLoCo state holds a mean in flight of no fragment here: {entry!r}")
-            _check(mean, frags[frag].reduce.flat, "mean in flight")
-            try:
-                pending.append(({**entry, "mean": mean}, restored(frags, {**entry, "mean": mean}, copy=False)))
-            except (KeyError, TypeError, ValueError) as e:
-                raise ValueError(f"a peer's DiLoCo mean in flight does not fit: {e!r}") from None
+        pending = [_pending(entry, mean, frags) for entry, mean in zip(flights, tensors[n:])]
         step = meta.get("inner_step", rnd * self._config.inner_steps)  # without overlap: the round's last step
         if not isinstance(step, int) or step < 0:
             raise ValueError(f"a peer's DiLoCo state holds inner_step={step!r}: expected an integer >= 0")
@@ -168,6 +159,18 @@ class RunState:
                     self._eager.reset()
 
         return load
+
+
+def _pending(entry: Any, mean: Any, frags: Sequence[Any]) -> tuple[dict[str, Any], Any]:
+    """A peer's mean in flight, checked against this DiLoCo's fragments: (its entry with the mean, restored)."""
+    frag = entry.get("fragment") if isinstance(entry, dict) else None
+    if not isinstance(frag, int) or not 0 <= frag < len(frags):
+        raise ValueError(f"a peer's DiLoCo state holds a mean in flight of no fragment here: {entry!r}")
+    _check(mean, frags[frag].reduce.flat, "mean in flight")
+    try:
+        return {**entry, "mean": mean}, restored(frags, {**entry, "mean": mean}, copy=False)
+    except (KeyError, TypeError, ValueError) as e:
+        raise ValueError(f"a peer's DiLoCo mean in flight does not fit: {e!r}") from None
 
 
 def _check(t: Any, like: torch.Tensor, what: str) -> None:

@@ -21,6 +21,7 @@ __all__ = [
     "StateReplaced",
     "Transport",
     "TransportError",
+    "check_own_timeout",
     "reduce_inputs",
 ]
 
@@ -175,3 +176,14 @@ def reduce_inputs(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         if t.dtype != torch.float32:
             raise ValueError(f"all_reduce takes fp32 tensors, got {t.dtype}")
     return tensors
+
+
+def check_own_timeout(transport: Transport, reduce_timeout: float) -> None:
+    """The core may not give up on a reduce before the transport's own timeout would."""
+    own = transport.own_timeout
+    if own is not None and own > reduce_timeout:
+        raise ValueError(
+            f"reduce_timeout={reduce_timeout:g} is shorter than the transport's own timeout ({own:g}s): "
+            f"the core would give up on reduces the transport still runs; set reduce_timeout >= {own:g} "
+            "or lower the transport's timeout"
+        )

@@ -12,7 +12,7 @@ import sys
 import warnings
 from collections.abc import Sequence
 from pathlib import Path
-from typing import NoReturn
+from typing import TYPE_CHECKING, NoReturn
 
 from diloco_core import TransportError
 
@@ -23,6 +23,9 @@ from .log_tag import configure_logging
 from .plan_cli import PLAN_EXAMPLE, configure_plan_parser, plan_main
 from .plot_cli import configure_plot_parser, plot_main
 from .torchrun import TORCHRUN_ARGS_ENV
+
+if TYPE_CHECKING:
+    from .config import RunConfig
 
 __all__ = ["main"]
 
@@ -128,28 +131,14 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def _train(args: argparse.Namespace, argv: list[str]) -> int:
-    from transports import transport_spec
-
-    from .config import build_config, load_toml, parse_override
-    from .launch import check_quorum, train
+def _run_config(args: argparse.Namespace) -> RunConfig:
+    """The run's config: defaults, ``--config`` files and ``--set``; after ``--resume`` those merged onto the
+    saved config (its changes said). Deprecation warnings are shown (Python hides a library's)."""
+    from .config import build_config, load_toml
     from .resume_merge import merge_onto_saved
-    from .run_name import check_name, default_name, resume_command
-    from .run_words import run_header, run_summary, traffic_line
 
-    if args.name is not None:
-        check_name(args.name)
-    saved = None
-    if args.resume:
-        if not args.name:
-            raise ValueError("--resume needs --name RUN: the run to continue")
-        # The overrides apply to the saved config (e.g. a transport's secret, never saved), so they are
-        # not checked against the defaults first: only train.runs_dir is needed to find the run.
-        where = [o for o in args.overrides if parse_override(o)[:2] == ("train", "runs_dir")]
-        saved = Path(build_config((), where).train.runs_dir) / args.name / "config.toml"
-    elif args.force:
-        raise ValueError("--force is for --resume: it accepts changes to the saved config")
-    with warnings.catch_warnings(record=True) as caught:  # shown: Python hides a library's DeprecationWarning
+    saved = _saved_config(args)
+    with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", DeprecationWarning)
         if saved is not None and saved.is_file():  # else nothing to resume yet: start the run as configured
             config, changes = merge_onto_saved(
@@ -165,6 +154,36 @@ def _train(args: argparse.Namespace, argv: list[str]) -> int:
             config = build_config(args.config, args.overrides)
     for w in caught:
         print(f"diloco: {w.message}", file=sys.stderr)
+    return config
+
+
+def _saved_config(args: argparse.Namespace) -> Path | None:
+    """Where the config of the run ``--resume`` continues is saved (None: not a resume)."""
+    from .config import build_config, parse_override
+    from .run_name import check_name
+
+    if args.name is not None:
+        check_name(args.name)
+    if not args.resume:
+        if args.force:
+            raise ValueError("--force is for --resume: it accepts changes to the saved config")
+        return None
+    if not args.name:
+        raise ValueError("--resume needs --name RUN: the run to continue")
+    # The overrides apply to the saved config (e.g. a transport's secret, never saved), so they are
+    # not checked against the defaults first: only train.runs_dir is needed to find the run.
+    where = [o for o in args.overrides if parse_override(o)[:2] == ("train", "runs_dir")]
+    return Path(build_config((), where).train.runs_dir) / args.name / "config.toml"
+
+
+def _train(args: argparse.Namespace, argv: list[str]) -> int:
+    from transports import transport_spec
+
+    from .launch import check_quorum, train
+    from .run_name import default_name, resume_command
+    from .run_words import run_header, run_summary, traffic_line
+
+    config = _run_config(args)
     spec = transport_spec(config.transport)
     check_quorum(config, spec)  # a config error, before the run's first line
     name = args.name or default_name(config.train.mode)  # torchrun's ranks take rank 0's (launch)

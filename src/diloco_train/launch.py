@@ -11,7 +11,6 @@ import functools
 import logging
 import math
 import os
-import threading
 from collections.abc import Callable, Sequence
 from contextlib import ExitStack
 from dataclasses import replace
@@ -19,20 +18,21 @@ from pathlib import Path
 
 import torch
 
-from diloco_core import Transport, TransportError
+from diloco_core import Transport
 from transports import TransportSpec, transport_spec
 
 from .config import RunConfig
 from .data import Corpus, load_corpus
 from .interrupts import INTERRUPTS
+from .job import Job
 from .join import check_ports, print_join, stored_secret
 from .metrics import METRICS, TrainResult
 from .ownership import RunOwner, remove_unused
 from .resume import check_resume_workers, prepare_run_dir
 from .run_name import agree_run_dir
+from .run_workers import run_workers
 from .shards import check_data, check_shards
 from .sinks import check_sinks
-from .worker import Job, Worker
 
 __all__ = ["check_quorum", "describe_workers", "train"]
 
@@ -110,17 +110,7 @@ def _start(
     given = config  # as configured: the join command gives it to the next peer, which resolves it alike
     t = config.train
     spec = transport_spec(config.transport)
-    if t.mode == "single" and not spec.threads:
-        raise ValueError(
-            f"train.mode='single' runs one worker in one process; [transport] kind={spec.kind!r} needs ddp or diloco"
-        )
-    world_env = os.environ.get("WORLD_SIZE", "1")
-    if spec.threads and world_env.isdigit() and int(world_env) > 1:  # torchrun started this process
-        raise ValueError(
-            f"[transport] kind={spec.kind!r} runs all the run's workers in each process, but torchrun started "
-            f"WORLD_SIZE={world_env} processes: add --set transport.kind=torch (docs/lan.md)"
-        )
-    check_quorum(config, spec)
+    _check_processes(config, spec)
     corpus = load_corpus(config.data)
     config = _resolve_model(config, corpus)
     local = _local_workers(config, spec)
@@ -133,85 +123,124 @@ def _start(
             f"train.fsdp_shards={t.fsdp_shards} shards each island's model over torch.distributed ranks: it "
             f"needs [transport] kind='torch' under torchrun, not kind={spec.kind!r}"
         )
-
     with ExitStack() as owner, ExitStack() as stack:
-        # Claim the folder before connecting where this process's ranks are known (threads: all of them; a
-        # peer without fixed ranks writes as rank 0); else (torchrun) once the transport has said the rank.
-        if spec.threads or not spec.fixed_ranks:
-            owner.callback(RunOwner(run_dir, range(local) if spec.threads else [0]).release)
-        if not spec.threads:
-            check_ports(spec.section)  # a port taken by a peer here: said so, before the transport starts
-        # [diloco] reduce_timeout also bounds the transport's own collectives unless [transport] sets them.
-        timeout = config.diloco.reduce_timeout
-        transports: Sequence[Transport | None] = (
-            [None] if t.mode == "single" else spec.connect(local, reduce_timeout=timeout)
-        )
-        if wrap is not None:
-            transports = [None if x is None else wrap(x) for x in transports]
-        for transport in transports:
-            if transport is not None:
-                stack.callback(transport.close)
+        transports = _connect(config, spec, local=local, owner=owner, stack=stack, run_dir=run_dir, wrap=wrap)
         first = transports[0]
         world = 1 if first is None else first.world_size
         if first is not None and not spec.threads and spec.fixed_ranks:
             if not named and world > 1:
-                run_dir = agree_run_dir(first, run_dir, timeout=timeout)
+                run_dir = agree_run_dir(first, run_dir, timeout=config.diloco.reduce_timeout)
             owner.callback(RunOwner(run_dir, [first.rank]).release)
         lead = first is None or first.rank == 0  # rank 0 is in this process
-        if world % t.fsdp_shards:
-            raise ValueError(
-                f"train.fsdp_shards={t.fsdp_shards} is invalid: expected a divisor of the world size {world} "
-                "(torchrun's processes), which it splits into islands of that many ranks"
-            )
-        job = Job(
-            config=config,
-            corpus=corpus,
-            run_dir=run_dir,
-            resume=resume,
-            same_disk=spec.threads,
-            secret_keys=spec.secret_keys,
-            islands=functools.partial(spec.connect_islands, reduce_timeout=timeout) if t.fsdp_shards > 1 else None,
-        )
+        job = _job(config, spec, corpus=corpus, run_dir=run_dir, resume=resume, world=world)
         stack.callback(job.close)
         if spec.threads:  # this process runs all the run's workers: a signal stops them at a step they checkpoint
             stack.callback(INTERRUPTS.stop_softly(job.request_stop))
         check_data(config, corpus, world)
         if lead:
-            check_sinks(t.log_to)  # the extras train.log_to needs, before the run folder is written
-            prepare_run_dir(run_dir, config, resume=resume, secret_keys=spec.secret_keys)
-            if resume and spec.threads:  # every worker's checkpoint is on this disk
-                check_resume_workers(run_dir, world)
-            if first is not None:
-                print_join(first, spec=spec, config=given, command=command, run_dir=run_dir)
-        if len(transports) == 1:
-            Worker(
-                job,
-                rank=0 if first is None else first.rank,
-                world_size=world,
-                transport=first,
-                show=show_progress and lead,
-            ).run()
-        else:
-            _run_threads(job, transports=transports, show=show_progress)
+            _prepare(job, spec, first=first, given=given, command=command)
+        run_workers(job, transports=transports, show=show_progress, lead=lead)
         if job.interrupted:
             raise KeyboardInterrupt
         stack.close()  # the transports are left and metrics.jsonl closed; the folder is still this process's
         if lead:
             _plot(run_dir)
     if not lead:
-        nan = math.nan
-        return TrainResult(
-            run_dir=run_dir,
-            steps=t.steps,
-            eval_before=nan,
-            eval_after=nan,
-            wall_seconds=0.0,
-            compute_seconds=0.0,
-            bytes_sent=0,
-            rank0=False,
-        )
+        return _not_rank_0(run_dir, steps=t.steps)
     assert job.result is not None
     return job.result
+
+
+def _check_processes(config: RunConfig, spec: TransportSpec) -> None:
+    """The run's mode and quorum against how this transport lays out its workers and who started the process."""
+    if config.train.mode == "single" and not spec.threads:
+        raise ValueError(
+            f"train.mode='single' runs one worker in one process; [transport] kind={spec.kind!r} needs ddp or diloco"
+        )
+    world_env = os.environ.get("WORLD_SIZE", "1")
+    if spec.threads and world_env.isdigit() and int(world_env) > 1:  # torchrun started this process
+        raise ValueError(
+            f"[transport] kind={spec.kind!r} runs all the run's workers in each process, but torchrun started "
+            f"WORLD_SIZE={world_env} processes: add --set transport.kind=torch (docs/lan.md)"
+        )
+    check_quorum(config, spec)
+
+
+def _connect(
+    config: RunConfig,
+    spec: TransportSpec,
+    *,
+    local: int,
+    owner: ExitStack,
+    stack: ExitStack,
+    run_dir: Path,
+    wrap: Callable[[Transport], Transport] | None,
+) -> Sequence[Transport | None]:
+    """This process's workers' transports (None: a single run's), each closed by ``stack``. The run folder is
+    claimed by ``owner`` first where this process's ranks are known before connecting."""
+    # Threads: all the ranks are here; a peer without fixed ranks writes as rank 0; else (torchrun) the rank is
+    # known once the transport has said it (the caller claims it then).
+    if spec.threads or not spec.fixed_ranks:
+        owner.callback(RunOwner(run_dir, range(local) if spec.threads else [0]).release)
+    if not spec.threads:
+        check_ports(spec.section)  # a port taken by a peer here: said so, before the transport starts
+    # [diloco] reduce_timeout also bounds the transport's own collectives unless [transport] sets them.
+    timeout = config.diloco.reduce_timeout
+    transports: Sequence[Transport | None] = (
+        [None] if config.train.mode == "single" else spec.connect(local, reduce_timeout=timeout)
+    )
+    if wrap is not None:
+        transports = [None if x is None else wrap(x) for x in transports]
+    for transport in transports:
+        if transport is not None:
+            stack.callback(transport.close)
+    return transports
+
+
+def _job(config: RunConfig, spec: TransportSpec, *, corpus: Corpus, run_dir: Path, resume: bool, world: int) -> Job:
+    """What this process's workers share, once the world's size is known."""
+    shards = config.train.fsdp_shards
+    if world % shards:
+        raise ValueError(
+            f"train.fsdp_shards={shards} is invalid: expected a divisor of the world size {world} "
+            "(torchrun's processes), which it splits into islands of that many ranks"
+        )
+    timeout = config.diloco.reduce_timeout
+    return Job(
+        config=config,
+        corpus=corpus,
+        run_dir=run_dir,
+        resume=resume,
+        same_disk=spec.threads,
+        secret_keys=spec.secret_keys,
+        islands=functools.partial(spec.connect_islands, reduce_timeout=timeout) if shards > 1 else None,
+    )
+
+
+def _prepare(
+    job: Job, spec: TransportSpec, *, first: Transport | None, given: RunConfig, command: list[str] | None
+) -> None:
+    """Rank 0's part before training: the run folder written, a resume's workers checked, the join command."""
+    check_sinks(job.config.train.log_to)  # the extras train.log_to needs, before the run folder is written
+    prepare_run_dir(job.run_dir, job.config, resume=job.resume, secret_keys=spec.secret_keys)
+    if job.resume and spec.threads:  # every worker's checkpoint is on this disk
+        check_resume_workers(job.run_dir, first.world_size if first is not None else 1)
+    if first is not None:
+        print_join(first, spec=spec, config=given, command=command, run_dir=job.run_dir)
+
+
+def _not_rank_0(run_dir: Path, *, steps: int) -> TrainResult:
+    """The result of a process without rank 0, which reports the run: NaN losses."""
+    return TrainResult(
+        run_dir=run_dir,
+        steps=steps,
+        eval_before=math.nan,
+        eval_after=math.nan,
+        wall_seconds=0.0,
+        compute_seconds=0.0,
+        bytes_sent=0,
+        rank0=False,
+    )
 
 
 def check_quorum(config: RunConfig, spec: TransportSpec) -> None:
@@ -231,39 +260,6 @@ def _resolve_model(config: RunConfig, corpus: Corpus) -> RunConfig:
             f"model.vocab_size={config.model.vocab_size} is smaller than the tokenizer's {corpus.vocab_size}"
         )
     return replace(config, model=config.model.resolved(vocab_size=corpus.vocab_size))
-
-
-def _run_threads(job: Job, *, transports: Sequence[Transport | None], show: bool) -> None:
-    """One thread per worker; the first error (not a transport failing because of it) is re-raised here."""
-    world = len(transports)
-
-    def work(rank: int) -> None:
-        transport = transports[rank]
-        try:
-            Worker(job, rank=rank, world_size=world, transport=transport, show=show).run()
-        except BaseException as e:  # noqa: BLE001 - handed to the main thread, which re-raises it
-            job.errors.append(e)
-            job.stop.set()
-        finally:
-            # Leaving the group releases the others from any collective that waits on this rank.
-            if transport is not None:
-                transport.close()
-
-    threads = [threading.Thread(target=work, args=(r,), name=f"diloco-worker-{r}", daemon=True) for r in range(world)]
-    for th in threads:
-        th.start()
-    try:
-        for th in threads:
-            while th.is_alive():
-                th.join(0.2)
-    except KeyboardInterrupt:
-        job.stop.set()
-        for th in threads:
-            th.join(30)
-        raise
-    if job.errors:
-        # The first error is the cause; the others are usually transports failing because of it.
-        raise next((e for e in job.errors if not isinstance(e, TransportError)), job.errors[0])
 
 
 def _plot(run_dir: Path) -> None:

@@ -6,12 +6,8 @@ from __future__ import annotations
 
 import logging
 import math
-import threading
 import time
-from collections.abc import Callable
-from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Any
+from dataclasses import dataclass
 
 import torch
 
@@ -19,15 +15,16 @@ from diloco_core import Transport
 
 from .checkpoint import remove_stray_temp
 from .compute import autocast, device_for, evaluate, loss_of
-from .config import MAX_SEED, RunConfig
-from .data import BatchSampler, Corpus
+from .config import MAX_SEED
+from .data import BatchSampler
 from .divergence import LossWatch, all_finite, newest_checkpoint
 from .evals import EvalSchedule, global_weights
 from .fsdp import evaluates, shard_model
 from .inner_optimizer import build_inner_optimizer
 from .interrupts import INTERRUPTS
+from .job import Job
 from .log_tag import set_worker
-from .metrics import Reporter, TrainResult
+from .metrics import Reporter
 from .model import Llama
 from .modes import Sync
 from .pace import Pace, speed_of
@@ -37,67 +34,30 @@ from .schedule import lr_at, set_lr
 from .shards import shard_of
 from .sinks import open_sinks
 
-__all__ = ["Job", "Worker"]
+__all__ = ["Worker"]
 
 logger = logging.getLogger(__name__)
 
 
 @dataclass
-class Job:
-    """One invocation, as its workers (threads of this process, or just one) share it."""
+class _Loop:
+    """One worker's training loop as it goes: what it trains and reports with, and where it stands."""
 
-    config: RunConfig
-    corpus: Corpus
-    run_dir: Path
-    resume: bool
-    same_disk: bool = False
-    """Every worker's checkpoints are in this process's run folder (in-process workers): saved once there."""
-    secret_keys: frozenset[str] = frozenset()
-    """Keys of [transport] never written to config.toml."""
-    islands: Callable[[torch.nn.Module, Any], Transport] | None = None
-    """train.fsdp_shards > 1: the transport between the islands for a model sharded over a mesh
-    (``TransportSpec.connect_islands``); DiLoCo averages over it, the trainer's own agreements over the world."""
-    stop: threading.Event = field(default_factory=threading.Event)
-    """Set when a worker thread fails or the run is interrupted: the others leave their loop."""
-    errors: list[BaseException] = field(default_factory=list)
-    """What the worker threads raised, for the launching thread to re-raise."""
-    reporter: Reporter | None = None
-    """Rank 0's, once it has started (the launcher closes it)."""
-    busy: dict[int, float] = field(default_factory=dict)
-    """Each worker's busy seconds so far (``Pace``), for rank 0's goodput when every worker is in this process."""
-    result: TrainResult | None = None
-    """Rank 0's, once it has finished."""
-    warned_nonfinite: bool = False
-    """A worker has said that a state of its was not finite, so not checkpointed (said once per process)."""
-    interrupted: bool = False
-    """A signal asked the run to stop: its workers stop at one step (``stop_at``), checkpoint it and leave."""
-    stop_at: int | None = None
-    begun: dict[int, int] = field(default_factory=dict)
-    """Each worker's step once it has begun it (the one it will reach), for ``stop_at``."""
-    lock: threading.Lock = field(default_factory=threading.Lock)
-
-    def request_stop(self) -> bool:
-        """From the signal handler: every worker of this process stops at the same step (``stop_here``) and
-        checkpoints it. False where no worker has begun a step: nothing new to checkpoint, stop at once."""
-        with self.lock:
-            self.interrupted = bool(self.begun)
-            return self.interrupted
-
-    def stop_here(self, rank: int, step: int) -> bool:
-        """Whether ``rank``, about to begin the step after ``step``, stops instead. Once interrupted, the workers
-        stop at the furthest step one of them has begun (they may be a round apart), so each stops at that one
-        step and checkpoints it; none begins a step past it."""
-        with self.lock:
-            if self.interrupted and self.stop_at is None:
-                self.stop_at = max(self.begun.values(), default=step)
-            if self.stop_at is not None and step >= self.stop_at:
-                return True
-            self.begun[rank] = step + 1
-            return False
-
-    def close(self) -> None:
-        if self.reporter is not None:
-            self.reporter.close()
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    sampler: BatchSampler
+    sync: Sync
+    pace: Pace
+    reporter: Reporter | None
+    """Rank 0's (metrics.jsonl, the bar); None on the other ranks."""
+    evaluating: bool
+    schedule: EvalSchedule
+    watch: LossWatch
+    end: int
+    step: int
+    saved: int
+    """The step of this worker's newest checkpoint here (the resumed one, or none: 0)."""
+    last_eval: float = math.nan
 
 
 class Worker:
@@ -107,6 +67,15 @@ class Worker:
         self.device = device_for(self.t, rank)
 
     def run(self) -> None:
+        """Build, resume, train to the end (or a stop), report."""
+        loop = self._build()
+        job = self.job
+        while loop.step < loop.end and not job.stop.is_set() and not job.stop_here(self.rank, loop.step):
+            self._step(loop)
+        self._finish(loop)
+
+    def _build(self) -> _Loop:
+        """The model, its optimizer, data shard and sync; the resumed state; rank 0's report and first eval."""
         job, c, t = self.job, self.config, self.t
         model = Llama(c.model, generator=torch.Generator().manual_seed(t.seed)).to(self.device)
         between = self.transport  # what DiLoCo averages over: the world, or the islands (FSDP2)
@@ -125,94 +94,118 @@ class Worker:
             what=f"shard {shard} of {num_shards} of the training data",
         )
         sync = Sync(config=c, model=model, optimizer=optimizer, transport=between, device=self.device)
-        pace = Pace(speed_of(t.speeds, shard))
         step = self._resume(sync, sampler) if job.resume else 0
-
         end = min(t.stop_after, t.steps) if t.stop_after else t.steps
-        h = c.diloco.inner_steps
-        schedule = EvalSchedule(every=t.eval_every or h, start=step, end=end)
-        reporter: Reporter | None = None
-        evaluating = evaluates(self.rank, t.fsdp_shards)
-        if self.rank == 0:
-            reporter = Reporter(
-                run_dir=job.run_dir,
-                world_size=self.world_size,
-                start_step=step,
-                end_step=end,
-                show=self.show,
-                sinks=open_sinks(t.log_to, run_dir=job.run_dir, start_step=step),
-            )
-            job.reporter = reporter
-        if evaluating and step == 0:
+        loop = _Loop(
+            model=model,
+            optimizer=optimizer,
+            sampler=sampler,
+            sync=sync,
+            pace=Pace(speed_of(t.speeds, shard)),
+            reporter=self._open_report(step, end=end),
+            evaluating=evaluates(self.rank, t.fsdp_shards),
+            schedule=EvalSchedule(every=t.eval_every or c.diloco.inner_steps, start=step, end=end),
+            watch=LossWatch(limit=t.max_nonfinite_losses, folder=job.run_dir / "checkpoints", rank=self.rank, lr=t.lr),
+            end=end,
+            step=step,
+            saved=step,
+        )
+        if loop.evaluating and step == 0:
             loss = self._evaluate(sync)
-            if reporter is not None:
-                reporter.eval(0, loss, seconds=0.0)  # before the training loop's clock starts
-        tokens = t.batch_size * c.data.seq_len
-        if reporter is not None:
-            reporter.start_clock()
-        last_eval = math.nan
-        watch = LossWatch(limit=t.max_nonfinite_losses, folder=job.run_dir / "checkpoints", rank=self.rank, lr=t.lr)
+            if loop.reporter is not None:
+                loop.reporter.eval(0, loss, seconds=0.0)  # before the training loop's clock starts
+        if loop.reporter is not None:
+            loop.reporter.start_clock()
         model.train()
-        saved = step  # the step of this worker's newest checkpoint here (the resumed one, or none: 0)
-        while step < end and not job.stop.is_set() and not job.stop_here(self.rank, step):
-            sync.before(step)
-            round_before = sync.round
-            t0 = time.perf_counter()
-            lr = lr_at(sync.position(step), t)
-            set_lr(optimizer, lr)
-            x, y = sampler.next()
-            with autocast(self.device, t.bf16):
-                loss = loss_of(model, x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True))
-            loss.backward()
-            pace.slow_down(time.perf_counter() - t0)
-            comm, report = sync.step(t.grad_clip)
-            after = sync.advanced(step)  # rounds by time: the run's progress, which moves only as rounds end
-            moved, step = after != step, after
-            loss_value = loss.item()  # the one host sync per step
-            elapsed = time.perf_counter() - t0
-            pace.count(elapsed - comm.seconds)
-            job.busy[self.rank] = pace.busy
-            if reporter is not None:
-                if report is not None:
-                    reporter.round(step, report)
-                reporter.step(
-                    {
-                        "type": "step",
-                        "step": step,
-                        "round": sync.round,
-                        "loss": loss_value,
-                        "lr": lr,
-                        "tokens_per_s": tokens * self.world_size / elapsed,
-                        "compute_s": elapsed - comm.seconds,
-                        "comm_s": comm.seconds,
-                        "bytes_sent": comm.bytes_sent,
-                        "bytes_received": comm.bytes_received,
-                        "time_s": reporter.clock(),
-                    }
-                )
-            if not moved:
-                watch.see(step, loss_value)
-                continue
-            if step == t.steps:  # the end of training (not a stop_after): apply the rounds still in flight
-                sync.flush()  # after the step's record: waiting for the last reduce is not compute
-            boundary = sync.diloco is None or sync.round != round_before  # the global weights changed
-            if schedule.due(step, boundary=boundary) and evaluating:
-                began = time.perf_counter()
-                last_eval = self._evaluate(sync)
-                if reporter is not None:
-                    reporter.eval(step, last_eval, seconds=time.perf_counter() - began)
-            watch.see(step, loss_value)
-            if checkpoint_due(step, end=end, inner_steps=h, every=t.checkpoint_every):
-                self._save(step, sync, sampler)
-                saved = step
-        if job.interrupted and not job.stop.is_set() and step > saved:  # the step all workers stopped at
-            self._save(step, sync, sampler)
-        if job.stop.is_set() or job.interrupted or not evaluating:
+        return loop
+
+    def _open_report(self, step: int, *, end: int) -> Reporter | None:
+        """Rank 0's report (metrics.jsonl, the bar, the sinks), which the job closes; None on other ranks."""
+        if self.rank != 0:
+            return None
+        t, run_dir = self.t, self.job.run_dir
+        self.job.reporter = Reporter(
+            run_dir=run_dir,
+            world_size=self.world_size,
+            start_step=step,
+            end_step=end,
+            show=self.show,
+            sinks=open_sinks(t.log_to, run_dir=run_dir, start_step=step),
+        )
+        return self.job.reporter
+
+    def _step(self, loop: _Loop) -> None:
+        """One inner step and the round it may end; then, where the run's step moved, what is due at it."""
+        t, sync = self.t, loop.sync
+        sync.before(loop.step)
+        round_before = sync.round
+        t0 = time.perf_counter()
+        lr = lr_at(sync.position(loop.step), t)
+        set_lr(loop.optimizer, lr)
+        x, y = loop.sampler.next()
+        with autocast(self.device, t.bf16):
+            loss = loss_of(loop.model, x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True))
+        loss.backward()
+        loop.pace.slow_down(time.perf_counter() - t0)
+        comm, report = sync.step(t.grad_clip)
+        after = sync.advanced(loop.step)  # rounds by time: the run's progress, which moves only as rounds end
+        moved = after != loop.step
+        loop.step = after
+        loss_value = loss.item()  # the one host sync per step
+        elapsed = time.perf_counter() - t0
+        loop.pace.count(elapsed - comm.seconds)
+        self.job.busy[self.rank] = loop.pace.busy
+        if loop.reporter is not None:
+            if report is not None:
+                loop.reporter.round(loop.step, report)
+            loop.reporter.step(
+                {
+                    "type": "step",
+                    "step": loop.step,
+                    "round": sync.round,
+                    "loss": loss_value,
+                    "lr": lr,
+                    "tokens_per_s": t.batch_size * self.config.data.seq_len * self.world_size / elapsed,
+                    "compute_s": elapsed - comm.seconds,
+                    "comm_s": comm.seconds,
+                    "bytes_sent": comm.bytes_sent,
+                    "bytes_received": comm.bytes_received,
+                    "time_s": loop.reporter.clock(),
+                }
+            )
+        if moved:
+            self._at_new_step(loop, round_before=round_before)
+        loop.watch.see(loop.step, loss_value)
+        if moved and checkpoint_due(
+            loop.step, end=loop.end, inner_steps=self.config.diloco.inner_steps, every=t.checkpoint_every
+        ):
+            self._save(loop.step, sync, loop.sampler)
+            loop.saved = loop.step
+
+    def _at_new_step(self, loop: _Loop, *, round_before: int) -> None:
+        """At a step the run moved to: the rounds still in flight applied at the end of training, and the eval
+        due (at a round's boundary: where the global weights changed since ``round_before``)."""
+        sync = loop.sync
+        if loop.step == self.t.steps:  # the end of training (not a stop_after): apply the rounds still in flight
+            sync.flush()  # after the step's record: waiting for the last reduce is not compute
+        boundary = sync.diloco is None or sync.round != round_before  # the global weights changed
+        if loop.schedule.due(loop.step, boundary=boundary) and loop.evaluating:
+            began = time.perf_counter()
+            loop.last_eval = self._evaluate(sync)
+            if loop.reporter is not None:
+                loop.reporter.eval(loop.step, loop.last_eval, seconds=time.perf_counter() - began)
+
+    def _finish(self, loop: _Loop) -> None:
+        """After the loop: an interrupted run's checkpoint of the step every worker stopped at; rank 0's result."""
+        job = self.job
+        if job.interrupted and not job.stop.is_set() and loop.step > loop.saved:  # the step all workers stopped at
+            self._save(loop.step, loop.sync, loop.sampler)
+        if job.stop.is_set() or job.interrupted or not loop.evaluating:
             return
-        if math.isnan(last_eval):  # resumed at the very end: nothing trained, still report where it stands
-            last_eval = self._evaluate(sync)
-        if reporter is not None:
-            job.result = reporter.finish(step=step, eval_after=last_eval, busy=list(job.busy.values()))
+        if math.isnan(loop.last_eval):  # resumed at the very end: nothing trained, still report where it stands
+            loop.last_eval = self._evaluate(loop.sync)
+        if loop.reporter is not None:
+            job.result = loop.reporter.finish(step=loop.step, eval_after=loop.last_eval, busy=list(job.busy.values()))
 
     def _evaluate(self, sync: Sync) -> float:
         """The validation loss of the run's global weights (``evals``)."""
