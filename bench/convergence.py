@@ -25,8 +25,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from diloco_train.config import build_config
 from diloco_train.plot import read_metrics
+from diloco_train.run_config import build_config
 from diloco_train.train import train
 
 __all__ = ["RUNS", "Outcome", "main", "protocol", "run_one", "table", "verdicts"]

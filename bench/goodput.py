@@ -30,8 +30,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from diloco_train.config import build_config
 from diloco_train.plot import read_metrics
+from diloco_train.run_config import build_config
 from diloco_train.train import train
 
 __all__ = ["Run", "compare", "main", "run_one", "table"]

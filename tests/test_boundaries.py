@@ -163,3 +163,47 @@ def test_the_core_has_no_import_circle():
     for m in sorted(graph):
         if m not in state:
             visit(m)
+
+
+def _package(path: pathlib.Path) -> str:
+    return ".".join(path.parent.relative_to(SRC).parts)
+
+
+def _imported(path: pathlib.Path) -> set[str]:
+    """The modules ``path`` imports, relative imports resolved against its package."""
+    package, names = _package(path).split("."), set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            base = package[: len(package) - node.level + 1] if node.level else []
+            module = ".".join([*base, *([node.module] if node.module else [])])
+            names |= {module} | {f"{module}.{a.name}" for a in node.names}
+    return names
+
+
+def _imports_package(importer: str, package: str) -> bool:
+    files = (SRC / importer.replace(".", "/")).glob("*.py")
+    return any(n == package or n.startswith(package + ".") for f in files for n in _imported(f))
+
+
+def test_no_two_modules_share_a_file_name_where_one_imports_the_others_package():
+    """A reader who meets ``transport.py`` knows which one it is: names repeat only between packages that do
+    not import each other (the two transports' ``handle.py``)."""
+    by_name: dict[str, list[pathlib.Path]] = {}
+    for path in sorted(SRC.rglob("*.py")):
+        if path.name != "__init__.py":
+            by_name.setdefault(path.name, []).append(path)
+    clashes = [
+        f"{a.relative_to(SRC)} and {b.relative_to(SRC)}"
+        for paths in by_name.values()
+        for i, a in enumerate(paths)
+        for b in paths[i + 1 :]
+        if _imports_package(_package(a), _package(b)) or _imports_package(_package(b), _package(a))
+    ]
+    assert clashes == []
+
+
+def test_the_name_check_sees_a_package_that_imports_another():
+    assert _imports_package("transports.torch", "diloco_core")
+    assert not _imports_package("transports.hivemind", "transports.torch")

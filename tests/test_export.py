@@ -11,11 +11,11 @@ from runs import FAST, losses
 
 from diloco_train.cli import main
 from diloco_train.compute import evaluate
-from diloco_train.config import build_config, load_toml
 from diloco_train.data import load_corpus
 from diloco_train.export import global_state, load
 from diloco_train.hf_llama import write_hf
 from diloco_train.model import Llama, ModelConfig
+from diloco_train.run_config import build_config, load_toml
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # from_pretrained of a local folder: never the hub
 

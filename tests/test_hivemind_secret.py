@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 from joinable_peer import JoinablePeer
 
-from transports.hivemind.config import HivemindConfig
+from transports.hivemind.hivemind_config import HivemindConfig
 from transports.hivemind.secret import read_secret
 
 SRC = Path(__file__).resolve().parents[1] / "src"
@@ -66,8 +66,8 @@ def test_a_secret_file_others_may_read_and_unset_sources_are_clear_errors(tmp_pa
 
 @pytest.mark.parametrize("given", ["generated", "argv"])
 def test_the_join_command_names_a_private_file_instead_of_the_secret(tmp_path, capsys, caplog, given):
-    from diloco_train.config import RunConfig
     from diloco_train.join import SECRET_FILE, print_join
+    from diloco_train.run_config import RunConfig
     from transports import transport_spec
 
     secret = "Gen-3rated-secret-never-shown"

@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from diloco_core.guard import reset_if_nonfinite
-from diloco_train.config import TrainConfig
 from diloco_train.inner_optimizer import MuonAdamW, build_inner_optimizer
 from diloco_train.model import Llama, ModelConfig
+from diloco_train.run_config import TrainConfig
 from diloco_train.schedule import set_lr
 
 SHAPE = ModelConfig(num_layers=2, hidden_size=32, num_heads=4, num_kv_heads=2, intermediate_size=64)

@@ -29,7 +29,7 @@ def test_codec_page_examples_are_valid_config() -> None:
     import tomllib
 
     from diloco_core import DiLoCoConfig
-    from diloco_train.config import build_config
+    from diloco_train.run_config import build_config
 
     page = (README.parent / "docs" / "codecs.md").read_text(encoding="utf-8")
     (toml,) = re.findall(r"```toml\n(.*?)```", page, flags=re.DOTALL)

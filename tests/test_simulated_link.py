@@ -166,7 +166,7 @@ def test_any_kind_takes_the_link_keys_and_is_wrapped():
 
 @pytest.mark.timeout(30)
 def test_the_trainer_config_keeps_the_link_and_its_workers_sit_behind_it():
-    from diloco_train.config import build_config
+    from diloco_train.run_config import build_config
 
     config = build_config(overrides=["transport.link_mbit=100", "transport.link_latency_ms=5"])
     assert config.transport == {"kind": "inprocess", "link_mbit": 100, "link_latency_ms": 5}

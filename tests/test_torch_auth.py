@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from transports import TorchDistConfig, transport_spec
-from transports.torch.membership import SECRET_ENV, read_secret
+from transports.torch.membership_proof import SECRET_ENV, read_secret
 
 pytestmark = pytest.mark.timeout(180)
 HERE = os.path.dirname(os.path.abspath(__file__))

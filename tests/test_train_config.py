@@ -8,8 +8,8 @@ import pytest
 import tomllib
 
 from diloco_core import Capabilities
-from diloco_train.config import build_config, dump_toml, load_toml, parse_override
 from diloco_train.modes import ddp_wire, warm_start_steps
+from diloco_train.run_config import build_config, dump_toml, load_toml, parse_override
 
 
 @pytest.mark.timeout(30)

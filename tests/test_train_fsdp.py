@@ -14,8 +14,8 @@ import pytest
 import torch
 import torch.distributed.tensor  # loading the checkpoints' DTensors (the inner optimizer's) needs it imported
 
-from diloco_train.config import TrainConfig, build_config
 from diloco_train.launch import train
+from diloco_train.run_config import TrainConfig, build_config
 
 
 @pytest.mark.slow  # about 56 s: with -m slow; tests/test_fsdp_islands.py covers the bit-exact resume by default

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from diloco_train.config import build_config
 from diloco_train.metrics import Reporter
+from diloco_train.run_config import build_config
 from diloco_train.run_words import run_header
 
 

@@ -19,9 +19,9 @@ import torch
 from runs import FAST, losses
 
 from diloco_train.cli import main
-from diloco_train.config import build_config
 from diloco_train.data import BatchSampler, DataConfig, load_corpus
 from diloco_train.resume_merge import merge_onto_saved
+from diloco_train.run_config import build_config
 from diloco_train.token_file import open_or_build
 
 WORDS = [

@@ -200,8 +200,8 @@ def test_a_port_in_use_is_said_so(tmp_path: Path, capsys: pytest.CaptureFixture[
 
 
 def test_the_join_command_runs_here_and_elsewhere_as_printed() -> None:
-    from diloco_train.config import build_config
     from diloco_train.join import join_command
+    from diloco_train.run_config import build_config
     from transports import transport_spec
 
     sets = ["train.shard=0", "train.num_shards=4", "transport.kind=hivemind", 'transport.secret="s"']
@@ -244,7 +244,7 @@ def test_the_join_command_runs_here_and_elsewhere_as_printed() -> None:
 
 @pytest.mark.timeout(60)
 def test_an_interrupted_run_names_its_resume_command(tmp_path: Path) -> None:
-    from diloco_train.config import build_config
+    from diloco_train.run_config import build_config
     from diloco_train.run_name import resume_command
 
     config = build_config((), ["transport.kind=hivemind", 'transport.secret="x"', f"train.runs_dir={tmp_path!s}"])

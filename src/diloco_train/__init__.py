@@ -3,9 +3,9 @@
 Imports point one way: diloco_train -> transports -> diloco_core; the core never imports this package.
 """
 
-from .config import RunConfig, TrainConfig, build_config
 from .data import BatchSampler, Corpus, DataConfig, load_corpus
 from .model import PRESETS, Llama, ModelConfig, count_parameters
+from .run_config import RunConfig, TrainConfig, build_config
 from .train import TrainResult, evaluate, lr_at, train
 
 __all__ = [

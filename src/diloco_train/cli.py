@@ -25,7 +25,7 @@ from .plot_cli import configure_plot_parser, plot_main
 from .torchrun import TORCHRUN_ARGS_ENV
 
 if TYPE_CHECKING:
-    from .config import RunConfig
+    from .run_config import RunConfig
 
 __all__ = ["main"]
 
@@ -47,7 +47,7 @@ def _config_keys() -> str:
 
     from transports import TRANSPORT_KINDS
 
-    from .config import SECTIONS, TRAINER_DEFAULTS
+    from .run_config import SECTIONS, TRAINER_DEFAULTS
 
     lines = ["config keys (--set SECTION.KEY=VALUE or a TOML table; defaults shown; docs/trainer.md):"]
     for name, cls in SECTIONS.items():
@@ -134,8 +134,8 @@ def _parser() -> argparse.ArgumentParser:
 def _run_config(args: argparse.Namespace) -> RunConfig:
     """The run's config: defaults, ``--config`` files and ``--set``; after ``--resume`` those merged onto the
     saved config (its changes said). Deprecation warnings are shown (Python hides a library's)."""
-    from .config import build_config, load_toml
     from .resume_merge import merge_onto_saved
+    from .run_config import build_config, load_toml
 
     saved = _saved_config(args)
     with warnings.catch_warnings(record=True) as caught:
@@ -159,7 +159,7 @@ def _run_config(args: argparse.Namespace) -> RunConfig:
 
 def _saved_config(args: argparse.Namespace) -> Path | None:
     """Where the config of the run ``--resume`` continues is saved (None: not a resume)."""
-    from .config import build_config, parse_override
+    from .run_config import build_config, parse_override
     from .run_name import check_name
 
     if args.name is not None:

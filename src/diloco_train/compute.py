@@ -8,9 +8,9 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from .config import RunConfig, TrainConfig
 from .data import BatchSampler
 from .model import Llama
+from .run_config import RunConfig, TrainConfig
 
 __all__ = ["autocast", "device_for", "evaluate", "loss_of"]
 

@@ -29,10 +29,10 @@ from diloco_core.rules import from_mapping
 from diloco_core.streaming import strided_fragments
 
 from .checkpoint import checkpoint_path, checkpoint_ranks, list_checkpoints, load_checkpoint
-from .config import load_toml
 from .data import DataConfig
 from .hf_llama import write_hf
 from .model import Llama, ModelConfig
+from .run_config import load_toml
 
 __all__ = ["FORMAT", "Exported", "export", "global_state", "load"]
 

@@ -7,8 +7,8 @@ from typing import Any
 
 import torch
 
-from .config import TrainConfig
 from .model import Llama
+from .run_config import TrainConfig
 
 __all__ = ["MuonAdamW", "build_inner_optimizer"]
 

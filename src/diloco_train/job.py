@@ -13,9 +13,9 @@ import torch
 
 from diloco_core import Transport
 
-from .config import RunConfig
 from .data import Corpus
 from .metrics import Reporter, TrainResult
+from .run_config import RunConfig
 
 __all__ = ["Job"]
 

@@ -21,7 +21,6 @@ import torch
 from diloco_core import Transport
 from transports import TransportSpec, transport_spec
 
-from .config import RunConfig
 from .data import Corpus, load_corpus
 from .interrupts import INTERRUPTS
 from .job import Job
@@ -29,6 +28,7 @@ from .join import check_ports, print_join, stored_secret
 from .metrics import METRICS, TrainResult
 from .ownership import RunOwner, remove_unused
 from .resume import check_resume_workers, prepare_run_dir
+from .run_config import RunConfig
 from .run_name import agree_run_dir
 from .run_workers import run_workers
 from .shards import check_data, check_shards

@@ -15,8 +15,8 @@ from diloco_core.config import outer_lr_for
 from diloco_core.feedback import ErrorFeedback
 from diloco_core.flat import FlatBuffer
 
-from .config import RunConfig
 from .model import Llama
+from .run_config import RunConfig
 
 __all__ = ["Comm", "Sync", "ddp_wire", "warm_start_steps"]
 

@@ -11,8 +11,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .config import load_toml
 from .metrics import read_metrics
+from .run_config import load_toml
 
 __all__ = ["AXES", "RunCurves", "read_run"]
 

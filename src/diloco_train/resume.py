@@ -19,9 +19,9 @@ import torch
 from diloco_core import Transport
 
 from .checkpoint import checkpoint_path, checkpoint_ranks, list_checkpoints, load_checkpoint, save_checkpoint
-from .config import RunConfig, dump_toml
 from .metrics import METRICS, truncate_metrics
 from .resume_from import from_every_rank
+from .run_config import RunConfig, dump_toml
 
 __all__ = [
     "check_resume_workers",

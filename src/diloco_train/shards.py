@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from transports import TransportSpec
 
-from .config import RunConfig, TrainConfig
 from .data import BatchSampler, Corpus
+from .run_config import RunConfig, TrainConfig
 
 __all__ = ["check_data", "check_shards", "shard_of"]
 

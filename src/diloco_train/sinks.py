@@ -12,7 +12,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
-from .config import SINKS, load_toml  # SINKS: the values train.log_to may list
+from .run_config import SINKS, load_toml  # SINKS: the values train.log_to may list
 
 __all__ = ["SINKS", "TENSORBOARD_DIR", "Sink", "check_sinks", "open_sinks", "scalars_of"]
 

@@ -15,7 +15,6 @@ from diloco_core import Transport
 
 from .checkpoint import remove_stray_temp
 from .compute import autocast, device_for, evaluate, loss_of
-from .config import MAX_SEED
 from .data import BatchSampler
 from .divergence import LossWatch, all_finite, newest_checkpoint
 from .evals import EvalSchedule, global_weights
@@ -30,6 +29,7 @@ from .modes import Sync
 from .pace import Pace, speed_of
 from .resume import checkpoint_due, commit_resume, confirm_loaded, load_worker, save_worker
 from .resume_from import resume_step, set_aside
+from .run_config import MAX_SEED
 from .schedule import lr_at, set_lr
 from .shards import shard_of
 from .sinks import open_sinks

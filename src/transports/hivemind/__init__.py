@@ -80,12 +80,12 @@ returns), ``deadlines`` (every deadline of a reduce, from two settings), ``resou
 about requests anyone can repeat).
 """
 
-from .config import HivemindConfig
 from .faults import HivemindFaults
+from .hivemind_config import HivemindConfig
 from .requirement import import_hivemind
 
 import_hivemind()  # before the modules below import hivemind: a missing one says how to install it
 
-from .transport import HivemindTransport
+from .hivemind_transport import HivemindTransport
 
 __all__ = ["HivemindConfig", "HivemindFaults", "HivemindTransport"]

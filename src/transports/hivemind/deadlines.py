@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .config import HivemindConfig
+from .hivemind_config import HivemindConfig
 
 __all__ = ["Deadlines", "deadlines"]
 

@@ -24,8 +24,8 @@ from diloco_core.transport import TransportError
 
 from .auth import RunKeys, averager_keys
 from .averager import Averager
-from .config import HivemindConfig
 from .faults import HivemindFaults
+from .hivemind_config import HivemindConfig
 from .orphan import leave_with_parent
 from .presence import presence_period
 from .socket_files import bound_by, remove_stale

@@ -9,6 +9,6 @@ Every module here imports the real ``torch`` (absolute imports; this package is 
 """
 
 from .group import TorchDistConfig
-from .transport import TorchDistTransport
+from .torch_transport import TorchDistTransport
 
 __all__ = ["TorchDistConfig", "TorchDistTransport"]

@@ -14,8 +14,8 @@ import torch
 from diloco_core.merge import LeftOut, combined
 from diloco_core.transport import ReduceHandle, ReduceResult, TransportError
 
+from .comm_thread import Job, on_stream
 from .identity import Identity
-from .worker import Job, on_stream
 
 __all__ = ["TorchReduce", "finish", "transport_error"]
 

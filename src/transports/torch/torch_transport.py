@@ -44,12 +44,12 @@ from diloco_core.codecs.names import check_codec
 from diloco_core.transport import ReduceHandle, Transport, TransportError, reduce_inputs
 
 from .buffers import Buffers
+from .comm_thread import CommThread, Job, on_stream
 from .group import BACKEND_DEVICE, TorchDistConfig, init_process_group
 from .handle import TorchReduce, finish, transport_error
 from .identity import Identity
-from .membership import membership_key, prove_membership
+from .membership_proof import membership_key, prove_membership
 from .wire_bytes import Path, bytes_out, path_of, shard_numel
-from .worker import CommThread, Job, on_stream
 
 __all__ = ["TorchDistConfig", "TorchDistTransport"]
 

@@ -21,11 +21,11 @@ from .attempt import commit
 from .attempts import Attempts
 from .auth import RunKeys, run_keys
 from .averager import Averager
-from .config import HivemindConfig
 from .deadlines import deadlines
 from .faults import HivemindFaults
 from .grace import RoundWindows
 from .handle import Handle, Outcome
+from .hivemind_config import HivemindConfig
 from .requirement import import_hivemind
 from .resources import Resources
 from .secret import read_secret
