@@ -163,7 +163,8 @@ class BlockRunner(Runner):
             stream = await self._get_peer_stub(peer_id).rpc_aggregate_part(self._generate_input_for_peer(index))
             want = container.num_parts_by_peer[index]
 
-            def receive(part_index: int, msg: Any) -> tuple[int, int]:  # in an executor thread
+            def receive(item: tuple[int, Any]) -> tuple[int, int]:  # in an executor thread: part, message
+                part_index, msg = item
                 if msg.code != averaging_pb2.AVERAGED_PART:
                     raise AllreduceException(f"{peer_id} sent {averaging_pb2.MessageCode.Name(msg.code)}")
                 if part_index >= want:
@@ -172,9 +173,7 @@ class BlockRunner(Runner):
 
             numbered = _numbered(aiter_with_timeout(stream, self.reducer_timeout))
             done = 0
-            async for received, sum_ in amap_in_executor(
-                lambda item: receive(*item), numbered, max_prefetch=container.prefetch
-            ):
+            async for received, sum_ in amap_in_executor(receive, numbered, max_prefetch=container.prefetch):
                 self.bytes_received += received
                 self._register((index, done), self.inputs[index][done], sum_)
                 done += 1
@@ -194,7 +193,8 @@ class BlockRunner(Runner):
             loop = asyncio.get_event_loop()
             what = f"payload from sender {sender_index}"
 
-            def receive(k: int, msg: Any) -> torch.Tensor:  # in an executor thread
+            def receive(item: tuple[int, Any]) -> torch.Tensor:  # in an executor thread: part, message
+                k, msg = item
                 if k >= len(numels):
                     raise AllreduceException("sender sent more parts than expected")
                 payload = deserialize_torch_tensor(msg.tensor_part)
@@ -206,9 +206,7 @@ class BlockRunner(Runner):
                     self.seen[(self.me, k, sender_index)] = payload_digest(payload)
                 return payload
 
-            payloads = amap_in_executor(
-                lambda item: receive(*item), _numbered(stream), max_prefetch=self.tensor_part_container.prefetch
-            )
+            payloads = amap_in_executor(receive, _numbered(stream), max_prefetch=self.tensor_part_container.prefetch)
             async for payload in payloads:
                 self.bytes_received += payload.numel() * payload.element_size()
                 if faults.reducer_received_part is not None:

@@ -17,6 +17,10 @@ class Buffers:
         self.busy = False
         self._cache: dict[tuple, torch.Tensor] = {}
 
+    def release(self) -> None:
+        """The reduce that used them is over: the key's next reduce may take them."""
+        self.busy = False
+
     def get(self, name: tuple, numel: int, dtype: torch.dtype) -> torch.Tensor:
         buf = self._cache.get(name)
         if buf is None or buf.numel() != numel or buf.dtype != dtype:

@@ -15,6 +15,7 @@ process group's timeout for point-to-point ones).
 from __future__ import annotations
 
 import contextlib
+import functools
 import queue
 import threading
 from collections.abc import Callable, Iterator
@@ -74,7 +75,7 @@ class Job:
             future = None
         if future is not None:
             finished = threading.Event()
-            future.add_done_callback(lambda _: finished.set())
+            future.add_done_callback(functools.partial(_set_when_done, finished))
             while not finished.wait(_POLL):
                 self.check()
         work.wait()  # at once when finished; raises the collective's error
@@ -135,3 +136,8 @@ def on_stream(stream: torch.cuda.Stream | None) -> Iterator[None]:
         return
     with torch.cuda.device(stream.device), torch.cuda.stream(stream):
         yield
+
+
+def _set_when_done(finished: threading.Event, _future: Any) -> None:
+    """The backend's callback once a collective's future completes: the communication thread waits on it."""
+    finished.set()

@@ -34,7 +34,8 @@ import functools
 import logging
 import time
 import weakref
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -153,10 +154,11 @@ class TorchDistTransport(Transport):
         gathered = torch.empty(w * header.numel(), dtype=header.dtype, device=header.device)
         buffers.busy = True
         sent = sum(bytes_out(b.numel(), codec, path=path, world_size=w) for b in parts)  # the header's 32 B aside
+        # Each hand-off to the communication thread is a named function (docs/architecture.md, "To Merge.of").
         handle = TorchReduce(
-            lambda: [bucket_fn(b, buffers=buffers, index=i, start=i * size) for i, b in enumerate(parts)],
-            start_header=lambda: (_ALL_GATHER(gathered, header, group=self._group, async_op=True), gathered),
-            check_header=lambda g: self._identity.check(g, self._rank),
+            functools.partial(_start_buckets, bucket_fn, parts, buffers=buffers, size=size),
+            start_header=functools.partial(self._start_header, gathered, header),
+            check_header=functools.partial(self._identity.check, rank=self._rank),
             identity=self._identity,
             tensors=tensors,
             flat=flat,
@@ -164,7 +166,7 @@ class TorchDistTransport(Transport):
             sent=sent,
             start=start,
             left_out=left_out,
-            release=lambda: setattr(buffers, "busy", False),
+            release=buffers.release,
             stream=_caller_stream(flat),
         )
         try:
@@ -173,6 +175,10 @@ class TorchDistTransport(Transport):
             buffers.busy = False
             raise
         return handle
+
+    def _start_header(self, gathered: torch.Tensor, header: torch.Tensor) -> tuple[Any, torch.Tensor]:
+        """On the communication thread: every rank's identity header, gathered (the work and its buffer)."""
+        return _ALL_GATHER(gathered, header, group=self._group, async_op=True), gathered
 
     def _ring(self, bucket: torch.Tensor, *, buffers: Buffers, index: int, start: int) -> Iterator[list]:
         yield [dist.all_reduce(bucket, group=self._group, async_op=True)]
@@ -284,3 +290,11 @@ class TorchDistTransport(Transport):
 def _caller_stream(t: torch.Tensor) -> torch.cuda.Stream | None:
     """The calling thread's current stream on ``t``'s GPU, for the job's kernels and collectives."""
     return torch.cuda.current_stream(t.device) if t.is_cuda else None
+
+
+def _start_buckets(
+    bucket_fn: Callable[..., Iterator[list]], parts: Sequence[torch.Tensor], *, buffers: Buffers, size: int
+) -> list[Iterator[list]]:
+    """On the communication thread: each bucket's reduce (``_ring``, ``_gather_all`` or ``_scatter_gather``:
+    the last two merge with ``Merge.of``), as a generator of the works it waits for."""
+    return [bucket_fn(b, buffers=buffers, index=i, start=i * size) for i, b in enumerate(parts)]
