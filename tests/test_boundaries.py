@@ -207,3 +207,29 @@ def test_no_two_modules_share_a_file_name_where_one_imports_the_others_package()
 def test_the_name_check_sees_a_package_that_imports_another():
     assert _imports_package("transports.torch", "diloco_core")
     assert not _imports_package("transports.hivemind", "transports.torch")
+
+
+RUN_FOLDER_NAMES = {"config.toml", "metrics.jsonl", "checkpoints", "plot.png", "join.secret", ".owner-rank"}
+
+
+def _run_folder_spellings(path: pathlib.Path) -> list[str]:
+    """Where ``path`` spells a path inside a run folder: one of its entries' names, or ``x / "name"``."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        named = isinstance(node, ast.Constant) and node.value in RUN_FOLDER_NAMES
+        joined = (
+            isinstance(node, ast.BinOp)
+            and isinstance(node.op, ast.Div)
+            and isinstance(node.right, ast.Constant)
+            and node.right.value in RUN_FOLDER_NAMES | {"tensorboard"}
+        )
+        if named or joined:
+            found.append(f"{path.relative_to(SRC)}:{node.lineno}")
+    return found
+
+
+def test_no_path_inside_a_run_folder_is_spelled_outside_run_folder():
+    """``RunFolder`` knows the layout; the rest of the trainer asks it."""
+    files = [f for f in sorted((SRC / "diloco_train").rglob("*.py")) if f.name != "run_folder.py"]
+    assert [s for f in files for s in _run_folder_spellings(f)] == []
+    assert _run_folder_spellings(SRC / "diloco_train" / "run_folder.py")  # the check sees a spelling

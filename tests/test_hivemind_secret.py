@@ -66,8 +66,9 @@ def test_a_secret_file_others_may_read_and_unset_sources_are_clear_errors(tmp_pa
 
 @pytest.mark.parametrize("given", ["generated", "argv"])
 def test_the_join_command_names_a_private_file_instead_of_the_secret(tmp_path, capsys, caplog, given):
-    from diloco_train.join import SECRET_FILE, print_join
+    from diloco_train.join import print_join
     from diloco_train.run_config import RunConfig
+    from diloco_train.run_folder import RunFolder
     from transports import transport_spec
 
     secret = "Gen-3rated-secret-never-shown"
@@ -79,7 +80,7 @@ def test_the_join_command_names_a_private_file_instead_of_the_secret(tmp_path, c
     spec = transport_spec(section)
     print_join(peer, spec=spec, config=RunConfig(transport=spec.section), command=command, run_dir=tmp_path)
     printed = capsys.readouterr().err
-    path = tmp_path / SECRET_FILE
+    path = RunFolder(tmp_path).join_secret
     assert path.read_text().strip() == secret and (path.stat().st_mode & 0o777) == 0o600
     assert secret not in printed and f"transport.secret_file={json.dumps(str(path))}" in printed
     assert ("readable by every user of this machine (ps)" in caplog.text) == (given == "argv")

@@ -81,8 +81,9 @@ def test_a_resumed_first_peer_prints_a_join_command_with_the_runs_effective_sett
 def test_a_join_command_needs_no_config_file_of_this_machine(tmp_path: Path, capsys) -> None:
     """A peer started with --config: the settings of its file are in the command (the other machine has no
     such file); a secret given in the file is not (the file it is written to is named)."""
-    from diloco_train.join import SECRET_FILE, print_join
+    from diloco_train.join import print_join
     from diloco_train.run_config import build_config
+    from diloco_train.run_folder import RunFolder
     from transports import transport_spec
 
     toml = tmp_path / "wan.toml"
@@ -96,22 +97,23 @@ def test_a_join_command_needs_no_config_file_of_this_machine(tmp_path: Path, cap
     assert secret not in " ".join(argv)
     _, joiner = _config_of(argv)
     assert joiner.train.shard == 0 and joiner.train.steps == 70 and joiner.train.num_shards == 3
-    assert joiner.transport["secret_file"] == str((tmp_path / SECRET_FILE).resolve())
+    assert joiner.transport["secret_file"] == str(RunFolder(tmp_path).join_secret.resolve())
 
 
 def test_a_resumed_peer_keeps_the_secret_its_run_stored(tmp_path: Path, capsys) -> None:
     """A first peer that generated its secret (or was given it on its command line) stored it in join.secret;
     `--resume` as the interrupted line prints it (no secret) reads that file, and says so. Before: it generated
     a new secret, and the run's other peers could no longer meet it; nothing said so."""
-    from diloco_train.join import SECRET_FILE, stored_secret, write_secret
+    from diloco_train.join import stored_secret, write_secret
     from diloco_train.run_config import build_config
+    from diloco_train.run_folder import RunFolder
 
     config = build_config((), ["transport.kind=hivemind"])
     assert stored_secret(config, tmp_path) == config  # nothing stored: a first start generates one
-    path = write_secret(tmp_path / SECRET_FILE, "the-run-s-generated-secret-0123456789")
+    path = write_secret(RunFolder(tmp_path).join_secret, "the-run-s-generated-secret-0123456789")
     resumed = stored_secret(config, tmp_path)
     assert resumed.transport["secret_file"] == str(path)
-    assert f"the run's secret is read from {tmp_path / SECRET_FILE}" in capsys.readouterr().err
+    assert f"the run's secret is read from {RunFolder(tmp_path).join_secret}" in capsys.readouterr().err
     named = build_config((), ["transport.kind=hivemind", "transport.secret_env=DILOCO_SECRET"])
     assert stored_secret(named, tmp_path) == named  # a secret the resume names wins
     inprocess = build_config()

@@ -10,7 +10,8 @@ from runs import FAST
 
 from diloco_train.cli import main
 from diloco_train.metrics import read_metrics
-from diloco_train.sinks import TENSORBOARD_DIR, scalars_of
+from diloco_train.run_folder import RunFolder
+from diloco_train.sinks import scalars_of
 
 pytestmark = pytest.mark.timeout(90)  # a FAST run (tests/runs.py, ~5 s here) and tensorboard's import
 
@@ -21,7 +22,7 @@ def test_tensorboard_files_hold_the_runs_train_and_eval_losses(tmp_path: Path) -
     assert main([*args, *FAST]) == 0
     run = tmp_path / "tb"
     records = read_metrics(run)
-    events = event_accumulator.EventAccumulator(str(run / TENSORBOARD_DIR))
+    events = event_accumulator.EventAccumulator(str(RunFolder(run).tensorboard))
     events.Reload()
 
     def logged(tag: str) -> list[tuple[int, float]]:

@@ -18,10 +18,10 @@ from diloco_core import TransportError
 
 from .export_cli import EXPORT_EXAMPLE, configure_export_parser, export_main
 from .interrupts import INTERRUPTS
-from .join import SECRET_FILE
 from .log_tag import configure_logging
 from .plan_cli import PLAN_EXAMPLE, configure_plan_parser, plan_main
 from .plot_cli import configure_plot_parser, plot_main
+from .run_folder import RunFolder
 from .torchrun import TORCHRUN_ARGS_ENV
 
 if TYPE_CHECKING:
@@ -173,7 +173,7 @@ def _saved_config(args: argparse.Namespace) -> Path | None:
     # The overrides apply to the saved config (e.g. a transport's secret, never saved), so they are
     # not checked against the defaults first: only train.runs_dir is needed to find the run.
     where = [o for o in args.overrides if parse_override(o)[:2] == ("train", "runs_dir")]
-    return Path(build_config((), where).train.runs_dir) / args.name / "config.toml"
+    return RunFolder(Path(build_config((), where).train.runs_dir) / args.name).config
 
 
 def _train(args: argparse.Namespace, argv: list[str]) -> int:
@@ -197,7 +197,7 @@ def _train(args: argparse.Namespace, argv: list[str]) -> int:
     launcher = ["diloco", "torchrun", *shlex.split(torchrun_args)] if torchrun_args is not None else ["diloco"]
 
     def again() -> str:  # once the run has started: a secret it stored is read back by the resume
-        return resume_command(name, config, launcher=launcher, secret_stored=(run_dir / SECRET_FILE).is_file())
+        return resume_command(name, config, launcher=launcher, secret_stored=RunFolder(run_dir).join_secret.is_file())
 
     try:
         result = train(
@@ -223,7 +223,7 @@ def _interrupted(run_dir: Path, again: str) -> str:
     """The last line of an interrupted run: the step it can resume from and how, or that nothing can be."""
     from .checkpoint import list_checkpoints
 
-    steps = list_checkpoints(run_dir / "checkpoints", 0)
+    steps = list_checkpoints(RunFolder(run_dir).checkpoints, 0)
     if not steps:
         return f"diloco: interrupted ({INTERRUPTS.name}) before the first checkpoint: nothing can be resumed"
     return f"diloco: interrupted ({INTERRUPTS.name}); newest checkpoint: step {steps[-1]} (resume with: {again})"

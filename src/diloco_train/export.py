@@ -33,6 +33,7 @@ from .data import DataConfig
 from .hf_llama import write_hf
 from .model import Llama, ModelConfig
 from .run_config import load_toml
+from .run_folder import RunFolder
 
 __all__ = ["FORMAT", "Exported", "export", "global_state", "load"]
 
@@ -52,7 +53,7 @@ class Exported:
 
 
 def _configs(run_dir: Path) -> tuple[ModelConfig, DataConfig, dict[str, Any]]:
-    path = run_dir / "config.toml"
+    path = RunFolder(run_dir).config
     if not path.is_file():
         raise ValueError(f"{str(run_dir)!r} is not a run folder: it has no config.toml (e.g. runs/diloco-...)")
     saved = load_toml(path)
@@ -71,7 +72,7 @@ def global_state(run_dir: str | Path, step: int | None = None) -> tuple[int, dic
             f"train.fsdp_shards={shards}: each rank's checkpoint holds its shards of the model only; "
             "export supports runs of whole models (fsdp_shards=1)"
         )
-    folder = run_dir / "checkpoints"
+    folder = RunFolder(run_dir).checkpoints
     ranks = checkpoint_ranks(folder)
     steps = list_checkpoints(folder, ranks[0]) if ranks else []
     if not steps:
@@ -88,7 +89,7 @@ def global_state(run_dir: str | Path, step: int | None = None) -> tuple[int, dic
         return step, {name: t.float() for (name, _), t in zip(named, core["model"], strict=True)}
     names = [name for name, _ in named]
     if list(core["param_names"]) != names:
-        raise ValueError(f"the checkpoint's parameters do not match the run's [model] in {run_dir / 'config.toml'}")
+        raise ValueError(f"the checkpoint's parameters do not match the run's [model] in {RunFolder(run_dir).config}")
     # The global copy holds the fragments one after another (streaming: strided blocks; a list of guards);
     # the trainer never passes fragments of its own, so the core's strided split reproduces the order.
     guard = core["guard"]

@@ -38,15 +38,15 @@ from diloco_core import Membership, Transport
 from transports import TransportSpec, transport_spec
 
 from .run_config import RunConfig, build_config
+from .run_folder import RunFolder
 
-__all__ = ["SECRET_FILE", "check_ports", "join_command", "print_join", "set_keys", "stored_secret", "write_secret"]
+__all__ = ["check_ports", "join_command", "print_join", "set_keys", "stored_secret", "write_secret"]
 
 _LISTEN = "host_maddrs"  # where a peer listens, as multiaddrs (/ip4/<ip>/tcp/<port>)
 _ANNOUNCE = "announce_maddrs"
 _ADDR = re.compile(r"^/(ip4|ip6)/([^/]+)/(tcp|udp)/(\d+)")
 _UNSET = object()
 _SECRET_SOURCES = ("secret_file", "secret_env")  # where a peer reads the secret that no argv shows
-SECRET_FILE = "join.secret"
 """The file in a run folder that holds a secret the join command names instead of showing it."""
 
 logger = logging.getLogger(__name__)
@@ -136,11 +136,11 @@ def write_secret(path: Path, secret: str) -> Path:
 
 
 def stored_secret(config: RunConfig, run_dir: Path) -> RunConfig:
-    """``config`` of a resumed peer, with the secret its run stored (``SECRET_FILE``: the one it generated, or was
+    """``config`` of a resumed peer, with the secret its run stored (``RunFolder.join_secret``: the one it generated, or was
     given on its command line) where it names none: else a first peer would generate a new secret, and no peer
     of the run could meet it again. Said in one line."""
     spec = transport_spec(config.transport)
-    path = run_dir / SECRET_FILE
+    path = RunFolder(run_dir).join_secret
     named = any(k in config.transport for k in (*spec.secret_keys, *_SECRET_SOURCES))
     if spec.join_key is None or named or not path.is_file():
         return config
@@ -177,7 +177,7 @@ def print_join(
         return
     command = list(command or ["diloco", "train"])
     secret = _shared_secret(transport, spec, command)
-    path = None if secret is None else write_secret(run_dir / SECRET_FILE, secret)
+    path = None if secret is None else write_secret(RunFolder(run_dir).join_secret, secret)
     argv = join_command(
         config,
         spec=spec,

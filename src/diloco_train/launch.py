@@ -25,10 +25,11 @@ from .data import Corpus, load_corpus
 from .interrupts import INTERRUPTS
 from .job import Job
 from .join import check_ports, print_join, stored_secret
-from .metrics import METRICS, TrainResult
+from .metrics import TrainResult
 from .ownership import RunOwner, remove_unused
 from .resume import check_resume_workers, prepare_run_dir
 from .run_config import RunConfig
+from .run_folder import RunFolder
 from .run_name import agree_run_dir
 from .run_workers import run_workers
 from .shards import check_data, check_shards
@@ -92,7 +93,7 @@ def train(
 
 def _nothing_of_a_run(path: Path) -> bool:
     """What a start writes before the run has a record: config.toml, an empty metrics.jsonl."""
-    return path.name == "config.toml" or (path.name == METRICS and path.stat().st_size == 0)
+    return path.name == RunFolder.CONFIG or (path.name == RunFolder.METRICS and path.stat().st_size == 0)
 
 
 def _start(
@@ -266,6 +267,6 @@ def _plot(run_dir: Path) -> None:
     try:
         from .plot import plot_runs
 
-        plot_runs([run_dir], run_dir / "plot.png")
+        plot_runs([run_dir], RunFolder(run_dir).plot())
     except ImportError as e:  # matplotlib is an optional extra
         logger.warning("no plot written (%s): pip install 'diloco[train]'", e)

@@ -19,13 +19,14 @@ from typing import Any, TextIO
 from diloco_core import RoundReport
 
 from .pace import Pace
+from .run_folder import RunFolder
 from .sinks import Sink, scalars_of
 
 __all__ = ["METRICS", "Reporter", "TrainResult", "perplexity", "read_metrics", "truncate_metrics"]
 
 logger = logging.getLogger(__name__)
 
-METRICS = "metrics.jsonl"
+METRICS = RunFolder.METRICS
 """The file's name in a run folder."""
 
 
@@ -63,7 +64,7 @@ def read_metrics(run_dir: str | Path, *, missing_ok: bool = False) -> list[dict[
     """The records of ``<run_dir>/metrics.jsonl``. A run without the file is a ValueError, or no
     records with ``missing_ok``; a line that is not JSON (or not UTF-8) is a ValueError naming it, but
     for the last one, which a crash or a full disk can leave torn mid-write: dropped, with a warning."""
-    path = Path(run_dir) / METRICS
+    path = RunFolder(Path(run_dir)).metrics
     if not path.is_file():
         if missing_ok:
             return []
@@ -88,7 +89,7 @@ def read_metrics(run_dir: str | Path, *, missing_ok: bool = False) -> list[dict[
 
 def truncate_metrics(run_dir: Path, step: int) -> None:
     """Drop what a crashed or stopped run logged after the checkpoint it resumes from."""
-    path = run_dir / METRICS
+    path = RunFolder(run_dir).metrics
     keep = [
         r for r in read_metrics(run_dir, missing_ok=True) if r.get("type") != "summary" and r.get("step", 0) <= step
     ]
@@ -137,7 +138,7 @@ class Reporter:
         """Seconds of training loop before this invocation (``time_s`` counts from the run's start, resumes
         included): its records' ``time_s`` continue from there."""
         self.started: float | None = None
-        self.file: TextIO = (run_dir / METRICS).open("a", encoding="utf-8")
+        self.file: TextIO = RunFolder(run_dir).metrics.open("a", encoding="utf-8")
         self.contributors = world_size
         self.bar = None
         self._rate: float | None = None
@@ -162,7 +163,7 @@ class Reporter:
             self.file.write(json.dumps(record) + "\n")
             self.file.flush()
         except OSError as e:  # a full disk: torch's or the OS's message alone would not say which file
-            raise OSError(f"cannot write {self.run_dir / METRICS}: {e}") from None
+            raise OSError(f"cannot write {RunFolder(self.run_dir).metrics}: {e}") from None
         for sink in self.sinks:
             sink.log(record["step"], scalars_of(record))
 

@@ -16,6 +16,8 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import IO
 
+from .run_folder import RunFolder
+
 try:
     import fcntl
 except ImportError:  # Windows: no flock; runs there are not guarded
@@ -23,11 +25,11 @@ except ImportError:  # Windows: no flock; runs there are not guarded
 
 __all__ = ["RunOwner", "lock_path", "remove_unused"]
 
-_LOCK = ".owner-rank"
+_LOCK = RunFolder.OWNER
 
 
 def lock_path(run_dir: Path, rank: int) -> Path:
-    return run_dir / f"{_LOCK}{rank}"
+    return RunFolder(run_dir).owner_lock(rank)
 
 
 def remove_unused(run_dir: Path, *, spare: Callable[[Path], bool]) -> None:

@@ -6,6 +6,7 @@ import argparse
 from pathlib import Path
 
 from .plot import X_CHOICES
+from .run_folder import RunFolder
 
 __all__ = ["configure_plot_parser", "plot_main"]
 
@@ -30,9 +31,9 @@ def default_out(runs: list[str], *, x: str) -> Path:
     """Where a plot goes without ``--out``: the run's own plot.png is the trainer's (step axis), so
     another axis gets a name of its own (``plot-all.png``), as does a plot of several runs."""
     first = Path(runs[0])
-    stem = "plot" if len(runs) == 1 else "runs"
-    name = f"{stem}.png" if x == "step" else f"{stem}-{x}.png"
-    return first / name if len(runs) == 1 else first.parent / name
+    if len(runs) == 1:
+        return RunFolder(first).plot(x)
+    return first.parent / ("runs.png" if x == "step" else f"runs-{x}.png")
 
 
 def plot_main(args: argparse.Namespace) -> int:

@@ -13,6 +13,7 @@ from typing import Any
 
 from .metrics import read_metrics
 from .run_config import load_toml
+from .run_folder import RunFolder
 
 __all__ = ["AXES", "RunCurves", "read_run"]
 
@@ -63,7 +64,8 @@ def read_run(run_dir: str | Path) -> RunCurves:
     """The curves of the run in ``run_dir`` (a ValueError if it holds no metrics.jsonl)."""
     run_dir = Path(run_dir)
     records = read_metrics(run_dir)
-    config = load_toml(run_dir / "config.toml") if (run_dir / "config.toml").is_file() else {}
+    saved = RunFolder(run_dir).config
+    config = load_toml(saved) if saved.is_file() else {}
     steps = [r for r in records if r.get("type") == "step"]
     evals = [r for r in records if r.get("type") == "eval"]
     rounds = [r for r in records if r.get("type") == "round"]

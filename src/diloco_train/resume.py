@@ -19,9 +19,10 @@ import torch
 from diloco_core import Transport
 
 from .checkpoint import checkpoint_path, checkpoint_ranks, list_checkpoints, load_checkpoint, save_checkpoint
-from .metrics import METRICS, truncate_metrics
+from .metrics import truncate_metrics
 from .resume_from import from_every_rank
 from .run_config import RunConfig, dump_toml
+from .run_folder import RunFolder
 
 __all__ = [
     "check_resume_workers",
@@ -42,7 +43,8 @@ logger = logging.getLogger(__name__)
 def prepare_run_dir(run_dir: Path, config: RunConfig, *, resume: bool, secret_keys: Collection[str]) -> None:
     """Refuse to overwrite a run unless resuming; a new run's config.toml is written here, a resumed run's
     once its resume succeeded (``commit_resume``)."""
-    if not resume and ((run_dir / METRICS).exists() or (run_dir / "checkpoints").exists()):
+    folder = RunFolder(run_dir)
+    if not resume and (folder.metrics.exists() or folder.checkpoints.exists()):
         raise ValueError(f"run {str(run_dir)!r} already exists: pass --resume to continue it, or another --name")
     run_dir.mkdir(parents=True, exist_ok=True)
     if not resume:
@@ -53,13 +55,13 @@ def write_config(run_dir: Path, config: RunConfig, *, secret_keys: Collection[st
     """The run's config.toml, ``secret_keys`` of [transport] left out."""
     tables = config.to_dict()
     tables["transport"] = {k: v for k, v in tables["transport"].items() if k not in secret_keys}  # never on disk
-    (run_dir / "config.toml").write_text(dump_toml(tables), encoding="utf-8")
+    RunFolder(run_dir).config.write_text(dump_toml(tables), encoding="utf-8")
 
 
 def check_resume_workers(run_dir: Path, world_size: int) -> None:
     """Where every worker's checkpoint is on this disk, a changed worker count (by the checkpoints' own record
     of it) or a worker without checkpoints is caught up front."""
-    folder = run_dir / "checkpoints"
+    folder = RunFolder(run_dir).checkpoints
     ranks = checkpoint_ranks(folder)
     if not ranks:
         return  # nothing to resume
@@ -101,7 +103,7 @@ def commit_resume(run_dir: Path, *, step: int, config: RunConfig, secret_keys: C
     logged after it (everything, with none), write the config the run continues with, tell the user."""
     if step < 0:
         logger.warning("run %s has no checkpoint yet: starting it from step 0", run_dir)
-        (run_dir / METRICS).unlink(missing_ok=True)  # what was logged is from a run that starts over
+        RunFolder(run_dir).metrics.unlink(missing_ok=True)  # what was logged is from a run that starts over
     else:
         truncate_metrics(run_dir, step)
         end = min(config.train.stop_after or config.train.steps, config.train.steps)
@@ -145,7 +147,7 @@ def save_worker(
         "data": data,
         "from_rank0": shared,
     }
-    save_checkpoint(run_dir / "checkpoints", step=step, rank=rank, state=state, keep=t.keep_checkpoints)
+    save_checkpoint(RunFolder(run_dir).checkpoints, step=step, rank=rank, state=state, keep=t.keep_checkpoints)
 
 
 def load_worker(
@@ -163,6 +165,6 @@ def load_worker(
             f"this run is {mode} with {world_size}"
         )
     if state.get("from_rank0"):
-        lead = load_checkpoint(checkpoint_path(run_dir / "checkpoints", step, 0))["core"]
+        lead = load_checkpoint(checkpoint_path(RunFolder(run_dir).checkpoints, step, 0))["core"]
         state["core"].update({k: lead[k] for k in state["from_rank0"]})
     return state

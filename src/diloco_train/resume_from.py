@@ -25,6 +25,7 @@ from diloco_core import Transport
 
 from .checkpoint import checkpoint_path, list_checkpoints, load_checkpoint
 from .divergence import all_finite
+from .run_folder import RunFolder
 
 __all__ = ["Resume", "from_every_rank", "resume_step", "set_aside"]
 
@@ -120,7 +121,7 @@ def _refuse(everyone: list[int], *, folder: Path, bound: int | None) -> None:
 def resume_step(run_dir: Path, *, rank: int, transport: Transport | None, timeout: float) -> Resume:
     """The step ``rank`` resumes from and its checkpoint of it. Ranks that hold for the run agree on the
     newest step all of them can read; peers that come and go have none to agree with: each takes its own."""
-    folder = run_dir / "checkpoints"
+    folder = RunFolder(run_dir).checkpoints
     readable = _Readable(folder, rank)
     agree = transport is not None and transport.capabilities.fixed_ranks and transport.world_size > 1
     bound: int | None = None
@@ -140,7 +141,7 @@ def resume_step(run_dir: Path, *, rank: int, transport: Transport | None, timeou
 def set_aside(run_dir: Path, *, rank: int, resumed: Resume) -> None:
     """Rename ``rank``'s checkpoints of steps after ``resumed.step`` aside (``.corrupt``, ``.unused``); once
     every rank has loaded its checkpoint, so that a failed resume changes nothing."""
-    folder = run_dir / "checkpoints"
+    folder = RunFolder(run_dir).checkpoints
     for step in list_checkpoints(folder, rank):
         if step <= resumed.step:
             continue

@@ -61,7 +61,7 @@ def resume_command(
 ) -> str:
     """The command line that continues run ``name``: its runs_dir where not the default, and a placeholder
     for each [transport] secret (never saved with the config) unless ``secret_stored``: the run folder holds it
-    (``join.SECRET_FILE``), which a resume reads. ``launcher``: what comes before ``train``."""
+    (``RunFolder.join_secret``), which a resume reads. ``launcher``: what comes before ``train``."""
     argv = [*launcher, "train", "--resume", "--name", name]
     if config.train.runs_dir != TrainConfig.runs_dir:
         argv += ["--set", f"train.runs_dir={json.dumps(config.train.runs_dir)}"]

@@ -13,10 +13,10 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from .run_config import SINKS, load_toml  # SINKS: the values train.log_to may list
+from .run_folder import RunFolder
 
-__all__ = ["SINKS", "TENSORBOARD_DIR", "Sink", "check_sinks", "open_sinks", "scalars_of"]
+__all__ = ["SINKS", "Sink", "check_sinks", "open_sinks", "scalars_of"]
 
-TENSORBOARD_DIR = "tensorboard"
 """The event files' folder inside the run folder."""
 
 # Per record type: its fields logged, as "<prefix>/<field>" (the step is the x of every scalar).
@@ -49,7 +49,7 @@ class TensorBoardSink:
         from torch.utils.tensorboard import SummaryWriter  # check_sinks has said whether tensorboard is installed
 
         purge = start_step + 1 if start_step else None
-        self.writer = SummaryWriter(log_dir=str(run_dir / TENSORBOARD_DIR), purge_step=purge)
+        self.writer = SummaryWriter(log_dir=str(RunFolder(run_dir).tensorboard), purge_step=purge)
 
     def log(self, step: int, scalars: Mapping[str, float]) -> None:
         for name, value in scalars.items():
@@ -66,7 +66,8 @@ class WandbSink:
     def __init__(self, run_dir: Path) -> None:
         import wandb  # check_sinks has said whether it is installed
 
-        config = load_toml(run_dir / "config.toml") if (run_dir / "config.toml").is_file() else {}
+        saved = RunFolder(run_dir).config
+        config = load_toml(saved) if saved.is_file() else {}
         self.run = wandb.init(project="diloco", name=run_dir.name, dir=str(run_dir), config=config)
 
     def log(self, step: int, scalars: Mapping[str, float]) -> None:

@@ -30,6 +30,7 @@ from .pace import Pace, speed_of
 from .resume import checkpoint_due, commit_resume, confirm_loaded, load_worker, save_worker
 from .resume_from import resume_step, set_aside
 from .run_config import MAX_SEED
+from .run_folder import RunFolder
 from .schedule import lr_at, set_lr
 from .shards import shard_of
 from .sinks import open_sinks
@@ -85,7 +86,7 @@ class Worker:
         shard, num_shards = shard_of(t, rank=self.rank, world_size=self.world_size)
         fixed = self.transport is None or self.transport.capabilities.fixed_ranks
         set_worker(f"worker {self.rank}" if fixed else f"peer shard {shard}")
-        remove_stray_temp(job.run_dir / "checkpoints", self.rank)  # of a write this rank's last process left
+        remove_stray_temp(RunFolder(job.run_dir).checkpoints, self.rank)  # of a write this rank's last process left
         sampler = BatchSampler(
             job.corpus.shard(shard, num_shards),
             seq_len=c.data.seq_len,
@@ -105,7 +106,9 @@ class Worker:
             reporter=self._open_report(step, end=end),
             evaluating=evaluates(self.rank, t.fsdp_shards),
             schedule=EvalSchedule(every=t.eval_every or c.diloco.inner_steps, start=step, end=end),
-            watch=LossWatch(limit=t.max_nonfinite_losses, folder=job.run_dir / "checkpoints", rank=self.rank, lr=t.lr),
+            watch=LossWatch(
+                limit=t.max_nonfinite_losses, folder=RunFolder(job.run_dir).checkpoints, rank=self.rank, lr=t.lr
+            ),
             end=end,
             step=step,
             saved=step,
@@ -246,7 +249,7 @@ class Worker:
         if not all_finite(core):
             if not job.warned_nonfinite:
                 job.warned_nonfinite = True
-                newest = newest_checkpoint(job.run_dir / "checkpoints", self.rank)
+                newest = newest_checkpoint(RunFolder(job.run_dir).checkpoints, self.rank)
                 logger.warning("step %d: the state holds NaN or infinite values: not checkpointed (%s)", step, newest)
             return
         with INTERRUPTS.deferred():
