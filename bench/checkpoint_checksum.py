@@ -22,9 +22,9 @@ from pathlib import Path
 
 import torch
 
-from diloco_train import checkpoint as ckpt
-from diloco_train.checksum import checksum_of
 from diloco_train.cli import main
+from diloco_train.runs import checkpoint as ckpt
+from diloco_train.runs.checksum import checksum_of
 
 
 def _ms(fn: Callable[[], object]) -> float:

@@ -22,7 +22,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from convergence import Outcome, protocol, run_one
 
-from diloco_train.plot import read_metrics
+from diloco_train.report.plot import read_metrics
 
 
 def _wire(codec: str, *, rounds_ef: bool, ddp_ef: bool) -> list[str]:

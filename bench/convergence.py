@@ -25,7 +25,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from diloco_train.plot import read_metrics
+from diloco_train.report.plot import read_metrics
 from diloco_train.run_config import build_config
 from diloco_train.train import train
 

@@ -41,9 +41,9 @@ import torch
 
 from diloco_core import merge as merge_module
 from diloco_train import launch, worker
-from diloco_train.data import Corpus
-from diloco_train.documents import digest, is_val, stdlib_root, stdlib_source
-from diloco_train.plot import read_metrics
+from diloco_train.data.corpus import Corpus
+from diloco_train.data.documents import digest, is_val, stdlib_root, stdlib_source
+from diloco_train.report.plot import read_metrics
 from diloco_train.run_config import build_config
 from diloco_train.train import train
 

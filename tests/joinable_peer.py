@@ -1,4 +1,4 @@
-"""``JoinablePeer``: what ``diloco_train.join.print_join`` reads of a hivemind transport, and nothing else."""
+"""``JoinablePeer``: what ``diloco_train.runs.join.print_join`` reads of a hivemind transport, and nothing else."""
 
 from __future__ import annotations
 

@@ -232,4 +232,18 @@ def test_no_path_inside_a_run_folder_is_spelled_outside_run_folder():
     """``RunFolder`` knows the layout; the rest of the trainer asks it."""
     files = [f for f in sorted((SRC / "diloco_train").rglob("*.py")) if f.name != "run_folder.py"]
     assert [s for f in files for s in _run_folder_spellings(f)] == []
-    assert _run_folder_spellings(SRC / "diloco_train" / "run_folder.py")  # the check sees a spelling
+    assert _run_folder_spellings(SRC / "diloco_train" / "runs" / "run_folder.py")  # the check sees a spelling
+
+
+def _wing_imports(wing: str, of: tuple[str, ...]) -> list[str]:
+    files = sorted((SRC / "diloco_train" / wing).glob("*.py"))
+    prefixes = tuple(f"diloco_train.{w}" for w in of)
+    return [f"{f.relative_to(SRC)} imports {n}" for f in files for n in sorted(_imported(f)) if n.startswith(prefixes)]
+
+
+def test_the_trainers_wings_import_downward_only():
+    """The trainer's wings (docs/architecture.md): ``report`` and ``cli`` stand on ``runs`` and ``data``,
+    which never import them back."""
+    assert _wing_imports("runs", ("report", "cli")) == []
+    assert _wing_imports("data", ("report", "cli")) == []
+    assert _wing_imports("report", ("runs",))  # the check sees an import between wings

@@ -177,7 +177,7 @@ def test_a_timed_run_stops_checkpoints_and_resumes_by_rounds(tmp_path):
     from runs import FAST
 
     from diloco_train.cli import main
-    from diloco_train.plot import read_metrics
+    from diloco_train.report.plot import read_metrics
 
     common = ["--set", f"train.runs_dir={tmp_path!s}", *FAST, "--set", "train.checkpoint_every=1"]
     timed = ["--set", "diloco.round_seconds=0.3", "--set", "train.speeds=[1, 0.5]", "--set", "train.ddp_warm_start=0"]

@@ -11,7 +11,7 @@ from runs import FAST, losses
 
 from diloco_train.cli import main
 from diloco_train.compute import evaluate
-from diloco_train.data import load_corpus
+from diloco_train.data.corpus import load_corpus
 from diloco_train.export import global_state, load
 from diloco_train.hf_llama import write_hf
 from diloco_train.model import Llama, ModelConfig

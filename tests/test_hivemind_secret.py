@@ -66,9 +66,9 @@ def test_a_secret_file_others_may_read_and_unset_sources_are_clear_errors(tmp_pa
 
 @pytest.mark.parametrize("given", ["generated", "argv"])
 def test_the_join_command_names_a_private_file_instead_of_the_secret(tmp_path, capsys, caplog, given):
-    from diloco_train.join import print_join
     from diloco_train.run_config import RunConfig
-    from diloco_train.run_folder import RunFolder
+    from diloco_train.runs.join import print_join
+    from diloco_train.runs.run_folder import RunFolder
     from transports import transport_spec
 
     secret = "Gen-3rated-secret-never-shown"

@@ -39,7 +39,7 @@ def _printed_join(capsys) -> list[str]:
 
 def _config_of(argv: list[str]):
     """The config `diloco train` builds from ``argv`` (``diloco train ...`` as printed), as the CLI parses it."""
-    from diloco_train.cli import _parser
+    from diloco_train.cli.main import _parser
     from diloco_train.run_config import build_config
 
     assert argv[:2] == ["diloco", "train"], argv
@@ -53,10 +53,10 @@ def test_a_resumed_first_peer_prints_a_join_command_with_the_runs_effective_sett
     transport.kind, train.num_shards nor train.steps: the joiner failed with `shard=1 is invalid: expected
     below num_shards=0` (or ran another transport). Now the joiner's config is the run's, but for what a joiner
     changes: its shard, name, addresses and the peers it joins."""
-    from diloco_train.join import print_join
-    from diloco_train.resume import write_config
-    from diloco_train.resume_merge import merge_onto_saved
     from diloco_train.run_config import build_config, load_toml
+    from diloco_train.runs.join import print_join
+    from diloco_train.runs.resume import write_config
+    from diloco_train.runs.resume_merge import merge_onto_saved
     from transports import transport_spec
 
     started = build_config((), FIRST)
@@ -81,9 +81,9 @@ def test_a_resumed_first_peer_prints_a_join_command_with_the_runs_effective_sett
 def test_a_join_command_needs_no_config_file_of_this_machine(tmp_path: Path, capsys) -> None:
     """A peer started with --config: the settings of its file are in the command (the other machine has no
     such file); a secret given in the file is not (the file it is written to is named)."""
-    from diloco_train.join import print_join
     from diloco_train.run_config import build_config
-    from diloco_train.run_folder import RunFolder
+    from diloco_train.runs.join import print_join
+    from diloco_train.runs.run_folder import RunFolder
     from transports import transport_spec
 
     toml = tmp_path / "wan.toml"
@@ -104,9 +104,9 @@ def test_a_resumed_peer_keeps_the_secret_its_run_stored(tmp_path: Path, capsys) 
     """A first peer that generated its secret (or was given it on its command line) stored it in join.secret;
     `--resume` as the interrupted line prints it (no secret) reads that file, and says so. Before: it generated
     a new secret, and the run's other peers could no longer meet it; nothing said so."""
-    from diloco_train.join import stored_secret, write_secret
     from diloco_train.run_config import build_config
-    from diloco_train.run_folder import RunFolder
+    from diloco_train.runs.join import stored_secret, write_secret
+    from diloco_train.runs.run_folder import RunFolder
 
     config = build_config((), ["transport.kind=hivemind"])
     assert stored_secret(config, tmp_path) == config  # nothing stored: a first start generates one
@@ -122,8 +122,8 @@ def test_a_resumed_peer_keeps_the_secret_its_run_stored(tmp_path: Path, capsys) 
 
 def test_the_join_command_reads_back_every_kind_of_value(tmp_path: Path, capsys) -> None:
     """Strings, floats, booleans and lists go through --set's TOML reading unchanged."""
-    from diloco_train.join import join_command
     from diloco_train.run_config import build_config
+    from diloco_train.runs.join import join_command
     from transports import transport_spec
 
     sets = ["transport.kind=hivemind", 'data.path="my corpus.txt"', "train.lr=3e-4", "train.bf16=false"]

@@ -18,7 +18,7 @@ import procs
 import pytest
 from runs import check_interrupted_line
 
-from diloco_train.torchrun import split_launcher_args
+from diloco_train.cli.torchrun import split_launcher_args
 
 ROOT = Path(__file__).resolve().parents[1]
 ENV = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), str(ROOT)]), "GLOO_SOCKET_IFNAME": "lo"}

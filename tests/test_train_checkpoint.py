@@ -7,9 +7,9 @@ import pytest
 import torch
 from bitflip import flip_bit
 
-from diloco_train import checkpoint as ckpt
-from diloco_train.divergence import newest_checkpoint
-from diloco_train.spikes import SpikeWatch
+from diloco_train.runs import checkpoint as ckpt
+from diloco_train.runs.divergence import newest_checkpoint
+from diloco_train.runs.spikes import SpikeWatch
 
 
 class Evil:
@@ -89,7 +89,7 @@ def test_a_flipped_bit_inside_a_weight_is_refused_in_one_line(tmp_path: Path) ->
     ],
 )
 def test_the_checksum_covers_values_shapes_and_order(change: object) -> None:
-    from diloco_train.checksum import checksum_of
+    from diloco_train.runs.checksum import checksum_of
 
     state = _state(3)
     before = checksum_of(state)

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from diloco_train.data import BatchSampler, DataConfig, load_corpus, stdlib_root
+from diloco_train.data.corpus import BatchSampler, DataConfig, load_corpus, stdlib_root
 
 
 @pytest.mark.timeout(60)

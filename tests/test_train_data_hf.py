@@ -16,7 +16,7 @@ import torch
 from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
-from diloco_train.data import BatchSampler, DataConfig, load_corpus
+from diloco_train.data.corpus import BatchSampler, DataConfig, load_corpus
 
 TEXTS = [f"record {i} says the {['red', 'green', 'blue'][i % 3]} fox ran {i % 7} miles" for i in range(120)]
 

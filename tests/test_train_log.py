@@ -7,7 +7,7 @@ import logging
 
 from tqdm import tqdm
 
-from diloco_train.log_tag import AboveTheBar
+from diloco_train.report.log_tag import AboveTheBar
 
 
 def test_a_warning_during_a_run_starts_a_line_of_its_own_above_the_bar() -> None:

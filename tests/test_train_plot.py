@@ -10,8 +10,8 @@ import matplotlib
 import pytest
 
 from diloco_train.cli import main
-from diloco_train.plot import draw_runs
-from diloco_train.plot_data import AXES, read_run
+from diloco_train.report.plot import draw_runs
+from diloco_train.report.plot_data import AXES, read_run
 
 matplotlib.use("Agg")
 pytestmark = pytest.mark.timeout(60)  # matplotlib's first import and a few small figures

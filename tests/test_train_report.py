@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from diloco_train.metrics import Reporter
+from diloco_train.report.metrics import Reporter
+from diloco_train.report.run_words import run_header
 from diloco_train.run_config import build_config
-from diloco_train.run_words import run_header
 
 
 def _record(step: int) -> dict:

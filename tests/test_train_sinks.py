@@ -9,9 +9,9 @@ import pytest
 from runs import FAST
 
 from diloco_train.cli import main
-from diloco_train.metrics import read_metrics
-from diloco_train.run_folder import RunFolder
-from diloco_train.sinks import scalars_of
+from diloco_train.report.metrics import read_metrics
+from diloco_train.report.sinks import scalars_of
+from diloco_train.runs.run_folder import RunFolder
 
 pytestmark = pytest.mark.timeout(90)  # a FAST run (tests/runs.py, ~5 s here) and tensorboard's import
 

@@ -19,10 +19,10 @@ import torch
 from runs import FAST, losses
 
 from diloco_train.cli import main
-from diloco_train.data import BatchSampler, DataConfig, load_corpus
-from diloco_train.resume_merge import merge_onto_saved
+from diloco_train.data.corpus import BatchSampler, DataConfig, load_corpus
+from diloco_train.data.token_file import open_or_build
 from diloco_train.run_config import build_config
-from diloco_train.token_file import open_or_build
+from diloco_train.runs.resume_merge import merge_onto_saved
 
 WORDS = [
     "the",

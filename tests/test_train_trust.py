@@ -22,9 +22,9 @@ from bitflip import flip_bit
 from runs import FAST
 from threads import in_threads
 
-from diloco_train import checkpoint as ckpt
 from diloco_train import worker as worker_module
 from diloco_train.cli import main
+from diloco_train.runs import checkpoint as ckpt
 
 
 class Evil:
@@ -251,7 +251,7 @@ def _save(folder: Path, step: int, rank: int, *, intact: bool) -> None:
 @pytest.mark.timeout(60)
 def test_ranks_agree_on_the_newest_step_that_is_intact_for_every_one(tmp_path: Path) -> None:
     """What in-process workers and torchrun ranks run: rank 0 lost step 9, rank 1 step 6; both resume from 3."""
-    from diloco_train.resume_from import resume_step
+    from diloco_train.runs.resume_from import resume_step
     from transports import transport_spec
 
     for step, broken in ((3, ()), (6, (1,)), (9, (0,))):

@@ -15,7 +15,7 @@ import pytest
 from runs import FAST
 
 from diloco_train.cli import main
-from diloco_train.ownership import RunOwner
+from diloco_train.runs.ownership import RunOwner
 
 SRC = Path(__file__).resolve().parents[1] / "src"
 ENV = {**os.environ, "PYTHONPATH": os.pathsep.join([str(SRC), os.environ.get("PYTHONPATH", "")])}
@@ -37,7 +37,7 @@ def _stop(proc: subprocess.Popen) -> None:
 
 @pytest.mark.timeout(60)
 def test_a_live_owner_blocks_a_second_claim_and_a_dead_ones_lock_does_not(tmp_path: Path) -> None:
-    code = "import sys; from pathlib import Path; from diloco_train.ownership import RunOwner\n"
+    code = "import sys; from pathlib import Path; from diloco_train.runs.ownership import RunOwner\n"
     code += "o = RunOwner(Path(sys.argv[1]), [0, 1]); print('owned', flush=True); sys.stdin.read()\n"
     child = subprocess.Popen(
         [sys.executable, "-c", code, str(tmp_path / "r")],
@@ -200,8 +200,8 @@ def test_a_port_in_use_is_said_so(tmp_path: Path, capsys: pytest.CaptureFixture[
 
 
 def test_the_join_command_runs_here_and_elsewhere_as_printed() -> None:
-    from diloco_train.join import join_command
     from diloco_train.run_config import build_config
+    from diloco_train.runs.join import join_command
     from transports import transport_spec
 
     sets = ["train.shard=0", "train.num_shards=4", "transport.kind=hivemind", 'transport.secret="s"']
@@ -245,7 +245,7 @@ def test_the_join_command_runs_here_and_elsewhere_as_printed() -> None:
 @pytest.mark.timeout(60)
 def test_an_interrupted_run_names_its_resume_command(tmp_path: Path) -> None:
     from diloco_train.run_config import build_config
-    from diloco_train.run_name import resume_command
+    from diloco_train.runs.run_name import resume_command
 
     config = build_config((), ["transport.kind=hivemind", 'transport.secret="x"', f"train.runs_dir={tmp_path!s}"])
     assert resume_command("r", config) == (

@@ -3,7 +3,7 @@
 Imports point one way: diloco_train -> transports -> diloco_core; the core never imports this package.
 """
 
-from .data import BatchSampler, Corpus, DataConfig, load_corpus
+from .data.corpus import BatchSampler, Corpus, DataConfig, load_corpus
 from .model import PRESETS, Llama, ModelConfig, count_parameters
 from .run_config import RunConfig, TrainConfig, build_config
 from .train import TrainResult, evaluate, lr_at, train

@@ -8,7 +8,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from .data import BatchSampler
+from .data.corpus import BatchSampler
 from .model import Llama
 from .run_config import RunConfig, TrainConfig
 

@@ -28,12 +28,12 @@ import torch
 from diloco_core.rules import from_mapping
 from diloco_core.streaming import strided_fragments
 
-from .checkpoint import checkpoint_path, checkpoint_ranks, list_checkpoints, load_checkpoint
-from .data import DataConfig
+from .data.corpus import DataConfig
 from .hf_llama import write_hf
 from .model import Llama, ModelConfig
 from .run_config import load_toml
-from .run_folder import RunFolder
+from .runs.checkpoint import checkpoint_path, checkpoint_ranks, list_checkpoints, load_checkpoint
+from .runs.run_folder import RunFolder
 
 __all__ = ["FORMAT", "Exported", "export", "global_state", "load"]
 

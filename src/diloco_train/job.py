@@ -13,8 +13,8 @@ import torch
 
 from diloco_core import Transport
 
-from .data import Corpus
-from .metrics import Reporter, TrainResult
+from .data.corpus import Corpus
+from .report.metrics import Reporter, TrainResult
 from .run_config import RunConfig
 
 __all__ = ["Job"]

@@ -21,19 +21,19 @@ import torch
 from diloco_core import Transport
 from transports import TransportSpec, transport_spec
 
-from .data import Corpus, load_corpus
+from .data.corpus import Corpus, load_corpus
+from .data.shards import check_data, check_shards
 from .interrupts import INTERRUPTS
 from .job import Job
-from .join import check_ports, print_join, stored_secret
-from .metrics import TrainResult
-from .ownership import RunOwner, remove_unused
-from .resume import check_resume_workers, prepare_run_dir
+from .report.metrics import TrainResult
+from .report.sinks import check_sinks
 from .run_config import RunConfig
-from .run_folder import RunFolder
-from .run_name import agree_run_dir
 from .run_workers import run_workers
-from .shards import check_data, check_shards
-from .sinks import check_sinks
+from .runs.join import check_ports, print_join, stored_secret
+from .runs.ownership import RunOwner, remove_unused
+from .runs.resume import check_resume_workers, prepare_run_dir
+from .runs.run_folder import RunFolder
+from .runs.run_name import agree_run_dir
 
 __all__ = ["check_quorum", "describe_workers", "train"]
 
@@ -265,7 +265,7 @@ def _resolve_model(config: RunConfig, corpus: Corpus) -> RunConfig:
 
 def _plot(run_dir: Path) -> None:
     try:
-        from .plot import plot_runs
+        from .report.plot import plot_runs
 
         plot_runs([run_dir], RunFolder(run_dir).plot())
     except ImportError as e:  # matplotlib is an optional extra

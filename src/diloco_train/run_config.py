@@ -21,7 +21,7 @@ from diloco_core.config import codec_from_alias
 from diloco_core.rules import boolean, check_field, check_fields, choice, from_mapping, integer, number, rule, string
 from transports import transport_spec
 
-from .data import DataConfig
+from .data.corpus import DataConfig
 from .model import ModelConfig
 
 __all__ = [

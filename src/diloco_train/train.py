@@ -9,7 +9,7 @@ transport's spec says), ``worker`` (the loop), ``modes`` (single, ddp, diloco an
 
 from .compute import evaluate
 from .launch import train
-from .metrics import TrainResult
+from .report.metrics import TrainResult
 from .schedule import lr_at
 
 __all__ = ["TrainResult", "evaluate", "lr_at", "train"]

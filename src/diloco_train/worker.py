@@ -13,27 +13,27 @@ import torch
 
 from diloco_core import Transport
 
-from .checkpoint import remove_stray_temp
 from .compute import autocast, device_for, evaluate, loss_of
-from .data import BatchSampler
-from .divergence import LossWatch, all_finite, newest_checkpoint
+from .data.corpus import BatchSampler
+from .data.shards import shard_of
 from .evals import EvalSchedule, global_weights
 from .fsdp import evaluates, shard_model
 from .inner_optimizer import build_inner_optimizer
 from .interrupts import INTERRUPTS
 from .job import Job
-from .log_tag import set_worker
-from .metrics import Reporter
 from .model import Llama
 from .modes import Sync
 from .pace import Pace, speed_of
-from .resume import checkpoint_due, commit_resume, confirm_loaded, load_worker, save_worker
-from .resume_from import resume_step, set_aside
+from .report.log_tag import set_worker
+from .report.metrics import Reporter
+from .report.sinks import open_sinks
 from .run_config import MAX_SEED
-from .run_folder import RunFolder
+from .runs.checkpoint import remove_stray_temp
+from .runs.divergence import LossWatch, all_finite, newest_checkpoint
+from .runs.resume import checkpoint_due, commit_resume, confirm_loaded, load_worker, save_worker
+from .runs.resume_from import resume_step, set_aside
+from .runs.run_folder import RunFolder
 from .schedule import lr_at, set_lr
-from .shards import shard_of
-from .sinks import open_sinks
 
 __all__ = ["Worker"]
 

@@ -8,10 +8,10 @@ from pathlib import Path
 from diloco_core import FP32, DiLoCoConfig
 from diloco_core.codecs.names import codec_of
 
-from .launch import describe_workers
+from ..launch import describe_workers
+from ..modes import warm_start_steps
+from ..run_config import RunConfig
 from .metrics import TrainResult, perplexity
-from .modes import warm_start_steps
-from .run_config import RunConfig
 
 __all__ = ["run_header", "run_summary", "traffic_line"]
 

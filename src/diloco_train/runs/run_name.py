@@ -14,7 +14,7 @@ import torch
 from diloco_core import Transport
 from transports import transport_spec
 
-from .run_config import RunConfig, TrainConfig
+from ..run_config import RunConfig, TrainConfig
 
 __all__ = ["agree_run_dir", "check_name", "default_name", "resume_command"]
 

@@ -37,7 +37,7 @@ import tomli_w
 from diloco_core import Membership, Transport
 from transports import TransportSpec, transport_spec
 
-from .run_config import RunConfig, build_config
+from ..run_config import RunConfig, build_config
 from .run_folder import RunFolder
 
 __all__ = ["check_ports", "join_command", "print_join", "set_keys", "stored_secret", "write_secret"]

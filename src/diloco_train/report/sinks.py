@@ -12,8 +12,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
-from .run_config import SINKS, load_toml  # SINKS: the values train.log_to may list
-from .run_folder import RunFolder
+from ..run_config import SINKS, load_toml  # SINKS: the values train.log_to may list
+from ..runs.run_folder import RunFolder
 
 __all__ = ["SINKS", "Sink", "check_sinks", "open_sinks", "scalars_of"]
 

@@ -13,7 +13,7 @@ from typing import Any
 
 from transports import transport_spec
 
-from .run_config import RunConfig, build_config
+from ..run_config import RunConfig, build_config
 
 __all__ = ["SAFE", "merge_onto_saved"]
 

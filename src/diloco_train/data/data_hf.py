@@ -19,7 +19,7 @@ import numpy as np
 from .documents import Document, Source, stamp_of
 
 if TYPE_CHECKING:
-    from .data import DataConfig
+    from .corpus import DataConfig
 
 __all__ = ["hf_source"]
 

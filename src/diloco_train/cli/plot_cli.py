@@ -5,8 +5,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from .plot import X_CHOICES
-from .run_folder import RunFolder
+from ..report.plot import X_CHOICES
+from ..runs.run_folder import RunFolder
 
 __all__ = ["configure_plot_parser", "plot_main"]
 
@@ -37,7 +37,7 @@ def default_out(runs: list[str], *, x: str) -> Path:
 
 
 def plot_main(args: argparse.Namespace) -> int:
-    from .plot import plot_runs
+    from ..report.plot import plot_runs
 
     out = args.out or default_out(args.runs, x=args.x)
     print(plot_runs(args.runs, out, x=args.x))

@@ -11,9 +11,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ..run_config import load_toml
+from ..runs.run_folder import RunFolder
 from .metrics import read_metrics
-from .run_config import load_toml
-from .run_folder import RunFolder
 
 __all__ = ["AXES", "RunCurves", "read_run"]
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from transports import TransportSpec
 
-from .data import BatchSampler, Corpus
-from .run_config import RunConfig, TrainConfig
+from ..run_config import RunConfig, TrainConfig
+from .corpus import BatchSampler, Corpus
 
 __all__ = ["check_data", "check_shards", "shard_of"]
 

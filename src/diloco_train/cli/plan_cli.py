@@ -10,7 +10,7 @@ import re
 from diloco_core import CODECS, Codec, DiLoCoConfig, MergeRule, codec_for
 from diloco_core.codecs.names import codec_of
 
-from .plan import MODES, Link, Row, ddp_seconds, plan, sync_bytes
+from ..plan import MODES, Link, Row, ddp_seconds, plan, sync_bytes
 
 __all__ = ["PLAN_EXAMPLE", "configure_plan_parser", "plan_main"]
 

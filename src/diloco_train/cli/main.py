@@ -16,16 +16,16 @@ from typing import TYPE_CHECKING, NoReturn
 
 from diloco_core import TransportError
 
+from ..interrupts import INTERRUPTS
+from ..report.log_tag import configure_logging
+from ..runs.run_folder import RunFolder
 from .export_cli import EXPORT_EXAMPLE, configure_export_parser, export_main
-from .interrupts import INTERRUPTS
-from .log_tag import configure_logging
 from .plan_cli import PLAN_EXAMPLE, configure_plan_parser, plan_main
 from .plot_cli import configure_plot_parser, plot_main
-from .run_folder import RunFolder
 from .torchrun import TORCHRUN_ARGS_ENV
 
 if TYPE_CHECKING:
-    from .run_config import RunConfig
+    from ..run_config import RunConfig
 
 __all__ = ["main"]
 
@@ -47,7 +47,7 @@ def _config_keys() -> str:
 
     from transports import TRANSPORT_KINDS
 
-    from .run_config import SECTIONS, TRAINER_DEFAULTS
+    from ..run_config import SECTIONS, TRAINER_DEFAULTS
 
     lines = ["config keys (--set SECTION.KEY=VALUE or a TOML table; defaults shown; docs/trainer.md):"]
     for name, cls in SECTIONS.items():
@@ -134,8 +134,8 @@ def _parser() -> argparse.ArgumentParser:
 def _run_config(args: argparse.Namespace) -> RunConfig:
     """The run's config: defaults, ``--config`` files and ``--set``; after ``--resume`` those merged onto the
     saved config (its changes said). Deprecation warnings are shown (Python hides a library's)."""
-    from .resume_merge import merge_onto_saved
-    from .run_config import build_config, load_toml
+    from ..run_config import build_config, load_toml
+    from ..runs.resume_merge import merge_onto_saved
 
     saved = _saved_config(args)
     with warnings.catch_warnings(record=True) as caught:
@@ -159,8 +159,8 @@ def _run_config(args: argparse.Namespace) -> RunConfig:
 
 def _saved_config(args: argparse.Namespace) -> Path | None:
     """Where the config of the run ``--resume`` continues is saved (None: not a resume)."""
-    from .run_config import build_config, parse_override
-    from .run_name import check_name
+    from ..run_config import build_config, parse_override
+    from ..runs.run_name import check_name
 
     if args.name is not None:
         check_name(args.name)
@@ -179,9 +179,9 @@ def _saved_config(args: argparse.Namespace) -> Path | None:
 def _train(args: argparse.Namespace, argv: list[str]) -> int:
     from transports import transport_spec
 
-    from .launch import check_quorum, train
-    from .run_name import default_name, resume_command
-    from .run_words import run_header, run_summary, traffic_line
+    from ..launch import check_quorum, train
+    from ..report.run_words import run_header, run_summary, traffic_line
+    from ..runs.run_name import default_name, resume_command
 
     config = _run_config(args)
     spec = transport_spec(config.transport)
@@ -221,7 +221,7 @@ def _train(args: argparse.Namespace, argv: list[str]) -> int:
 
 def _interrupted(run_dir: Path, again: str) -> str:
     """The last line of an interrupted run: the step it can resume from and how, or that nothing can be."""
-    from .checkpoint import list_checkpoints
+    from ..runs.checkpoint import list_checkpoints
 
     steps = list_checkpoints(RunFolder(run_dir).checkpoints, 0)
     if not steps:

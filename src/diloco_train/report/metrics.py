@@ -1,4 +1,4 @@
-"""A run's metrics.jsonl: rank 0 writes it (with the progress bar and the summary); everything reads it here.
+"""A run's metrics.jsonl: rank 0 writes it (with the progress bar and the summary); ``runs.metrics_file`` reads it.
 
 One JSON object per line, ``type`` one of step, round, eval, summary, each with the ``step`` it belongs to.
 """
@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import logging
 import math
-import os
 import sys
 import time
 from collections.abc import Sequence
@@ -18,11 +17,12 @@ from typing import Any, TextIO
 
 from diloco_core import RoundReport
 
-from .pace import Pace
-from .run_folder import RunFolder
+from ..pace import Pace
+from ..runs.metrics_file import read_metrics
+from ..runs.run_folder import RunFolder
 from .sinks import Sink, scalars_of
 
-__all__ = ["METRICS", "Reporter", "TrainResult", "perplexity", "read_metrics", "truncate_metrics"]
+__all__ = ["METRICS", "Reporter", "TrainResult", "perplexity", "read_metrics"]
 
 logger = logging.getLogger(__name__)
 
@@ -58,44 +58,6 @@ class TrainResult:
     unknown (a resumed run's earlier invocations are not in it)."""
     rank0: bool = True
     """Whether this process ran rank 0, which reports the run; another process's result holds NaN losses."""
-
-
-def read_metrics(run_dir: str | Path, *, missing_ok: bool = False) -> list[dict[str, Any]]:
-    """The records of ``<run_dir>/metrics.jsonl``. A run without the file is a ValueError, or no
-    records with ``missing_ok``; a line that is not JSON (or not UTF-8) is a ValueError naming it, but
-    for the last one, which a crash or a full disk can leave torn mid-write: dropped, with a warning."""
-    path = RunFolder(Path(run_dir)).metrics
-    if not path.is_file():
-        if missing_ok:
-            return []
-        raise ValueError(f"{str(run_dir)!r} is not a run: no {METRICS} in it")
-    lines = [(i, line) for i, line in enumerate(path.read_bytes().split(b"\n"), 1) if line.strip()]
-    records = []
-    for i, line in lines:
-        try:
-            records.append(json.loads(line.decode("utf-8")))
-        except UnicodeDecodeError:
-            what = "UTF-8 text"
-        except json.JSONDecodeError:
-            what = "a JSON line"
-        else:
-            continue
-        if i != lines[-1][0]:
-            raise ValueError(f"{path}:{i} is not {what}") from None
-        why = "torn by a crash or a full disk mid-write"
-        logger.warning("%s:%d, its last line, is not %s (%s): dropped it", path, i, what, why)
-    return records
-
-
-def truncate_metrics(run_dir: Path, step: int) -> None:
-    """Drop what a crashed or stopped run logged after the checkpoint it resumes from."""
-    path = RunFolder(run_dir).metrics
-    keep = [
-        r for r in read_metrics(run_dir, missing_ok=True) if r.get("type") != "summary" and r.get("step", 0) <= step
-    ]
-    tmp = path.with_suffix(".jsonl.tmp")
-    tmp.write_text("".join(json.dumps(r) + "\n" for r in keep), encoding="utf-8")
-    os.replace(tmp, path)
 
 
 def _advanced(steps: Sequence[int], *, since: int) -> int:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from .export import export
+from ..export import export
 
 __all__ = ["EXPORT_EXAMPLE", "configure_export_parser", "export_main"]
 

@@ -1,0 +1,1 @@
+"""The training data: corpora, Hugging Face datasets, token files, shards."""
