@@ -18,10 +18,10 @@ import torch
 
 from diloco_core import Transport
 
+from ..run_config import RunConfig, dump_toml
 from .checkpoint import checkpoint_path, checkpoint_ranks, list_checkpoints, load_checkpoint, save_checkpoint
 from .metrics_file import truncate_metrics
 from .resume_from import from_every_rank
-from ..run_config import RunConfig, dump_toml
 from .run_folder import RunFolder
 
 __all__ = [
