@@ -22,12 +22,9 @@ from ..runs.metrics_file import read_metrics
 from ..runs.run_folder import RunFolder
 from .sinks import Sink, scalars_of
 
-__all__ = ["METRICS", "Reporter", "TrainResult", "perplexity", "read_metrics"]
+__all__ = ["Reporter", "TrainResult", "perplexity", "read_metrics"]
 
 logger = logging.getLogger(__name__)
-
-METRICS = RunFolder.METRICS
-"""The file's name in a run folder."""
 
 
 @dataclass(frozen=True)
@@ -60,15 +57,6 @@ class TrainResult:
     """Whether this process ran rank 0, which reports the run; another process's result holds NaN losses."""
 
 
-def _advanced(steps: Sequence[int], *, since: int) -> int:
-    """How many steps the records of ``steps`` (in order) cover from step ``since``: one each in lock-step,
-    the whole round's work where an elastic round moves the step (its records share a step)."""
-    covered = 0
-    for step in steps:
-        covered += max(0, step - since - covered)
-    return covered
-
-
 def perplexity(loss: float) -> float:
     """exp(loss), capped at exp(80) (NaN stays NaN)."""
     return math.exp(min(loss, 80.0))
@@ -91,9 +79,12 @@ class Reporter:
         self.compute = sum(r["compute_s"] for r in steps)
         self.comm = sum(r["comm_s"] for r in steps)
         self.bytes_sent = sum(r["bytes_sent"] for r in steps)
-        self.steps = _advanced([r["step"] for r in steps], since=0)
-        self.last_step = start_step
-        """The step of the newest record (or the resume step): a record advances the run by its step less this."""
+        self.steps = 0
+        """Steps the records cover (``TrainResult.steps_run``), earlier invocations' included."""
+        self.last_step = 0
+        for r in steps:
+            self._advance(r["step"])
+        self.last_step = start_step  # records lost past the earlier ones up to the resume step do not count
         self.rounds = len(rounds)
         self.round_bytes = sum(r["bytes_sent"] for r in rounds)
         self.offset = max(timed, default=0.0)
@@ -129,13 +120,19 @@ class Reporter:
         for sink in self.sinks:
             sink.log(record["step"], scalars_of(record))
 
+    def _advance(self, step: int) -> int:
+        """A record of ``step``: how far it moves the run past the newest record's step (one in lock-step; an
+        elastic round's work where its round moved the step, as its records share the step)."""
+        advance = max(0, step - self.last_step)
+        self.last_step += advance
+        self.steps += advance
+        return advance
+
     def step(self, record: dict[str, Any]) -> None:
         self.compute += record["compute_s"]
         self.comm += record["comm_s"]
         self.bytes_sent += record["bytes_sent"]
-        advance = max(0, record["step"] - self.last_step)
-        self.last_step += advance
-        self.steps += advance
+        advance = self._advance(record["step"])
         rate = record["tokens_per_s"]
         self._rate = rate if self._rate is None else 0.9 * self._rate + 0.1 * rate
         self.write(record)

@@ -23,13 +23,7 @@ try:
 except ImportError:  # Windows: no flock; runs there are not guarded
     fcntl = None  # type: ignore[assignment]
 
-__all__ = ["RunOwner", "lock_path", "remove_unused"]
-
-_LOCK = RunFolder.OWNER
-
-
-def lock_path(run_dir: Path, rank: int) -> Path:
-    return RunFolder(run_dir).owner_lock(rank)
+__all__ = ["RunOwner", "remove_unused"]
 
 
 def remove_unused(run_dir: Path, *, spare: Callable[[Path], bool]) -> None:
@@ -37,7 +31,8 @@ def remove_unused(run_dir: Path, *, spare: Callable[[Path], bool]) -> None:
     that no live process holds and files ``spare`` says carry nothing; else leave it as it is."""
     try:
         entries = list(run_dir.iterdir())
-        tails = [p.name[len(_LOCK) :] for p in entries if p.name.startswith(_LOCK)]
+        lock = RunFolder.OWNER
+        tails = [p.name[len(lock) :] for p in entries if p.name.startswith(lock)]
         ranks = [int(r) for r in tails if r.isdigit()]
         if len(ranks) + sum(map(spare, entries)) < len(entries):
             return
@@ -71,7 +66,7 @@ class RunOwner:
             raise
 
     def _claim(self, run_dir: Path, rank: int) -> None:
-        path = lock_path(run_dir, rank)
+        path = RunFolder(run_dir).owner_lock(rank)
         f = path.open("a+", encoding="utf-8")  # never truncated before the lock is ours: it names the owner
         try:
             fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
