@@ -168,9 +168,11 @@ def _insider_run(faults: HivemindFaults, wire: str, caplog) -> None:
     last = together[-1]
     assert all(torch.equal(r[2], last[0][2]) for r in last)
     assert torch.allclose(last[0][2], honest_mean, atol=5e-3), (last[0][2] - honest_mean).abs().max()
-    for results in rounds:  # whatever committed, nobody's merge left an honest peer out
+    for (
+        results
+    ) in rounds:  # whatever committed (a round may form smaller groups), nobody's merge left an honest peer out
         for r in results[:3]:
-            assert isinstance(r, TransportError) or (not r[1] and r[0] == 3), summary
+            assert isinstance(r, TransportError) or not r[1], summary
     named = [r.getMessage() for r in caplog.records if "failed its part exchange" in r.getMessage()]
     assert named and all("relayed payloads failed their check" in line for line in named), named
     insider = PeerID.from_base58(peers[INSIDER].join_addresses[0].split("/p2p/")[-1]).to_bytes().hex()[-8:]
