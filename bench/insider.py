@@ -33,10 +33,11 @@ from pathlib import Path
 
 import torch
 
-from diloco_core import FP32, MEAN, Codec, ForwardingTransport, Merge, ReduceHandle, Transport
+from diloco_core import FP32, MEAN, Codec, Merge, ReduceHandle, Transport
 from diloco_train.report.plot import read_metrics
 from diloco_train.run_config import build_config
 from diloco_train.train import train
+from transports import ForwardingTransport
 
 
 class Insider(ForwardingTransport):

@@ -34,10 +34,11 @@ from pathlib import Path
 import torch
 from hivemind.p2p import PeerID
 
-from diloco_core import FP32, MEAN, Codec, ForwardingTransport, Merge, ReduceHandle, Transport
+from diloco_core import FP32, MEAN, Codec, Merge, ReduceHandle, Transport
 from diloco_train.launch import train
 from diloco_train.report.plot import read_metrics
 from diloco_train.run_config import build_config
+from transports import ForwardingTransport
 
 FORGED = [10**6, b"f" * 16]
 HIVEMIND = [

@@ -14,13 +14,13 @@ from diloco_core import (
     FP32,
     MEAN,
     Codec,
-    ForwardingTransport,
     Merge,
     ReduceHandle,
     ReduceResult,
     Transport,
     TransportError,
 )
+from transports import ForwardingTransport
 
 
 class Phase(enum.Enum):

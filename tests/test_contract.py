@@ -11,8 +11,8 @@ import torch
 from faults import Action, Fault, FaultyTransport, Phase
 from world import RankError
 
-from diloco_core import ForwardingTransport, Membership, Merge, MergeRule, TransportError, codec_for, reference_mean
-from transports import InProcessGroup, InProcessTransport
+from diloco_core import Membership, Merge, MergeRule, TransportError, codec_for, reference_mean
+from transports import ForwardingTransport, InProcessGroup, InProcessTransport
 from transports.simulated_link import SimulatedLink
 
 pytestmark = pytest.mark.timeout(180)

@@ -7,10 +7,11 @@ import pytest
 import torch
 from threads import run_threads
 
-from diloco_core import MEAN, DiLoCo, DiLoCoConfig, ForwardingTransport, Transport, codec_for
+from diloco_core import MEAN, DiLoCo, DiLoCoConfig, Transport, codec_for
 from diloco_core.codecs.base import FP32
 from diloco_core.control import ControlLayout, judge_controls
 from diloco_core.guard import MAX_WORK, ContributionGuard
+from transports import ForwardingTransport
 
 
 def _tails(k: int, *, numel: int = 40, block: int = 8) -> tuple[torch.Tensor, ControlLayout, int]:

@@ -14,7 +14,6 @@ from diloco_core import (
     ContributionGuard,
     DiLoCo,
     DiLoCoConfig,
-    ForwardingTransport,
     Membership,
     ReduceHandle,
     RunState,
@@ -25,7 +24,7 @@ from diloco_core import (
 )
 from diloco_core.config import outer_lr_for
 from diloco_core.guard import WINDOW
-from transports import InProcessGroup
+from transports import ForwardingTransport, InProcessGroup
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -11,10 +11,10 @@ import torch
 from threads import run_threads
 from torch import nn
 
-from diloco_core import FP32, MEAN, DiLoCo, DiLoCoConfig, ForwardingTransport, Transport, TransportError
+from diloco_core import FP32, MEAN, DiLoCo, DiLoCoConfig, Transport, TransportError
 from diloco_core.streaming import begins_at, strided_fragments, user_fragments
 from diloco_core.transport import Capabilities, ReduceHandle, ReduceResult
-from transports import InProcessGroup
+from transports import ForwardingTransport, InProcessGroup
 
 pytestmark = pytest.mark.timeout(60)
 DIM, BLOCKS = 6, 4

@@ -20,8 +20,7 @@ from typing import Any
 
 from threads import in_threads
 
-from diloco_core import ForwardingTransport
-from transports import InProcessGroup, InProcessTransport
+from transports import ForwardingTransport, InProcessGroup, InProcessTransport
 
 KINDS = ["inprocess", "torch", "hivemind"]
 GROUP_TIMEOUT_S = 60.0

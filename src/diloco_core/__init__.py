@@ -7,7 +7,6 @@ from .codecs.sparse import TopKCodec
 from .codecs.wire import reference_mean
 from .config import DiLoCoConfig
 from .diloco import DiLoCo
-from .forwarding import ForwardingTransport
 from .guard import ContributionGuard
 from .membership import Membership
 from .merge import MEAN, LeftOut, Merge, MergeRule
@@ -34,7 +33,6 @@ __all__ = [
     "DiLoCo",
     "DiLoCoConfig",
     "DiLoCoOptimizer",
-    "ForwardingTransport",
     "FutureHandle",
     "LeftOut",
     "Membership",

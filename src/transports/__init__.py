@@ -9,11 +9,13 @@ torch.distributed's nor hivemind's import cost (or absence) touches the other tr
 from typing import Any
 
 from .factory import DEFAULT_KIND, TRANSPORT_KINDS, TransportSpec, create_transport, transport_spec
+from .forwarding import ForwardingTransport
 from .inprocess import InProcessConfig, InProcessGroup, InProcessTransport
 
 __all__ = [
     "DEFAULT_KIND",
     "TRANSPORT_KINDS",
+    "ForwardingTransport",
     "HivemindConfig",
     "HivemindTransport",
     "InProcessConfig",

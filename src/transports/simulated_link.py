@@ -23,9 +23,10 @@ from typing import Any
 import torch
 
 from diloco_core import FP32, MEAN, Codec, Merge
-from diloco_core.forwarding import ForwardingTransport
 from diloco_core.rules import check_field, check_fields, from_mapping, is_finite_number, number
 from diloco_core.transport import ReduceHandle, ReduceResult, Transport, TransportError
+
+from .forwarding import ForwardingTransport
 
 __all__ = ["LINK_KEYS", "LinkConfig", "SimulatedLink", "link_from_section"]
 

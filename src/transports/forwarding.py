@@ -14,11 +14,7 @@ from typing import Any
 
 import torch
 
-from .codecs.base import FP32, Codec
-from .membership import Membership
-from .merge import MEAN, Merge
-from .run_state import RunState
-from .transport import Capabilities, ReduceHandle, Transport
+from diloco_core import FP32, MEAN, Capabilities, Codec, Membership, Merge, ReduceHandle, RunState, Transport
 
 __all__ = ["ForwardingTransport"]
 
