@@ -121,6 +121,39 @@ def test_no_module_reads_another_objects_private_attributes():
     )
 
 
+def _public_instance_attributes(source: str, cls: str) -> list[str]:
+    """The attributes ``cls``'s methods assign on ``self`` whose names are public."""
+    tree = ast.parse(source)
+    node = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == cls)
+    targets = [t for n in ast.walk(node) if isinstance(n, (ast.Assign, ast.AnnAssign)) for t in _assigned(n)]
+    return sorted(
+        t.attr
+        for t in targets
+        if isinstance(t, ast.Attribute)
+        and isinstance(t.value, ast.Name)
+        and t.value.id == "self"
+        and not t.attr.startswith("_")
+    )
+
+
+def _assigned(node: ast.Assign | ast.AnnAssign) -> list[ast.expr]:
+    targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+    return [e for t in targets for e in (t.elts if isinstance(t, ast.Tuple) else [t])]
+
+
+def test_rounds_reaches_no_collaborator_out():
+    """``Rounds`` owns the round's state: the global copy, both optimizers, the fragments, the model's
+    state and the transport are private; others change them through its methods (with the private-read
+    check above, nothing reaches through it)."""
+    public = _public_instance_attributes((SRC / "diloco_core" / "rounds.py").read_text(), "Rounds")
+    assert not public, f"Rounds hands out its collaborators as public attributes: {public}"
+
+
+def test_the_collaborator_check_sees_a_public_attribute():
+    source = "class Rounds:\n    def __init__(self, o):\n        self._a, self.outer = 1, o\n        self._b: int = 2\n"
+    assert _public_instance_attributes(source, "Rounds") == ["outer"]
+
+
 def _core_import_graph() -> dict[str, set[str]]:
     """Each core module's relative imports (TYPE_CHECKING and function-level ones included), as module names."""
     core = SRC / "diloco_core"

@@ -110,13 +110,13 @@ class DiLoCo:
         """The first fragment's contribution guard (``diloco_core.guard``; the only one unless streaming)."""
         self.outer_lr = outer_lr_of(config, world_size=transport.world_size, fixed_ranks=fixed)
         """The outer SGD's learning rate: ``config.outer_lr``, or the rule's for the world size (eager: for 1)."""
-        self.outer_optimizer = torch.optim.SGD(
-            [f.param for f in self.fragments],
-            lr=self.outer_lr,
-            momentum=config.outer_momentum,
-            nesterov=config.nesterov and config.outer_momentum > 0,
-            fused=True,  # one pass over the flat buffer instead of three (and no temporary the size of the model)
-        )
+        outer = {
+            "lr": self.outer_lr,
+            "momentum": config.outer_momentum,
+            "nesterov": config.nesterov and config.outer_momentum > 0,
+        }
+        # fused: one pass over the flat buffer instead of three (and no temporary the size of the model)
+        self.outer_optimizer = torch.optim.SGD([f.param for f in self.fragments], **outer, fused=True)
         self.rounds = Rounds(
             self.fragments,
             local=self.local,
@@ -138,9 +138,9 @@ class DiLoCo:
             self.rounds.from_model()
             self.model_state.broadcast(transport, global_copy.flat, timeout=config.reduce_timeout)
             self.rounds.to_model()
-        self.eager = Eager(self.rounds) if config.overlap == "eager" else None
+        self.eager = Eager(self.rounds, fragment=self.fragments[0], outer=outer) if config.overlap == "eager" else None
         """Eager updates' own outer parameters and share in flight (``diloco_core.eager``); None otherwise."""
-        self.run_state = RunState(self.rounds, config, eager=self.eager)
+        self.run_state = RunState(self.rounds, config, fragments=self.fragments, eager=self.eager)
         """The outer state a transport whose peers come and go serves to joiners (``Membership.attach``)."""
         self.joined = isinstance(transport, Membership) and transport.attach(self.run_state, config.reduce_timeout)
         """True if this worker joined a run already going: global params, outer momentum and round came
@@ -271,10 +271,10 @@ class DiLoCo:
         """All needed to continue bit-identically (``diloco_state``); reduces in flight settle, kept for their step."""
         with self.run_state.lock:
             kept = self.transport.state_dict() if isinstance(self.transport, Membership) else {}  # a fixed group: none
-            return {**state_of(self.rounds, self.eager), "transport": kept}
+            return {**state_of(self.rounds, self.fragments, self.eager), "transport": kept}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         with self.run_state.lock:
-            load_state(self.rounds, state, self.eager)
+            load_state(self.rounds, state, fragments=self.fragments, eager=self.eager)
             if isinstance(self.transport, Membership):
                 self.transport.load_state_dict(state["transport"])

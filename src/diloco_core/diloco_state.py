@@ -26,31 +26,25 @@ __all__ = ["in_flight_entry", "load_state", "restored", "state_of"]
 _IN_FLIGHT = ("fragment", "finish_at", "round", "excluded", "clipped", "pseudo_grad_norm", "sent_norm")
 
 
-def state_of(rounds: Rounds, eager: Eager | None) -> dict[str, Any]:
-    """Model (trainable parameters, their names, and by name its frozen parameters and persistent
-    buffers), global copy, both optimizers, counters, the error-feedback residual (None without), the
-    contribution guard's references, what the transport keeps about the run's state; with overlap, the
-    settled means in flight and eager's own params."""
+def state_of(rounds: Rounds, fragments: Sequence[Fragment], eager: Eager | None) -> dict[str, Any]:
+    """``rounds``' state (model, global copy, both optimizers, counters), the error-feedback residual
+    (None without) and the contribution guard's references of ``fragments``, what the transport keeps
+    about the run's state; with overlap, the settled means in flight and eager's own params."""
     for pending in rounds.in_flight:
         rounds.settle(pending)
-    frags = rounds.fragments
-    residuals = [f.feedback.residual for f in frags]
-    state = {
-        "model": [p.detach() for p in rounds.local],
-        "param_names": list(rounds.model_state.names),
-        "model_state": rounds.model_state.state_dict(),
-        "global": rounds.global_copy.flat,
-        "outer_optimizer": rounds.outer_optimizer.state_dict(),
-        "inner_optimizer": rounds.inner_optimizer.state_dict(),
-        "inner_step": rounds.inner_step,
-        "round": rounds.round,
-        "residual": None if residuals[0] is None else torch.cat(residuals) if len(frags) > 1 else residuals[0],
-        "guard": frags[0].guard.state_dict() if len(frags) == 1 else [f.guard.state_dict() for f in frags],
-    }
+    residuals = [f.feedback.residual for f in fragments]
+    state = rounds.state_dict()
+    if residuals[0] is None or len(fragments) == 1:
+        state["residual"] = residuals[0]
+    else:
+        state["residual"] = torch.cat(residuals)
+    guards = [f.guard.state_dict() for f in fragments]
+    state["guard"] = guards[0] if len(fragments) == 1 else guards
     if eager is not None:
         state["eager"] = eager.state_dict()
     if rounds.in_flight:
-        state["in_flight"] = [in_flight_entry(p, mean=frags[p.fragment].reduce.flat) for p in rounds.in_flight]
+        means = [fragments[p.fragment].reduce.flat for p in rounds.in_flight]
+        state["in_flight"] = [in_flight_entry(p, mean=m) for p, m in zip(rounds.in_flight, means)]
     return state
 
 
@@ -80,37 +74,27 @@ _KEYS = [
 
 
 @torch.no_grad()
-def load_state(rounds: Rounds, state: dict[str, Any], eager: Eager | None) -> None:
-    """Load ``DiLoCo.state_dict()``'s dict: ``state_of``'s and the transport's, which ``DiLoCo`` loads after this
-    (``ValueError`` naming what is missing or does not fit this run, before anything changes)."""
+def load_state(rounds: Rounds, state: dict[str, Any], *, fragments: Sequence[Fragment], eager: Eager | None) -> None:
+    """Load ``DiLoCo.state_dict()``'s dict: ``state_of``'s and the transport's, which ``DiLoCo`` loads after
+    this (``ValueError`` naming what is missing or does not fit this run, before anything changes)."""
     missing = [k for k in _KEYS if k not in state]
     if missing:
         raise ValueError(f"DiLoCo state is missing {missing}: it was not written by DiLoCo.state_dict()")
-    model, flat, frags = state["model"], state["global"], rounds.fragments
-    shapes, here = [tuple(t.shape) for t in model], [tuple(t.shape) for t in rounds.local]
-    if shapes != here or flat.shape != rounds.global_copy.flat.shape:
-        raise ValueError(
-            f"DiLoCo state holds {len(shapes)} tensors ({flat.numel()} values); this model has "
-            f"{len(here)} ({rounds.global_copy.flat.numel()} values)"
-        )
-    rounds.model_state.check_loadable(state)
+    rounds.check_loadable(state)
     guards = state["guard"]
-    if ("eager" in state) != (eager is not None) or len(frags) != (len(guards) if isinstance(guards, list) else 1):
+    saved_fragments = len(guards) if isinstance(guards, list) else 1
+    if ("eager" in state) != (eager is not None) or len(fragments) != saved_fragments:
         raise ValueError("DiLoCo state was saved with other overlap settings (overlap, fragments) than this run's")
-    torch._foreach_copy_(rounds.local, list(model))
-    rounds.global_copy.flat.copy_(flat)
-    rounds.model_state.load(state)
-    rounds.outer_optimizer.load_state_dict(state["outer_optimizer"])
-    rounds.inner_optimizer.load_state_dict(state["inner_optimizer"])
     residual = state["residual"]  # None: no error feedback
-    parts = residual.split([f.flat.numel() for f in frags]) if residual is not None else [None] * len(frags)
-    for i, f in enumerate(frags):
+    sizes = [f.flat.numel() for f in fragments]
+    parts = residual.split(sizes) if residual is not None else [None] * len(fragments)
+    for i, f in enumerate(fragments):
         f.feedback.load(parts[i])
         f.guard.load_state_dict(guards[i] if isinstance(guards, list) else guards)
     if eager is not None:
         eager.load_state_dict(state["eager"])
-    in_flight = [restored(frags, p) for p in state.get("in_flight", [])]  # absent: none in flight
-    rounds.restore(round=int(state["round"]), inner_step=int(state["inner_step"]), in_flight=in_flight)
+    in_flight = [restored(fragments, p) for p in state.get("in_flight", [])]  # absent: none in flight
+    rounds.load_state_dict(state, in_flight=in_flight)
 
 
 def restored(fragments: Sequence[Fragment], saved: dict[str, Any], *, copy: bool = True) -> PendingRound:

@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from .guard import reset_if_nonfinite
+from .fragment import Fragment
 from .report import PendingRound, RoundReport
 from .rounds import Rounds
 
@@ -34,14 +34,15 @@ __all__ = ["Eager"]
 class Eager:
     """One worker's eager state: its outer parameters x (``flat``) with their own outer SGD, and the
     pseudo-gradient it last sent (``sent``, its share of the reduce in flight); it runs the boundaries of
-    ``rounds`` (one fragment). Its SGD has the consensus outer SGD's settings."""
+    ``rounds``, whose one fragment is ``fragment``. Its SGD has the consensus outer SGD's settings
+    (``outer``: lr, momentum, nesterov)."""
 
-    def __init__(self, rounds: Rounds) -> None:
+    def __init__(self, rounds: Rounds, *, fragment: Fragment, outer: dict[str, Any]) -> None:
         self.rounds = rounds
-        self.flat = rounds.global_copy.flat.detach().clone()
+        self.fragment = fragment
+        self.flat = rounds.global_clone()
         self.param = torch.nn.Parameter(self.flat, requires_grad=False)
         self.param.grad = torch.zeros_like(self.flat)
-        outer = {k: rounds.outer_optimizer.defaults[k] for k in ("lr", "momentum", "nesterov")}
         self.optimizer = torch.optim.SGD([self.param], **outer, fused=True)
         self.sent = torch.zeros_like(self.flat)
         self.sent_valid = False
@@ -66,10 +67,9 @@ class Eager:
 
     def reset(self) -> None:
         """x becomes the consensus global copy, with its momentum (a flush, or a joiner's start)."""
-        self.flat.copy_(self.rounds.global_copy.flat)
-        state = self.rounds.outer_optimizer.state_dict()["state"]
+        self.flat.copy_(self.rounds.global_clone())
         mine = self.optimizer.state_dict()
-        mine["state"] = {k: {"momentum_buffer": s["momentum_buffer"].clone()} for k, s in state.items()}  # one param
+        mine["state"] = {k: {"momentum_buffer": b} for k, b in enumerate(self.rounds.momentum())}
         self.optimizer.load_state_dict(mine)
         self.sent.zero_()
         self.sent_valid, self.sent_norm = False, 0.0
@@ -98,14 +98,14 @@ class Eager:
         """Eager updates' boundary: settle the previous round's reduce (a retry sends the same share again), step
         the consensus copy with its mean and this worker's own params with Δ̃ (w: ``fresh_weight``, None: max(0.5,
         1 / M)), send the fresh pseudo-gradient."""
-        r, f = self.rounds, self.rounds.fragments[0]
-        transport, world = r.transport, r.transport.world_size
+        r, f = self.rounds, self.fragment
+        world = r.world_size
         start = time.perf_counter()
         last = r.in_flight[0] if r.in_flight else None
         if last is not None and retry and last.settled is None:
             f.reduce.body.copy_(self.sent)
-            handle, _ = f.send(transport, excluded=not self.sent_valid, norm=self.sent_norm)
-            last = r.swap(last, handle=handle, buffers=r.model_state.begin(transport))
+            handle, _, buffers = r.send(0, excluded=not self.sent_valid, norm=self.sent_norm)
+            last = r.swap(last, handle=handle, buffers=buffers)
         # applied (no longer in flight): a snapshot of the run state taken as the fresh reduce starts must not hold it
         last, mean_clipped, mean_norm = r.apply(last) if last is not None else (None, False, 0.0)
         settled = last.settled if last is not None else None
@@ -116,18 +116,18 @@ class Eager:
         self.outer_gradient(mean, f.reduce.body, valid=valid, world=world, w=w, fresh_valid=not excluded)
         self.optimizer.step()
         self.sent.copy_(f.reduce.body)
-        handle, excluded = f.send(transport, excluded=excluded, norm=sent_norm)
+        handle, excluded, buffers = r.send(0, excluded=excluded, norm=sent_norm)
         self.sent_valid, self.sent_norm = not excluded, sent_norm
         parts = self.flat.split([t.numel() for t in f.local])
         torch._foreach_copy_(f.local, [x.view_as(t) for x, t in zip(parts, f.local)])
         if excluded:
-            reset_if_nonfinite(r.inner_optimizer, r.round + 1)
+            r.restart_inner_if_nonfinite()
         fresh = PendingRound(
             round=r.round + 2,
             handle=handle,
             pseudo_grad_norm=local_norm,
             started=start,
-            buffers=r.model_state.begin(transport),
+            buffers=buffers,
             excluded=excluded,
             clipped=clipped,
             sent_norm=sent_norm,
@@ -142,5 +142,5 @@ class Eager:
         params become it (the same on every worker)."""
         for pending in self.rounds.in_flight:
             self.rounds.apply(pending)
-        self.rounds.fragments[0].load_global()
+        self.fragment.load_global()
         self.reset()

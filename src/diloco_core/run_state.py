@@ -24,7 +24,7 @@ import torch
 from .config import DiLoCoConfig
 from .diloco_state import in_flight_entry, restored
 from .eager import Eager
-from .fragment import Settled
+from .fragment import Fragment, Settled
 from .guard import ContributionGuard
 from .report import PendingRound
 from .rounds import Rounds
@@ -35,10 +35,18 @@ __all__ = ["RunState"]
 class RunState:
     """The outer momentum, round and guard references of one ``DiLoCo``'s ``rounds`` (with overlap: also the
     inner step and the completed means in flight), for peers that join or fall behind; ``config`` is that
-    DiLoCo's, ``eager`` its eager state (None without)."""
+    DiLoCo's, ``fragments`` its fragments, ``eager`` its eager state (None without)."""
 
-    def __init__(self, rounds: Rounds, config: DiLoCoConfig, *, eager: Eager | None = None) -> None:
+    def __init__(
+        self,
+        rounds: Rounds,
+        config: DiLoCoConfig,
+        *,
+        fragments: Sequence[Fragment],
+        eager: Eager | None = None,
+    ) -> None:
         self._rounds = rounds
+        self._fragments = list(fragments)
         self._config = config
         self._eager = eager
         self.lock = threading.RLock()
@@ -49,7 +57,7 @@ class RunState:
     @property
     def keys(self) -> frozenset[str]:
         """The keys of the reduces whose results advance this state (DiLoCo's rounds, one per fragment)."""
-        return frozenset(f.key for f in self._rounds.fragments)
+        return frozenset(f.key for f in self._fragments)
 
     @property
     def means_in_flight(self) -> bool:
@@ -80,25 +88,23 @@ class RunState:
         mean; serve the last one instead (taken as that reduce started)."""
         r = self._rounds
         with self.lock:
-            state = r.outer_optimizer.state_dict()["state"].values()
-            buffers = [s["momentum_buffer"] for s in state if s.get("momentum_buffer") is not None]
-            guard = r.fragments[0].guard.state_dict()
-            meta: dict[str, Any] = {"round": r.round, "num_momentum": len(buffers), "guard": guard}
+            tensors = r.momentum()
+            guard = self._fragments[0].guard.state_dict()
+            meta: dict[str, Any] = {"round": r.round, "num_momentum": len(tensors), "guard": guard}
             meta["ended_at"] = r.ended_at
-            tensors = [b.detach().clone() for b in buffers]
             if self.means_in_flight:
                 flights = [self._completed(p) for p in r.in_flight]
                 if None in flights:
                     return None
                 meta["inner_step"] = r.inner_step if self._at is None else self._at - 1
-                meta["guards"] = [f.guard.state_dict() for f in r.fragments]
+                meta["guards"] = [f.guard.state_dict() for f in self._fragments]
                 meta["in_flight"] = [{k: v for k, v in e.items() if k != "mean"} for e in flights]
                 tensors += [e["mean"] for e in flights]
         return meta, tensors
 
     def _completed(self, p: PendingRound) -> dict[str, Any] | None:
         """A reduce in flight as ``in_flight_entry`` (its mean cloned), if it has completed; else None."""
-        f = self._rounds.fragments[p.fragment]
+        f = self._fragments[p.fragment]
         if p.settled is not None:
             return in_flight_entry(p, mean=f.reduce.flat.detach().clone())
         if (result := p.handle.completed() if p.handle is not None else None) is None:
@@ -112,7 +118,7 @@ class RunState:
         """Check a peer's ``snapshot()`` against this DiLoCo (``ValueError`` if it does not fit, changing
         nothing) and return the function that loads it. Loading sets round and momentum, and the model
         to the global params, which must hold the peer's by then (its broadcast values)."""
-        r, frags = self._rounds, self._rounds.fragments
+        r, frags = self._rounds, self._fragments
         n = meta.get("num_momentum") if isinstance(meta, dict) else None
         rnd = meta.get("round") if isinstance(meta, dict) else None
         flights = meta.get("in_flight", []) if isinstance(meta, dict) else None
@@ -126,9 +132,8 @@ class RunState:
             raise ValueError(f"a peer's DiLoCo state does not fit: {meta!r} with {len(tensors)} tensor(s)")
         if ("inner_step" in meta) != self.means_in_flight:
             raise ValueError("a peer's DiLoCo state was made with other overlap settings than this peer's")
-        keys = list(r.outer_optimizer.state_dict()["param_groups"][0]["params"])
-        if n not in (0, len(keys)):
-            raise ValueError(f"a peer's DiLoCo state holds {n} momentum buffers for {len(keys)} outer parameter(s)")
+        if n not in (0, len(frags)):  # one outer parameter per fragment
+            raise ValueError(f"a peer's DiLoCo state holds {n} momentum buffers for {len(frags)} outer parameter(s)")
         for t, f in zip(tensors[:n], frags):
             _check(t, f.param, "outer momentum")
         pending = [_pending(entry, mean, frags) for entry, mean in zip(flights, tensors[n:])]
@@ -147,9 +152,7 @@ class RunState:
         def load() -> None:  # never calls back into the transport, which may hold its own locks
             with self.lock, torch.no_grad():
                 r.to_model()  # after a round the model is the global copy
-                outer = r.outer_optimizer.state_dict()
-                outer["state"] = {k: {"momentum_buffer": t.clone()} for k, t in zip(keys, tensors[:n])}  # none before 1
-                r.outer_optimizer.load_state_dict(outer)
+                r.load_momentum(tensors[:n])  # none before round 1
                 for f, g in zip(frags, guards):
                     f.guard.load_state_dict(g.state_dict())
                 for entry, _ in pending:
