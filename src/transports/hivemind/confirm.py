@@ -14,7 +14,8 @@ import logging
 import time
 from collections import OrderedDict
 from collections.abc import Collection, Sequence
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, NoReturn
 
 from hivemind.averaging.allreduce import AllreduceException
 from hivemind.p2p import P2PContext
@@ -26,6 +27,35 @@ from .blame import ExchangeFailed, culprits, read_report, report
 __all__ = ["Confirmations"]
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass(kw_only=True)
+class _Wait:
+    """A confirmation's wait (``Confirmations._confirm``): for whom, and what came of it so far."""
+
+    others: list[Any]
+    """The groupmates (this peer left out): only their confirmations count."""
+    waited: list[Any]
+    """Those waited for where the round failed: the others less those seen failing."""
+    digest: bytes
+    deadline: float
+    error: str | None
+    """Why the round fails (None: not known to)."""
+    left: float
+    """Seconds left (at first at least 0.1): each send's timeout, read as the send starts, by when
+    the wait has updated it."""
+    got: dict[Any, tuple[bool, bytes]] = field(default_factory=dict)
+    """The groupmates' confirmations so far: (ok, digest)."""
+
+    def settled(self) -> bool:
+        """Whether the wait is over: every groupmate confirmed (where the round failed: every
+        groupmate waited for). A confirmation not ok with this peer's digest fails the round."""
+        bad = [p for p, (ok, d) in self.got.items() if not ok or d != self.digest]
+        if self.error is None and bad:  # the reports of the others still count (blame.py)
+            self.error = f"{len(bad)} groupmate(s) failed or hold a different result"
+        if self.error is None:
+            return all(p in self.got for p in self.others)
+        return all(p in self.got for p in self.waited)
 
 
 class Confirmations:
@@ -95,60 +125,109 @@ class Confirmations:
         if error is not None:
             digest = report(peer_ids, failed)
         waited = [p for p in others if p not in failed]  # one seen failing may never answer
-        code = averaging_pb2.AVERAGED_PART if error is None else averaging_pb2.INTERNAL_ERROR
-        mac = self.keys.confirm_mac(group_id, self.peer_id.to_bytes(), code, digest)
-        msg = averaging_pb2.AveragingData(
-            code=code, group_id=group_id, tensor_part=runtime_pb2.Tensor(buffer=digest + mac)
-        )
+        msg = self._confirmation(group_id, error=error, digest=digest)
         left = max(0.1, deadline - time.monotonic())
-
-        async def send(peer: Any) -> bool:
-            try:
-                await asyncio.wait_for(self.get_stub(self._p2p, peer, namespace=self.prefix).rpc_confirm(msg), left)
-                return True
-            except Exception as e:  # noqa: BLE001 - a lost peer is seen by the receivers as a missing confirmation
-                logger.debug("confirm to %s failed: %r", peer, e)
-                return False
-
-        sends = [asyncio.create_task(send(p)) for p in others]
+        wait = _Wait(
+            others=others,
+            waited=waited,
+            digest=digest,
+            deadline=deadline,
+            error=error,
+            left=left,
+        )
+        sends = [asyncio.create_task(self._send_confirmation(p, msg, wait)) for p in others]
         box = self._confirm_box(group_id)
         try:
-            while True:
-                got = {p: v for p, v in box["got"].items() if p in others}  # only this group's members count
-                bad = [p for p, (ok, d) in got.items() if not ok or d != digest]
-                if error is None and bad:  # the reports of the others still count (blame.py)
-                    error = f"{len(bad)} groupmate(s) failed or hold a different result"
-                if error is None and all(p in got for p in others):
-                    break
-                if error is not None and all(p in got for p in waited):
-                    break
-                box["event"].clear()
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    silent = sum(p not in got for p in others)
-                    error = error or f"{silent} groupmate(s) never confirmed the result"
-                    break
-                try:
-                    await asyncio.wait_for(box["event"].wait(), left)
-                except asyncio.TimeoutError:
-                    pass
+            await self._await_confirmations(box, wait)
         finally:
             delivered = await asyncio.gather(*sends, return_exceptions=True)
-            abstained = {peer_ids.index(p) for p in box["abstained"] if p in others}
-            for i in abstained:
-                self._abstained[str(peer_ids[i])] = time.monotonic() + self.apart_seconds
+            abstained = self._keep_apart(box, peer_ids, others)
             self._confirms.pop(group_id, None)
+        error = wait.error
         if error is None and not all(d is True for d in delivered):
             # A groupmate that did not get my confirmation will not commit; neither may I.
             error = f"{sum(d is not True for d in delivered)} confirmation(s) could not be delivered"
         if error is not None:
-            me, size = peer_ids.index(self.peer_id), len(peer_ids)
-            reports = {me: read_report(report(peer_ids, failed), size=size, sender=me)}
-            for p, (ok, d) in got.items():  # a groupmate that confirmed blames nobody
-                i = peer_ids.index(p)
-                reports[i] = frozenset() if ok else read_report(d, size=size, sender=i)
-            guilty = culprits(size, reports) - abstained  # withheld on purpose: no fault
-            if guilty:
-                blamed = tuple(peer_ids[i].to_bytes() for i in sorted(guilty))
-                raise ExchangeFailed(blamed, f"round not committed: {error}")
-            raise AllreduceException(f"round not committed: {error}")
+            self._not_committed(
+                peer_ids,
+                error=error,
+                failed=failed,
+                got=wait.got,
+                abstained=abstained,
+            )
+
+    def _confirmation(
+        self,
+        group_id: bytes,
+        *,
+        error: str | None,
+        digest: bytes,
+    ) -> averaging_pb2.AveragingData:
+        """This peer's confirmation in group ``group_id``: ok with ``digest`` unless ``error``."""
+        code = averaging_pb2.AVERAGED_PART if error is None else averaging_pb2.INTERNAL_ERROR
+        mac = self.keys.confirm_mac(group_id, self.peer_id.to_bytes(), code, digest)
+        tensor = runtime_pb2.Tensor(buffer=digest + mac)
+        return averaging_pb2.AveragingData(code=code, group_id=group_id, tensor_part=tensor)
+
+    async def _send_confirmation(
+        self,
+        peer: Any,
+        msg: averaging_pb2.AveragingData,
+        wait: _Wait,
+    ) -> bool:
+        """Whether ``peer`` got ``msg`` within the seconds the wait has left as this send starts."""
+        try:
+            stub = self.get_stub(self._p2p, peer, namespace=self.prefix)
+            await asyncio.wait_for(stub.rpc_confirm(msg), wait.left)
+            return True
+        except Exception as e:  # noqa: BLE001 - a lost peer: receivers see a missing confirmation
+            logger.debug("confirm to %s failed: %r", peer, e)
+            return False
+
+    async def _await_confirmations(self, box: dict, wait: _Wait) -> None:
+        """Wait until every groupmate confirmed (those not seen failing, where the round failed) or
+        the deadline passed; ``wait.error`` says why the round fails, if it does."""
+        while True:
+            # only this group's members count
+            wait.got = {p: v for p, v in box["got"].items() if p in wait.others}
+            if wait.settled():
+                return
+            box["event"].clear()
+            wait.left = wait.deadline - time.monotonic()
+            if wait.left <= 0:
+                silent = sum(p not in wait.got for p in wait.others)
+                wait.error = wait.error or f"{silent} groupmate(s) never confirmed the result"
+                return
+            try:
+                await asyncio.wait_for(box["event"].wait(), wait.left)
+            except asyncio.TimeoutError:
+                pass
+
+    def _keep_apart(self, box: dict, peer_ids: Sequence[Any], others: list[Any]) -> set[int]:
+        """The groupmates that abstained (group indices), kept apart for ``apart_seconds``."""
+        abstained = {peer_ids.index(p) for p in box["abstained"] if p in others}
+        for i in abstained:
+            self._abstained[str(peer_ids[i])] = time.monotonic() + self.apart_seconds
+        return abstained
+
+    def _not_committed(
+        self,
+        peer_ids: Sequence[Any],
+        *,
+        error: str,
+        failed: Collection[Any],
+        got: dict[Any, tuple[bool, bytes]],
+        abstained: set[int],
+    ) -> NoReturn:
+        """Raise the round's failure: ``ExchangeFailed`` naming whom the group's reports blame
+        (``blame``; a groupmate that abstained is not at fault), else ``AllreduceException``."""
+        me, size = peer_ids.index(self.peer_id), len(peer_ids)
+        reports = {me: read_report(report(peer_ids, failed), size=size, sender=me)}
+        for p, (ok, d) in got.items():  # a groupmate that confirmed blames nobody
+            i = peer_ids.index(p)
+            reports[i] = frozenset() if ok else read_report(d, size=size, sender=i)
+        guilty = culprits(size, reports) - abstained  # withheld on purpose: no fault
+        if guilty:
+            blamed = tuple(peer_ids[i].to_bytes() for i in sorted(guilty))
+            raise ExchangeFailed(blamed, f"round not committed: {error}")
+        raise AllreduceException(f"round not committed: {error}")

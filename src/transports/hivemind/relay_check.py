@@ -30,6 +30,7 @@ import logging
 import time
 from collections import OrderedDict
 from collections.abc import Collection, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -89,6 +90,65 @@ def _read(message: bytes, parts: Sequence[int], sender: int) -> tuple[dict, dict
     return dict(zip(mine, cut)), dict(zip(stated, cut[len(mine) :]))
 
 
+@dataclass(kw_only=True)
+class _Checks:
+    """One member's checks of what it merged (``verdict``): what it knows, and what they found."""
+
+    parts: Sequence[int]
+    me: int
+    claims: Mapping[Where, bytes]
+    seen: Mapping[tuple[int, int, int], bytes]
+    read: dict[int, tuple[dict, dict]] = field(default_factory=dict)
+    """The groupmates' valid messages, by index: (claims, statements)."""
+    problems: list[str] = field(default_factory=list)
+    blamed: set[int] = field(default_factory=set)
+
+    def read_messages(self, messages: Mapping[int, bytes]) -> None:
+        """Each groupmate's message; one that is missing or malformed is a problem."""
+        for j in range(len(self.parts)):
+            if j == self.me:
+                continue
+            got = _read(messages.get(j, b""), self.parts, j)
+            if got is None:
+                if messages.get(j):
+                    self.blamed.add(j)  # it sent a malformed message itself
+                self.problems.append(f"no valid payload digests from groupmate {j}")
+            else:
+                self.read[j] = got
+
+    def check_owner(self, k: int) -> None:
+        """Owner ``k``'s statements: of my own payloads, and of the others' it relayed to me."""
+        stated = self.read[k][1]
+        for p in range(self.parts[k]):
+            if stated[(p, self.me)] != self.claims.get((k, p)):
+                self.blamed.add(k)
+                what = f"a payload of mine for part {p}"
+                self.problems.append(f"owner {k} states {what} I never sent")
+            for i in range(len(self.parts)):
+                if i in (k, self.me) or self.seen.get((k, p, i)) is None:
+                    continue
+                self.check_relay(k, p, i)
+
+    def check_relay(self, k: int, p: int, i: int) -> None:
+        """Sender ``i``'s payload of part ``p`` as owner ``k`` relayed it to me: what ``k`` states
+        it received, and what ``i`` claims it sent."""
+        if self.seen[(k, p, i)] != self.read[k][1][(p, i)]:
+            self.blamed.add(k)
+            what = f"a payload of {i} for part {p}"
+            self.problems.append(f"owner {k} relayed {what} that it did not receive")
+        elif i in self.read and self.read[i][0][(k, p)] != self.seen[(k, p, i)]:
+            self.problems.append(f"owner {k} and sender {i} disagree on part {p}'s payload")
+
+    def check_sender(self, i: int) -> None:
+        """Sender ``i``'s claims of the payloads it sent me, as the owner of my parts."""
+        claimed = self.read[i][0]
+        me = self.me
+        bad = [p for p in range(self.parts[me]) if claimed[(me, p)] != self.seen.get((me, p, i))]
+        if bad:
+            self.blamed.add(i)
+            self.problems.append(f"sender {i} claims payloads it did not send me (part {bad[0]})")
+
+
 def verdict(
     messages: Mapping[int, bytes],
     parts: Sequence[int],
@@ -99,39 +159,13 @@ def verdict(
 ) -> tuple[list[str], frozenset[int]]:
     """What this member's checks found (one line each) and whom it blames (group indices), from the
     groupmates' ``messages`` (by index; missing or empty: that groupmate's exchange failed)."""
-    problems: list[str] = []
-    blamed: set[int] = set()
-    read: dict[int, tuple[dict, dict]] = {}
-    for j in range(len(parts)):
-        if j == me:
-            continue
-        got = _read(messages.get(j, b""), parts, j)
-        if got is None:
-            if messages.get(j):
-                blamed.add(j)  # it sent a malformed message itself
-            problems.append(f"no valid payload digests from groupmate {j}")
-        else:
-            read[j] = got
-    for k, (_, stated) in read.items():  # the parts owner k relayed to me
-        for p in range(parts[k]):
-            if stated[(p, me)] != claims.get((k, p)):
-                blamed.add(k)
-                problems.append(f"owner {k} states a payload of mine for part {p} I never sent")
-            for i in range(len(parts)):
-                if i in (k, me) or seen.get((k, p, i)) is None:
-                    continue
-                if seen[(k, p, i)] != stated[(p, i)]:
-                    blamed.add(k)
-                    what = f"a payload of {i} for part {p}"
-                    problems.append(f"owner {k} relayed {what} that it did not receive")
-                elif i in read and read[i][0][(k, p)] != seen[(k, p, i)]:
-                    problems.append(f"owner {k} and sender {i} disagree on part {p}'s payload")
-    for i, (claimed, _) in read.items():  # the payloads senders sent me, as the owner
-        bad = [p for p in range(parts[me]) if claimed[(me, p)] != seen.get((me, p, i))]
-        if bad:
-            blamed.add(i)
-            problems.append(f"sender {i} claims payloads it did not send me (part {bad[0]})")
-    return problems, frozenset(blamed)
+    checks = _Checks(parts=parts, me=me, claims=claims, seen=seen)
+    checks.read_messages(messages)
+    for k in checks.read:  # the parts owner k relayed to me
+        checks.check_owner(k)
+    for i in checks.read:  # the payloads senders sent me, as the owner
+        checks.check_sender(i)
+    return checks.problems, frozenset(checks.blamed)
 
 
 class RelayChecks:
