@@ -57,12 +57,12 @@ class Fragment:
         ``rda``: the pseudo-gradient travels as directions and norms (``diloco_core.directions``)."""
         self.key, self.local, self.flat, self.views, self.codec = key, list(local), flat, list(views), codec
         n = flat.numel()
-        sent = sent_size(n, tensors=len(self.local), block=codec.block) if rda else n  # the values judged
-        self.guard = ContributionGuard(codec, norm_clip=norm_clip, numel=sent, compare=compare)
-        self.reduce = FlatBuffer(self.local, flat.device, extra=sent - n + self.guard.tail_size)
+        judged = sent_size(n, tensors=len(self.local), block=codec.block) if rda else n  # the values judged
+        self.guard = ContributionGuard(codec, norm_clip=norm_clip, numel=judged, compare=compare)
+        self.reduce = FlatBuffer(self.local, flat.device, extra=judged - n + self.guard.tail_size)
         self.directions = Directions(self.reduce, codec) if rda else None
         apart = self.directions.at if self.directions else None
-        self.merge = dataclasses.replace(merge, judged=sent, apart=apart, controls=self.guard.controls)
+        self.merge = dataclasses.replace(merge, judged=judged, apart=apart, controls=self.guard.controls)
         self.feedback = ErrorFeedback(codec, self.reduce.flat, fed=n, on=error_feedback)
         self.param = torch.nn.Parameter(flat, requires_grad=False)
         self.param.grad = self.reduce.body

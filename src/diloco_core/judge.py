@@ -46,19 +46,19 @@ class Verdict:
     """Where one kept is clipped: each contribution's weight in the result (fp64; 0: left out, or
     sent nothing), summing to 1 over the kept ones that sent values (a pair: ``_pair``). None: their
     plain mean."""
-    sent: int
-    """Contributions that sent any value (the others, all zeros, abstain: the guard's exclusion)."""
+    nonzero: int
+    """Contributions holding any nonzero value (the others, all zeros, abstain: the guard's exclusion)."""
 
 
 def judge(gram: torch.Tensor, *, ratio: float) -> Verdict:
     """The verdict on k contributions from their fp64 Gram matrix (k, k); radius: ``ratio``."""
-    sent = torch.nonzero(gram.diagonal() > 0).flatten()
-    m = len(sent)
+    nonzero = torch.nonzero(gram.diagonal() > 0).flatten()
+    m = len(nonzero)
     if m == 2:  # no majority: neither is judged, but neither weighs more than ``ratio`` times the other
-        return _pair(gram, sent, ratio=ratio)
+        return _pair(gram, nonzero, ratio=ratio)
     if m < 3:
         return Verdict({}, None, m)
-    g = gram[sent][:, sent]
+    g = gram[nonzero][:, nonzero]
     sq = g.diagonal()
     others = (sq[:, None] + sq[None, :] - 2 * g).clamp_(min=0).sqrt_().fill_diagonal_(float("inf"))
     spread = others.sort(dim=1).values[:, m // 2 - 1]
@@ -73,24 +73,24 @@ def judge(gram: torch.Tensor, *, ratio: float) -> Verdict:
     out[members] = False  # never a member of the centre: never a majority
     radius = ratio * (1 + cos.clamp(max=0))  # pointing away from the centre: less room, none at -1
     clipped = (far > radius) & ~out
-    gone = {int(sent[i]): (float(far[i]), float(cos[i])) for i in torch.nonzero(out).flatten()}
+    gone = {int(nonzero[i]): (float(far[i]), float(cos[i])) for i in torch.nonzero(out).flatten()}
     if not bool(clipped.any()):
         return Verdict(gone, None, m)
     lam = torch.where(clipped, radius / far, 1.0)[~out]  # the share of its offset each one keeps
     weights = torch.zeros(gram.shape[0], dtype=torch.float64)
-    weights[sent[~out]] = lam / len(lam) + a[~out] * (1 - lam.mean())
+    weights[nonzero[~out]] = lam / len(lam) + a[~out] * (1 - lam.mean())
     return Verdict(gone, weights, m)
 
 
-def _pair(gram: torch.Tensor, sent: torch.Tensor, *, ratio: float) -> Verdict:
+def _pair(gram: torch.Tensor, nonzero: torch.Tensor, *, ratio: float) -> Verdict:
     """Two contributions (a group of two, a swarm's first round): with no majority nothing is left out, but the
     larger norm is clipped to ``ratio`` times the smaller, so one insider moves the result by at most ``ratio``
     honest steps (it wrecked the swarm's start before: x-1e6 beside the founder). The weights are the pair's
     mean with that clip (they sum to less than 1 where it clips); None where the norms are within ``ratio``."""
-    norms = gram.diagonal()[sent].sqrt()
+    norms = gram.diagonal()[nonzero].sqrt()
     small, large = norms.min(), norms.max()
     if large <= ratio * small:
         return Verdict({}, None, 2)
     weights = torch.zeros(gram.shape[0], dtype=torch.float64)
-    weights[sent] = torch.where(norms == large, ratio * small / large, 1.0) / 2
+    weights[nonzero] = torch.where(norms == large, ratio * small / large, 1.0) / 2
     return Verdict({}, weights, 2)

@@ -162,7 +162,7 @@ def _apply(
     lo, hi, v = verdict
     k, n = len(payloads), out.numel()
     if v.weights is not None:  # some clipped: the weighted combination, as the plain mean counts abstainers
-        w = (v.weights * (v.sent / k)).float()  # (times valid / contributors: the guard's rescale)
+        w = (v.weights * (v.nonzero / k)).float()  # (times valid / contributors: the guard's rescale)
         at = lo
         for piece in codec.pieces(payloads, n, span=range(lo, hi), size=CHUNK):
             out[at : at + piece.shape[1]] = w @ piece
@@ -171,8 +171,8 @@ def _apply(
     elif v.gone:  # the slice's values: the mean of those kept (an attacked round; the tail stays everyone's)
         kept = [p for i, p in enumerate(payloads) if i not in v.gone]
         body = codec.mean_of(kept, torch.empty_like(out), scratch)[lo:hi]
-        if v.sent < k:  # as the plain mean counts those kept that sent anything: the guard's rescale
-            body.mul_(len(kept) * v.sent / ((v.sent - len(v.gone)) * k))  # (contributors / valid)
+        if v.nonzero < k:  # as the plain mean counts those kept that sent anything: the guard's rescale
+            body.mul_(len(kept) * v.nonzero / ((v.nonzero - len(v.gone)) * k))  # (contributors / valid)
         out[lo:hi] = body
     return [LeftOut(names[i], ratio, cosine) for i, (ratio, cosine) in v.gone.items()]
 
