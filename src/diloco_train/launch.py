@@ -134,22 +134,23 @@ def _start(
             owner.callback(RunOwner(run_dir, [first.rank]).release)
         lead = first is None or first.rank == 0  # rank 0 is in this process
         job = _job(config, spec, corpus=corpus, run_dir=run_dir, resume=resume, world=world)
-        stack.callback(job.close)
+        stack.callback(job.outcome.close)
         if spec.threads:  # this process runs all the run's workers: a signal stops them at a step they checkpoint
-            stack.callback(INTERRUPTS.stop_softly(job.request_stop))
+            stack.callback(INTERRUPTS.stop_softly(job.stops.softly))
         check_data(config, corpus, world)
         if lead:
             _prepare(job, spec, first=first, given=given, command=command)
         run_workers(job, transports=transports, show=show_progress, lead=lead)
-        if job.interrupted:
+        if job.stops.interrupted:
             raise KeyboardInterrupt
         stack.close()  # the transports are left and metrics.jsonl closed; the folder is still this process's
         if lead:
             _plot(run_dir)
     if not lead:
         return _not_rank_0(run_dir, steps=t.steps)
-    assert job.result is not None
-    return job.result
+    result = job.outcome.result
+    assert result is not None
+    return result
 
 
 def _check_processes(config: RunConfig, spec: TransportSpec) -> None:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Sequence
 
-from diloco_core import Transport, TransportError
+from diloco_core import Transport
 
 from .job import Job
 from .worker import Worker
@@ -38,8 +38,8 @@ def _run_threads(job: Job, *, transports: Sequence[Transport | None], show: bool
         try:
             Worker(job, rank=rank, world_size=world, transport=transport, show=show).run()
         except BaseException as e:  # noqa: BLE001 - handed to the main thread, which re-raises it
-            job.errors.append(e)
-            job.stop.set()
+            job.outcome.failed(e)
+            job.stops.at_once()
         finally:
             # Leaving the group releases the others from any collective that waits on this rank.
             if transport is not None:
@@ -53,10 +53,10 @@ def _run_threads(job: Job, *, transports: Sequence[Transport | None], show: bool
             while th.is_alive():
                 th.join(0.2)
     except KeyboardInterrupt:
-        job.stop.set()
+        job.stops.at_once()
         for th in threads:
             th.join(30)
         raise
-    if job.errors:
-        # The first error is the cause; the others are usually transports failing because of it.
-        raise next((e for e in job.errors if not isinstance(e, TransportError)), job.errors[0])
+    cause = job.outcome.cause()  # the others are usually transports failing because of it
+    if cause is not None:
+        raise cause

@@ -71,7 +71,7 @@ class Worker:
         """Build, resume, train to the end (or a stop), report."""
         loop = self._build()
         job = self.job
-        while loop.step < loop.end and not job.stop.is_set() and not job.stop_here(self.rank, loop.step):
+        while loop.step < loop.end and not job.stops.now and not job.stops.here(self.rank, loop.step):
             self._step(loop)
         self._finish(loop)
 
@@ -127,7 +127,7 @@ class Worker:
         if self.rank != 0:
             return None
         t, run_dir = self.t, self.job.run_dir
-        self.job.reporter = Reporter(
+        reporter = Reporter(
             run_dir=run_dir,
             world_size=self.world_size,
             start_step=step,
@@ -135,7 +135,7 @@ class Worker:
             show=self.show,
             sinks=open_sinks(t.log_to, run_dir=run_dir, start_step=step),
         )
-        return self.job.reporter
+        return self.job.outcome.opened(reporter)
 
     def _step(self, loop: _Loop) -> None:
         """One inner step and the round it may end; then, where the run's step moved, what is due at it."""
@@ -157,7 +157,7 @@ class Worker:
         loss_value = loss.item()  # the one host sync per step
         elapsed = time.perf_counter() - t0
         loop.pace.count(elapsed - comm.seconds)
-        self.job.busy[self.rank] = loop.pace.busy
+        self.job.outcome.busy(self.rank, loop.pace.busy)
         if loop.reporter is not None:
             if report is not None:
                 loop.reporter.round(loop.step, report)
@@ -200,15 +200,16 @@ class Worker:
 
     def _finish(self, loop: _Loop) -> None:
         """After the loop: an interrupted run's checkpoint of the step every worker stopped at; rank 0's result."""
-        job = self.job
-        if job.interrupted and not job.stop.is_set() and loop.step > loop.saved:  # the step all workers stopped at
+        stops, outcome = self.job.stops, self.job.outcome
+        if stops.interrupted and not stops.now and loop.step > loop.saved:  # the step all workers stopped at
             self._save(loop.step, loop.sync, loop.sampler)
-        if job.stop.is_set() or job.interrupted or not loop.evaluating:
+        if stops.now or stops.interrupted or not loop.evaluating:
             return
         if math.isnan(loop.last_eval):  # resumed at the very end: nothing trained, still report where it stands
             loop.last_eval = self._evaluate(loop.sync)
         if loop.reporter is not None:
-            job.result = loop.reporter.finish(step=loop.step, eval_after=loop.last_eval, busy=list(job.busy.values()))
+            busy = outcome.busy_seconds()
+            outcome.finished(loop.reporter.finish(step=loop.step, eval_after=loop.last_eval, busy=busy))
 
     def _evaluate(self, sync: Sync) -> float:
         """The validation loss of the run's global weights (``evals``)."""
@@ -247,8 +248,7 @@ class Worker:
         """Checkpoint ``step``, unless its state holds NaN or inf: then the older checkpoints stay as they are."""
         job, core = self.job, sync.state_dict()
         if not all_finite(core):
-            if not job.warned_nonfinite:
-                job.warned_nonfinite = True
+            if job.outcome.first_nonfinite_state():
                 newest = newest_checkpoint(RunFolder(job.run_dir).checkpoints, self.rank)
                 logger.warning("step %d: the state holds NaN or infinite values: not checkpointed (%s)", step, newest)
             return
