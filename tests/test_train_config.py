@@ -200,3 +200,17 @@ def test_a_warm_start_that_averages_updates_is_refused_where_peers_come_and_go()
     swarm = SimpleNamespace(capabilities=Capabilities(fixed_ranks=False))  # refused before anything is sent
     with pytest.raises(ValueError, match=r"warm_start_sync='updates' is invalid on a transport whose peers come"):
         Sync(config=config, model=model, optimizer=torch.optim.AdamW(model.parameters()), transport=swarm, device="cpu")
+
+
+def test_the_warm_start_that_averages_updates_is_every_step_plain_averaging_whatever_the_rounds_settings():
+    """``DiLoCoConfig.every_step``: the settings that shape a round are the plain average's; the rest stay."""
+    from diloco_core import DiLoCoConfig
+
+    rounds = DiLoCoConfig(inner_steps=8, overlap="streaming", fragments=2, overlap_steps=1, merge_alpha=0.5)
+    elastic = DiLoCoConfig(inner_steps=8, round_seconds=2.0, rda=True, outer_lr=0.7, reduce_timeout=9.0)
+    for c in (rounds, elastic):
+        plain = c.every_step(codec="int4", error_feedback=False)
+        assert (plain.inner_steps, plain.round_seconds, plain.overlap, plain.fragments) == (1, None, "none", 1)
+        assert (plain.outer_lr, plain.outer_momentum, plain.rda, plain.merge_alpha) == (1.0, 0.0, False, 0.0)
+        assert (plain.codec, plain.error_feedback) == ("int4", False)
+        assert (plain.reduce_timeout, plain.round_retries, plain.merge) == (c.reduce_timeout, c.round_retries, c.merge)

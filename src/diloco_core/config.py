@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import math
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from .codecs.block import check_block
 from .codecs.names import CODECS
@@ -169,6 +169,28 @@ class DiLoCoConfig:
             torch.device(self.global_device)
         except RuntimeError as e:
             raise ValueError(f"global_device={self.global_device!r} is invalid: {e}") from None
+
+    def every_step(self, *, codec: str, error_feedback: bool) -> DiLoCoConfig:
+        """This config as plain averaging of every step's update (the trainer's DDP warm start that
+        averages updates): H = 1, the outer SGD a plain step (lr 1, no momentum), lock-step rounds with no
+        overlap, streaming, eager weight or RDA, on ``codec`` with ``error_feedback``; the rest (timeouts,
+        retries, guards, the merge rule) as here. A new setting that changes the round says here what it
+        is for plain averaging."""
+        return replace(
+            self,
+            inner_steps=1,
+            round_seconds=None,
+            outer_lr=1.0,
+            outer_momentum=0.0,
+            overlap="none",
+            fragments=1,
+            overlap_steps=0,
+            merge_alpha=0.0,
+            eager_fresh_weight=None,
+            rda=False,
+            codec=codec,
+            error_feedback=error_feedback,
+        )
 
 
 def outer_lr_of(config: DiLoCoConfig, *, world_size: int, fixed_ranks: bool) -> float:

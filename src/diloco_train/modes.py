@@ -200,9 +200,7 @@ class Sync:
         assert self.transport is not None
         c, t = self.config.diloco, self.config.train
         if warm:
-            plain = {"inner_steps": 1, "outer_lr": 1.0, "outer_momentum": 0.0, "overlap": "none", "fragments": 1}
-            plain |= {"overlap_steps": 0, "merge_alpha": 0.0, "eager_fresh_weight": None, "rda": False}
-            c = replace(c, **plain, codec=ddp_wire(self.config), error_feedback=t.ddp_error_feedback)
+            c = c.every_step(codec=ddp_wire(self.config), error_feedback=t.ddp_error_feedback)
         elif c.outer_lr is None and not self.transport.capabilities.fixed_ranks:
             c = replace(c, outer_lr=outer_lr_for(max(t.num_shards, 1), c.outer_momentum))
         self.diloco = DiLoCo(model=self.model, inner_optimizer=self.optimizer, transport=self.transport, config=c)
