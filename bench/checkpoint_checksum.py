@@ -4,7 +4,7 @@ without it.
 A default run (model ``tiny``, 4 in-process workers, DiLoCo) is checkpointed at step 10, with DiLoCo's
 state from the first step (``train.ddp_warm_start=0``; ``--run``: an existing run folder instead); its rank 0
 file (the global copy and outer momentum too) and rank 1 file are read back, then each is saved (temp file,
-fsync, rename) and loaded ``--repeats`` times each way, interleaved: ``save_checkpoint`` (checksum computed)
+fsync, rename) and loaded ``--repeats`` times each way, interleaved: ``RankFiles.save`` (checksum computed)
 against ``atomic_save`` of the same state (none), and ``load_checkpoint`` (checksum verified) against
 ``torch.load`` with the same arguments. Medians, ms.
 
@@ -25,6 +25,8 @@ import torch
 from diloco_train.cli import main
 from diloco_train.runs import checkpoint as ckpt
 from diloco_train.runs.checksum import checksum_of
+from diloco_train.runs.rank_files import RankFiles
+from diloco_train.runs.run_folder import RunFolder
 
 
 def _ms(fn: Callable[[], object]) -> float:
@@ -36,10 +38,10 @@ def _ms(fn: Callable[[], object]) -> float:
 def _bench(path: Path, out: Path, repeats: int) -> dict[str, float]:
     state = ckpt.load_checkpoint(path)
     times: dict[str, list[float]] = {k: [] for k in ("save", "save+crc", "load", "load+crc", "crc alone")}
-    plain, checked = out / "plain.pt", ckpt.checkpoint_path(out, 1, 0)
+    plain, checked = out / "plain.pt", RankFiles(out, 0).checkpoint(1)
     for _ in range(repeats):
         times["save"].append(_ms(lambda: ckpt.atomic_save(state, plain)))
-        times["save+crc"].append(_ms(lambda: ckpt.save_checkpoint(out, 1, 0, state, keep=1)))
+        times["save+crc"].append(_ms(lambda: RankFiles(out, 0).save(1, state, keep=1)))
         times["load"].append(_ms(lambda: torch.load(plain, map_location="cpu", weights_only=True)))
         times["load+crc"].append(_ms(lambda: ckpt.load_checkpoint(checked)))
         times["crc alone"].append(_ms(lambda: checksum_of(state)))
@@ -68,8 +70,8 @@ def run(argv: list[str] | None = None) -> None:
             ]
             assert main([*args_train, "-q"]) == 0
         for rank in (0, 1):
-            steps = ckpt.list_checkpoints(run_dir / "checkpoints", rank)
-            path = ckpt.checkpoint_path(run_dir / "checkpoints", steps[-1], rank)
+            files = RunFolder(run_dir).rank(rank)
+            path = files.checkpoint(files.steps()[-1])
             out = Path(tmp) / f"out{rank}"
             out.mkdir()
             ms = _bench(path, out, args.repeats)

@@ -268,6 +268,34 @@ def test_no_path_inside_a_run_folder_is_spelled_outside_run_folder():
     assert _run_folder_spellings(SRC / "diloco_train" / "runs" / "run_folder.py")  # the check sees a spelling
 
 
+def _rank_file_spellings(path: pathlib.Path) -> list[str]:
+    """Where ``path``'s code (not its docstrings) spells a rank's file name: ``...-rank<r>...``."""
+    tree = ast.parse(path.read_text())
+    docs = {id(n.body[0].value) for n in ast.walk(tree) if _has_docstring(n)}
+    return [
+        f"{path.relative_to(SRC)}:{node.lineno}"
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Constant)
+        and isinstance(node.value, str)
+        and "-rank" in node.value
+        and id(node) not in docs
+    ]
+
+
+def _has_docstring(node: ast.AST) -> bool:
+    body = getattr(node, "body", None)
+    first = body[0] if isinstance(body, list) and body else None
+    return isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant)
+
+
+def test_a_ranks_files_are_named_by_rank_files_alone():
+    """``RankFiles`` (``RunFolder.rank(r)``) names a rank's checkpoints, pin and temporary files."""
+    owners = {"run_folder.py", "rank_files.py"}
+    files = [f for f in sorted((SRC / "diloco_train").rglob("*.py")) if f.name not in owners]
+    assert [s for f in files for s in _rank_file_spellings(f)] == []
+    assert _rank_file_spellings(SRC / "diloco_train" / "runs" / "rank_files.py")  # the check sees one
+
+
 def _wing_imports(wing: str, of: tuple[str, ...]) -> list[str]:
     files = sorted((SRC / "diloco_train" / wing).glob("*.py"))
     prefixes = tuple(f"diloco_train.{w}" for w in of)

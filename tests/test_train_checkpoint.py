@@ -8,7 +8,7 @@ import torch
 from bitflip import flip_bit
 
 from diloco_train.runs import checkpoint as ckpt
-from diloco_train.runs.divergence import newest_checkpoint
+from diloco_train.runs.rank_files import RankFiles
 from diloco_train.runs.spikes import SpikeWatch
 
 
@@ -42,9 +42,9 @@ def test_retention_listing_and_weights_only(tmp_path: Path) -> None:
     for step in (10, 20, 30):
         for rank in (0, 1):
             state = {"step": step, "gen": torch.Generator().get_state(), "opt": opt_state, "names": ["a"], "x": 0.5}
-            ckpt.save_checkpoint(tmp_path, step, rank, state, keep=2)
-    assert ckpt.list_checkpoints(tmp_path, 0) == [20, 30] == ckpt.list_checkpoints(tmp_path, 1)
-    state = torch.load(ckpt.checkpoint_path(tmp_path, 30, 1), weights_only=True)
+            RankFiles(tmp_path, rank).save(step, state, keep=2)
+    assert RankFiles(tmp_path, 0).steps() == [20, 30] == RankFiles(tmp_path, 1).steps()
+    state = torch.load(RankFiles(tmp_path, 1).checkpoint(30), weights_only=True)
     assert state["step"] == 30 and state["gen"].dtype == torch.uint8
 
 
@@ -67,7 +67,7 @@ def _state(step: int) -> dict[str, object]:
 @pytest.mark.timeout(30)
 def test_a_flipped_bit_inside_a_weight_is_refused_in_one_line(tmp_path: Path) -> None:
     """Before: the file loaded, one weight changed, and nothing said so (torch.load checks no CRC)."""
-    path = ckpt.save_checkpoint(tmp_path, 3, 0, _state(3), keep=2)
+    path = RankFiles(tmp_path, 0).save(3, _state(3), keep=2)
     assert ckpt.load_checkpoint(path)["core"]["model"]["embed.weight"].equal(_state(3)["core"]["model"]["embed.weight"])
     flip_bit(path)
     flipped = torch.load(path, weights_only=True)["core"]["model"]["embed.weight"]  # torch itself loads it
@@ -103,7 +103,7 @@ def test_a_checkpoint_without_a_checksum_still_loads_with_a_warning(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     """Written by a version before checksums: refusing it would strand the run."""
-    path = ckpt.checkpoint_path(tmp_path, 3, 0)
+    path = RankFiles(tmp_path, 0).checkpoint(3)
     ckpt.atomic_save(_state(3), path)
     with caplog.at_level("WARNING"):
         assert ckpt.load_checkpoint(path)["data"] == {"pos": 21}
@@ -115,22 +115,22 @@ def test_a_checkpoint_without_a_checksum_still_loads_with_a_warning(
 @pytest.mark.timeout(30)
 def test_rotation_keeps_the_pinned_checkpoint(tmp_path: Path) -> None:
     for step in (3, 6, 9, 12, 15):
-        ckpt.save_checkpoint(tmp_path, step, 0, _state(step), keep=2)
+        RankFiles(tmp_path, 0).save(step, _state(step), keep=2)
         if step == 6:
-            ckpt.pin(tmp_path, 0, step=3, why="a test")
-    assert ckpt.list_checkpoints(tmp_path, 0) == [3, 12, 15]
-    ckpt.pin(tmp_path, 0, step=12, why="a later spike")  # a new pin replaces the old one
-    ckpt.save_checkpoint(tmp_path, 18, 0, _state(18), keep=2)
-    assert ckpt.list_checkpoints(tmp_path, 0) == [12, 15, 18]
-    assert ckpt.pinned(tmp_path, 1) is None
+            RankFiles(tmp_path, 0).pin(3, why="a test")
+    assert RankFiles(tmp_path, 0).steps() == [3, 12, 15]
+    RankFiles(tmp_path, 0).pin(12, why="a later spike")  # a new pin replaces the old one
+    RankFiles(tmp_path, 0).save(18, _state(18), keep=2)
+    assert RankFiles(tmp_path, 0).steps() == [12, 15, 18]
+    assert RankFiles(tmp_path, 1).pinned() is None
     said = "the newest checkpoint is of step 18; the newest before a loss spike is of step 12"
-    assert newest_checkpoint(tmp_path, 0) == said  # what a run that diverges says
+    assert RankFiles(tmp_path, 0).newest() == said  # what a run that diverges says
 
 
 def _spike_run(folder: Path, losses: dict[int, float], checkpoints: tuple[int, ...]) -> SpikeWatch:
     for step in checkpoints:
-        ckpt.save_checkpoint(folder, step, 0, _state(step), keep=100)
-    watch = SpikeWatch(folder=folder, rank=0)
+        RankFiles(folder, 0).save(step, _state(step), keep=100)
+    watch = SpikeWatch(RankFiles(folder, 0))
     for step, loss in sorted(losses.items()):
         watch.see(step, loss)
     return watch
@@ -144,7 +144,7 @@ def test_a_spike_pins_the_newest_checkpoint_whose_next_loss_was_good(
     losses = {s: 4.0 - 0.01 * s for s in range(1, 10)} | {10: 400.0, 11: 380.0, 12: math.nan, 13: 390.0}
     with caplog.at_level("WARNING"):
         watch = _spike_run(tmp_path, losses, checkpoints=(3, 6, 9))
-    assert ckpt.pinned(tmp_path, 0) == 6 and watch.first == 10
+    assert RankFiles(tmp_path, 0).pinned() == 6 and watch.first == 10
     line = (
         "step 10: loss 400 is a spike (101x the median 3.95 before it): the checkpoint of step 6, the newest "
         f"before it, is kept out of rotation ({tmp_path / 'pinned-rank0.json'})"
@@ -164,4 +164,4 @@ def test_a_spike_pins_the_newest_checkpoint_whose_next_loss_was_good(
 )
 def test_what_is_a_spike(tmp_path: Path, losses: dict[int, float], expected: int | None) -> None:
     _spike_run(tmp_path, losses, checkpoints=(3, 6, 9, 12, 15, 16))
-    assert ckpt.pinned(tmp_path, 0) == expected
+    assert RankFiles(tmp_path, 0).pinned() == expected

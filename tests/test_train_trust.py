@@ -25,6 +25,8 @@ from threads import in_threads
 from diloco_train import worker as worker_module
 from diloco_train.cli import main
 from diloco_train.runs import checkpoint as ckpt
+from diloco_train.runs.rank_files import RankFiles
+from diloco_train.runs.run_folder import RunFolder
 
 
 class Evil:
@@ -170,7 +172,7 @@ def test_resume_falls_back_to_the_newest_intact_checkpoint(
 
 def _steps(run: Path) -> dict[int, list[int]]:
     """Each rank's checkpoint steps on disk."""
-    return {r: ckpt.list_checkpoints(run / "checkpoints", r) for r in (0, 1)}
+    return {r: RunFolder(run).rank(r).steps() for r in (0, 1)}
 
 
 @pytest.mark.timeout(120)
@@ -243,9 +245,9 @@ def test_no_readable_checkpoint_is_one_error_line(tmp_path: Path, capsys: pytest
 
 def _save(folder: Path, step: int, rank: int, *, intact: bool) -> None:
     state = {"format": 1, "step": step, "core": {"w": torch.ones(3)}}
-    ckpt.save_checkpoint(folder, step=step, rank=rank, state=state, keep=10)
+    RankFiles(folder, rank).save(step, state, keep=10)
     if not intact:
-        _corrupt(ckpt.checkpoint_path(folder, step, rank), "truncated")
+        _corrupt(RankFiles(folder, rank).checkpoint(step), "truncated")
 
 
 @pytest.mark.timeout(60)

@@ -32,7 +32,7 @@ from .data.corpus import DataConfig
 from .hf_llama import write_hf
 from .model import Llama, ModelConfig
 from .run_config import load_toml
-from .runs.checkpoint import checkpoint_path, checkpoint_ranks, list_checkpoints, load_checkpoint
+from .runs.checkpoint import load_checkpoint
 from .runs.run_folder import RunFolder
 
 __all__ = ["FORMAT", "Exported", "export", "global_state", "load"]
@@ -72,16 +72,16 @@ def global_state(run_dir: str | Path, step: int | None = None) -> tuple[int, dic
             f"train.fsdp_shards={shards}: each rank's checkpoint holds its shards of the model only; "
             "export supports runs of whole models (fsdp_shards=1)"
         )
-    folder = RunFolder(run_dir).checkpoints
-    ranks = checkpoint_ranks(folder)
-    steps = list_checkpoints(folder, ranks[0]) if ranks else []
+    run = RunFolder(run_dir)
+    ranks = run.checkpoint_ranks()
+    steps = run.rank(ranks[0]).steps() if ranks else []
     if not steps:
         raise ValueError(f"run {str(run_dir)!r} has no checkpoint yet: nothing to export")
     if step is None:
         step = steps[-1]
     elif step not in steps:
         raise ValueError(f"--step {step} is invalid: expected one of the run's checkpoints, steps {steps}")
-    core = load_checkpoint(checkpoint_path(folder, step, ranks[0]))["core"]
+    core = load_checkpoint(run.rank(ranks[0]).checkpoint(step))["core"]
     with torch.device("meta"):
         model = Llama(model_config)  # names, shapes and block structure; nothing allocated
     named = list(model.named_parameters())

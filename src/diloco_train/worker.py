@@ -28,8 +28,7 @@ from .report.log_tag import set_worker
 from .report.metrics import Reporter
 from .report.sinks import open_sinks
 from .run_config import MAX_SEED
-from .runs.checkpoint import remove_stray_temp
-from .runs.divergence import LossWatch, all_finite, newest_checkpoint
+from .runs.divergence import LossWatch, all_finite
 from .runs.resume import checkpoint_due, commit_resume, confirm_loaded, load_worker, save_worker
 from .runs.resume_from import resume_step, set_aside
 from .runs.run_folder import RunFolder
@@ -86,7 +85,7 @@ class Worker:
         shard, num_shards = shard_of(t, rank=self.rank, world_size=self.world_size)
         fixed = self.transport is None or self.transport.capabilities.fixed_ranks
         set_worker(f"worker {self.rank}" if fixed else f"peer shard {shard}")
-        remove_stray_temp(RunFolder(job.run_dir).checkpoints, self.rank)  # of a write this rank's last process left
+        RunFolder(job.run_dir).rank(self.rank).remove_stray_temp()  # of a write this rank's last process left
         sampler = BatchSampler(
             job.corpus.shard(shard, num_shards),
             seq_len=c.data.seq_len,
@@ -106,9 +105,7 @@ class Worker:
             reporter=self._open_report(step, end=end),
             evaluating=evaluates(self.rank, t.fsdp_shards),
             schedule=EvalSchedule(every=t.eval_every or c.diloco.inner_steps, start=step, end=end),
-            watch=LossWatch(
-                limit=t.max_nonfinite_losses, folder=RunFolder(job.run_dir).checkpoints, rank=self.rank, lr=t.lr
-            ),
+            watch=LossWatch(limit=t.max_nonfinite_losses, files=RunFolder(job.run_dir).rank(self.rank), lr=t.lr),
             end=end,
             step=step,
             saved=step,
@@ -249,7 +246,7 @@ class Worker:
         job, core = self.job, sync.state_dict()
         if not all_finite(core):
             if job.outcome.first_nonfinite_state():
-                newest = newest_checkpoint(RunFolder(job.run_dir).checkpoints, self.rank)
+                newest = RunFolder(job.run_dir).rank(self.rank).newest()
                 logger.warning("step %d: the state holds NaN or infinite values: not checkpointed (%s)", step, newest)
             return
         with INTERRUPTS.deferred():

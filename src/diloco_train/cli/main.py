@@ -221,9 +221,8 @@ def _train(args: argparse.Namespace, argv: list[str]) -> int:
 
 def _interrupted(run_dir: Path, again: str) -> str:
     """The last line of an interrupted run: the step it can resume from and how, or that nothing can be."""
-    from ..runs.checkpoint import list_checkpoints
 
-    steps = list_checkpoints(RunFolder(run_dir).checkpoints, 0)
+    steps = RunFolder(run_dir).rank(0).steps()
     if not steps:
         return f"diloco: interrupted ({INTERRUPTS.name}) before the first checkpoint: nothing can be resumed"
     return f"diloco: interrupted ({INTERRUPTS.name}); newest checkpoint: step {steps[-1]} (resume with: {again})"

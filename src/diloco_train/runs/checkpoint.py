@@ -11,18 +11,14 @@ verified when it is read: a file changed on disk after it was written (a flipped
 with one line naming it. A checkpoint written before checksums (no such key) still loads, unverified, with
 a warning saying so: refusing it would strand every run checkpointed by an older version.
 
-Rotation (``save_checkpoint``) keeps a rank's newest ``keep`` checkpoints and its pinned one (``pin``: the
-newest before a loss spike, ``spikes.py``), and sees only files named ``stepNNNNNNNN-rankR.pt``: a resume
-renames those it passed over aside (``resume_from.set_aside``), so a corrupt file never counts.
+A rank's files, their names and their rotation: ``rank_files.py``.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import pickle
-import re
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
@@ -32,21 +28,9 @@ import torch
 
 from .checksum import CHECKSUM, checksum_of
 
-__all__ = [
-    "atomic_save",
-    "checkpoint_path",
-    "checkpoint_ranks",
-    "list_checkpoints",
-    "load_checkpoint",
-    "pin",
-    "pinned",
-    "remove_stray_temp",
-    "save_checkpoint",
-]
+__all__ = ["atomic_save", "load_checkpoint"]
 
 logger = logging.getLogger(__name__)
-
-_NAME = re.compile(r"^step(\d{8})-rank(\d+)\.pt$")
 
 
 def _open_temp(fd: int) -> BinaryIO:
@@ -120,74 +104,6 @@ def _fsync_dir(folder: Path) -> None:
         pass
     finally:
         os.close(fd)
-
-
-def checkpoint_path(folder: str | Path, step: int, rank: int) -> Path:
-    return Path(folder) / f"step{step:08d}-rank{rank}.pt"
-
-
-def list_checkpoints(folder: str | Path, rank: int) -> list[int]:
-    """Steps that ``rank`` has a complete checkpoint of, oldest first."""
-    folder = Path(folder)
-    if not folder.is_dir():
-        return []
-    steps = []
-    for p in folder.iterdir():
-        m = _NAME.match(p.name)
-        if m and int(m.group(2)) == rank:
-            steps.append(int(m.group(1)))
-    return sorted(steps)
-
-
-def checkpoint_ranks(folder: str | Path) -> list[int]:
-    """The ranks that have a checkpoint in ``folder``, in order."""
-    folder = Path(folder)
-    names = (_NAME.match(p.name) for p in folder.iterdir()) if folder.is_dir() else ()
-    return sorted({int(m.group(2)) for m in names if m})
-
-
-def save_checkpoint(folder: str | Path, step: int, rank: int, state: dict[str, Any], keep: int) -> Path:
-    """Write ``state`` and its checksum as ``rank``'s checkpoint of ``step``; then delete all but its newest
-    ``keep`` and its pinned one."""
-    path = checkpoint_path(folder, step, rank)
-    atomic_save({**state, CHECKSUM: checksum_of(state)}, path)
-    kept = pinned(folder, rank)
-    for old in list_checkpoints(folder, rank)[:-keep]:
-        if old != kept:
-            checkpoint_path(folder, old, rank).unlink(missing_ok=True)
-    logger.debug("rank %d: checkpoint of step %d written to %s", rank, step, path)
-    return path
-
-
-def _pin_path(folder: str | Path, rank: int) -> Path:
-    return Path(folder) / f"pinned-rank{rank}.json"
-
-
-def pin(folder: str | Path, rank: int, *, step: int, why: str) -> Path:
-    """Keep ``rank``'s checkpoint of ``step`` out of rotation (in place of the one pinned before), saying
-    ``why`` in the file, written atomically like the checkpoints; that file."""
-    path = _pin_path(folder, rank)
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps({"step": step, "why": why}) + "\n", encoding="utf-8")
-    os.replace(tmp, path)
-    return path
-
-
-def pinned(folder: str | Path, rank: int) -> int | None:
-    """The step of ``rank``'s pinned checkpoint (None: none, or a pin file that cannot be read)."""
-    try:
-        step = json.loads(_pin_path(folder, rank).read_text(encoding="utf-8"))["step"]
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
-    return step if isinstance(step, int) else None
-
-
-def remove_stray_temp(folder: str | Path, rank: int) -> None:
-    """Delete the temporary files of ``rank``'s checkpoint writes that were interrupted (a killed process).
-    Only the process that owns ``rank`` calls this, before it writes: no write of it is under way."""
-    for stray in Path(folder).glob(f".step*-rank{rank}.pt.*.tmp"):
-        stray.unlink(missing_ok=True)
-        logger.debug("rank %d: removed %s, left by an interrupted checkpoint write", rank, stray)
 
 
 def _unreadable(e: BaseException) -> str:

@@ -10,17 +10,16 @@ rotation.
 from __future__ import annotations
 
 import math
-from pathlib import Path
 from typing import Any
 
 import torch
 
 from diloco_core.flat import local_of
 
-from .checkpoint import list_checkpoints, pinned
+from .rank_files import RankFiles
 from .spikes import SpikeWatch
 
-__all__ = ["LossWatch", "all_finite", "newest_checkpoint"]
+__all__ = ["LossWatch", "all_finite"]
 
 _CHUNK = 1 << 24
 """Values checked at a time: ``isfinite`` of a whole 1B-value tensor would allocate 1 GB of booleans."""
@@ -41,23 +40,15 @@ def all_finite(obj: Any) -> bool:
     return True
 
 
-def newest_checkpoint(folder: Path, rank: int) -> str:
-    """Where a diverged run can go back to, in words."""
-    steps = list_checkpoints(folder, rank)
-    if not steps:
-        return "no checkpoint was written yet"
-    kept = pinned(folder, rank)
-    spike = f"; the newest before a loss spike is of step {kept}" if kept in steps and kept != steps[-1] else ""
-    return f"the newest checkpoint is of step {steps[-1]}{spike}"
-
-
 class LossWatch:
     """Counts one worker's non-finite losses in a row; the ``limit``-th ends the run with a ValueError. Its
     finite losses go to a ``SpikeWatch``, which keeps the checkpoint from before a spike out of rotation."""
 
-    def __init__(self, *, limit: int, folder: Path, rank: int, lr: float) -> None:
-        self.limit, self.folder, self.rank, self.lr = limit, folder, rank, lr
-        self.spikes = SpikeWatch(folder=folder, rank=rank)
+    def __init__(self, *, limit: int, files: RankFiles, lr: float) -> None:
+        self.limit = limit
+        self.files = files
+        self.lr = lr
+        self.spikes = SpikeWatch(files)
         self.first: int | None = None
         """The first step of the current streak of non-finite losses (None: the last loss was finite)."""
 
@@ -74,9 +65,9 @@ class LossWatch:
         where = f"at step {step}" if count == 1 else f"at {count} steps in a row, steps {self.first} to {step}"
         lower = f"a lower train.lr (now {self.lr})"
         todo = f"resume from it with --resume and {lower}, or start a new run"
-        if not list_checkpoints(self.folder, self.rank):  # nothing to resume from
+        if not self.files.steps():  # nothing to resume from
             todo = f"start a new run (another --name) with {lower}"
         raise ValueError(
             f"training diverged: non-finite loss ({loss}) {where} "
-            f"(train.max_nonfinite_losses={self.limit}); {newest_checkpoint(self.folder, self.rank)}: {todo}"
+            f"(train.max_nonfinite_losses={self.limit}); {self.files.newest()}: {todo}"
         )

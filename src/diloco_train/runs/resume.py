@@ -19,8 +19,9 @@ import torch
 from diloco_core import Transport
 
 from ..run_config import RunConfig, dump_toml
-from .checkpoint import checkpoint_path, checkpoint_ranks, list_checkpoints, load_checkpoint, save_checkpoint
+from .checkpoint import load_checkpoint
 from .metrics_file import truncate_metrics
+from .rank_files import RankFiles
 from .resume_from import from_every_rank
 from .run_folder import RunFolder
 
@@ -61,11 +62,11 @@ def write_config(run_dir: Path, config: RunConfig, *, secret_keys: Collection[st
 def check_resume_workers(run_dir: Path, world_size: int) -> None:
     """Where every worker's checkpoint is on this disk, a changed worker count (by the checkpoints' own record
     of it) or a worker without checkpoints is caught up front."""
-    folder = RunFolder(run_dir).checkpoints
-    ranks = checkpoint_ranks(folder)
+    run = RunFolder(run_dir)
+    ranks = run.checkpoint_ranks()
     if not ranks:
         return  # nothing to resume
-    recorded = _recorded_world(folder, ranks[0]) or len(ranks)
+    recorded = _recorded_world(run.rank(ranks[0])) or len(ranks)
     if recorded != world_size:
         raise ValueError(
             f"run {str(run_dir)!r} was checkpointed with {recorded} worker(s); "
@@ -74,17 +75,17 @@ def check_resume_workers(run_dir: Path, world_size: int) -> None:
     missing = [r for r in range(recorded) if r not in ranks]
     if missing:
         raise ValueError(
-            f"run {str(run_dir)!r} has no checkpoint of worker(s) {missing} of its {recorded} in {str(folder)!r} "
+            f"run {str(run_dir)!r} has no checkpoint of worker(s) {missing} of its {recorded} in {str(run.checkpoints)!r} "
             "(deleted, or never written): every worker needs its own to resume; start a new run"
         )
 
 
-def _recorded_world(folder: Path, rank: int) -> int | None:
-    """The worker count that ``rank``'s newest readable checkpoint records (None: none can be read, which
+def _recorded_world(files: RankFiles) -> int | None:
+    """The worker count that a rank's newest readable checkpoint records (None: none can be read, which
     ``resume_from`` reports). Read memory-mapped: only the small entries are read."""
-    for step in reversed(list_checkpoints(folder, rank)):
+    for step in reversed(files.steps()):
         try:
-            state = torch.load(checkpoint_path(folder, step, rank), map_location="cpu", weights_only=True, mmap=True)
+            state = torch.load(files.checkpoint(step), map_location="cpu", weights_only=True, mmap=True)
         except Exception:  # noqa: BLE001, S112 - unreadable: resume_from warns about it and tries an older one
             continue
         return int(state["world_size"]) if isinstance(state, dict) and "world_size" in state else None
@@ -147,7 +148,7 @@ def save_worker(
         "data": data,
         "from_rank0": shared,
     }
-    save_checkpoint(RunFolder(run_dir).checkpoints, step=step, rank=rank, state=state, keep=t.keep_checkpoints)
+    RunFolder(run_dir).rank(rank).save(step, state, keep=t.keep_checkpoints)
 
 
 def load_worker(
@@ -165,6 +166,6 @@ def load_worker(
             f"this run is {mode} with {world_size}"
         )
     if state.get("from_rank0"):
-        lead = load_checkpoint(checkpoint_path(RunFolder(run_dir).checkpoints, step, 0))["core"]
+        lead = load_checkpoint(RunFolder(run_dir).rank(0).checkpoint(step))["core"]
         state["core"].update({k: lead[k] for k in state["from_rank0"]})
     return state

@@ -23,8 +23,9 @@ import torch
 
 from diloco_core import Transport
 
-from .checkpoint import checkpoint_path, list_checkpoints, load_checkpoint
+from .checkpoint import load_checkpoint
 from .divergence import all_finite
+from .rank_files import RankFiles
 from .run_folder import RunFolder
 
 __all__ = ["Resume", "from_every_rank", "resume_step", "set_aside"]
@@ -62,9 +63,9 @@ def from_every_rank(transport: Transport, value: int, timeout: float) -> list[in
 class _Readable:
     """One rank's checkpoints, each read at most once, newest first; only the last one read is kept."""
 
-    def __init__(self, folder: Path, rank: int) -> None:
-        self.folder, self.rank = folder, rank
-        self.steps = list_checkpoints(folder, rank)
+    def __init__(self, files: RankFiles) -> None:
+        self.files = files
+        self.steps = files.steps()
         self.ok: dict[int, bool] = {}
         self.last: tuple[int, dict[str, Any]] | None = None
 
@@ -86,7 +87,7 @@ class _Readable:
     def _readable(self, step: int) -> bool:
         if self.ok.get(step) is False:
             return False
-        path = checkpoint_path(self.folder, step, self.rank)
+        path = self.files.checkpoint(step)
         self.last = None  # one checkpoint in memory at a time
         try:
             state = load_checkpoint(path)
@@ -121,14 +122,13 @@ def _refuse(everyone: list[int], *, folder: Path, bound: int | None) -> None:
 def resume_step(run_dir: Path, *, rank: int, transport: Transport | None, timeout: float) -> Resume:
     """The step ``rank`` resumes from and its checkpoint of it. Ranks that hold for the run agree on the
     newest step all of them can read; peers that come and go have none to agree with: each takes its own."""
-    folder = RunFolder(run_dir).checkpoints
-    readable = _Readable(folder, rank)
+    readable = _Readable(RunFolder(run_dir).rank(rank))
     agree = transport is not None and transport.capabilities.fixed_ranks and transport.world_size > 1
     bound: int | None = None
     while True:
         mine = readable.newest(bound)
         everyone = from_every_rank(transport, mine, timeout) if agree and transport is not None else [mine]
-        _refuse(everyone, folder=folder, bound=bound)
+        _refuse(everyone, folder=readable.files.folder, bound=bound)
         common = min(everyone)
         refused = frozenset(step for step, ok in readable.ok.items() if not ok)
         if common == _NONE:
@@ -141,11 +141,11 @@ def resume_step(run_dir: Path, *, rank: int, transport: Transport | None, timeou
 def set_aside(run_dir: Path, *, rank: int, resumed: Resume) -> None:
     """Rename ``rank``'s checkpoints of steps after ``resumed.step`` aside (``.corrupt``, ``.unused``); once
     every rank has loaded its checkpoint, so that a failed resume changes nothing."""
-    folder = RunFolder(run_dir).checkpoints
-    for step in list_checkpoints(folder, rank):
+    files = RunFolder(run_dir).rank(rank)
+    for step in files.steps():
         if step <= resumed.step:
             continue
-        path = checkpoint_path(folder, step, rank)
+        path = files.checkpoint(step)
         aside = path.with_name(path.name + (".corrupt" if step in resumed.refused else ".unused"))
         path.replace(aside)
         logger.warning(

@@ -1,7 +1,7 @@
 """A run's folder and its layout: the one place that spells a path inside a run folder.
 
 ``runs/NAME/`` holds ``config.toml`` (the effective config), ``metrics.jsonl`` (rank 0's records),
-``checkpoints/`` (each rank's, named by ``checkpoint.checkpoint_path``), ``plot.png`` (the trainer's, step
+``checkpoints/`` (each rank's: ``rank(r)``, a ``RankFiles``), ``plot.png`` (the trainer's, step
 axis; ``diloco plot --x all`` writes ``plot-all.png`` beside it), ``join.secret`` (a secret this run
 generated or was given on its command line, mode 600), ``tensorboard/`` (``train.log_to``) and one
 ``.owner-rank<r>`` lock per rank (``ownership``).
@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+
+from .rank_files import RankFiles, checkpoint_ranks
 
 __all__ = ["RunFolder"]
 
@@ -48,6 +50,14 @@ class RunFolder:
     def plot(self, x: str = "step") -> Path:
         """The run's plot: the trainer's ``plot.png`` (step axis), or ``plot-X.png`` for another axis."""
         return self.path / ("plot.png" if x == "step" else f"plot-{x}.png")
+
+    def rank(self, rank: int) -> RankFiles:
+        """``rank``'s checkpoints, their pin and stray temporary files."""
+        return RankFiles(self.checkpoints, rank)
+
+    def checkpoint_ranks(self) -> list[int]:
+        """The ranks that have a checkpoint here, in order."""
+        return checkpoint_ranks(self.checkpoints)
 
     def owner_lock(self, rank: int) -> Path:
         """The lock file of ``rank``'s claim on the folder (``ownership``)."""

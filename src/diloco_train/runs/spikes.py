@@ -19,9 +19,8 @@ import collections
 import logging
 import math
 import statistics
-from pathlib import Path
 
-from .checkpoint import list_checkpoints, pin
+from .rank_files import RankFiles
 
 __all__ = ["FACTOR", "MARGIN", "MIN_SEEN", "WINDOW", "SpikeWatch"]
 
@@ -40,8 +39,8 @@ MIN_SEEN = 8
 class SpikeWatch:
     """One worker's losses; at the first step of a spike, the newest checkpoint before it is pinned."""
 
-    def __init__(self, *, folder: Path, rank: int) -> None:
-        self.folder, self.rank = folder, rank
+    def __init__(self, files: RankFiles) -> None:
+        self.files = files
         self.recent: collections.deque[float] = collections.deque(maxlen=WINDOW)
         self.first: int | None = None
         """The first step of the current spike (None: the last finite loss was not one)."""
@@ -59,12 +58,12 @@ class SpikeWatch:
         self.recent.append(loss)
 
     def _pin_before(self, step: int, *, loss: float, median: float) -> None:
-        before = [s for s in list_checkpoints(self.folder, self.rank) if s <= step - 2]
+        before = [s for s in self.files.steps() if s <= step - 2]
         spike = f"step {step}: loss {loss:.4g} is a spike ({loss / median:.3g}x the median {median:.4g} before it)"
         if not before:
             logger.warning("%s; no checkpoint from before it is on disk to keep", spike)
             return
-        where = pin(self.folder, self.rank, step=before[-1], why=spike)
+        where = self.files.pin(before[-1], why=spike)
         logger.warning(
             "%s: the checkpoint of step %d, the newest before it, is kept out of rotation (%s)",
             spike,
