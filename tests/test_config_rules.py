@@ -12,7 +12,7 @@ from diloco_core import DiLoCoConfig
 from diloco_core.rules import Rule, boolean, check_fields, choice, integer, number, rule, string
 from diloco_train.data.corpus import DataConfig
 from diloco_train.model import ModelConfig
-from diloco_train.run_config import TrainConfig
+from diloco_train.train_config import TrainConfig
 from transports.inprocess import InProcessConfig
 from transports.simulated_link import LinkConfig
 from transports.torch.group import TorchDistConfig

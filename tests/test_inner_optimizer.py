@@ -11,8 +11,8 @@ import torch
 from diloco_core.guard import reset_if_nonfinite
 from diloco_train.inner_optimizer import MuonAdamW, build_inner_optimizer
 from diloco_train.model import Llama, ModelConfig
-from diloco_train.run_config import TrainConfig
 from diloco_train.schedule import set_lr
+from diloco_train.train_config import TrainConfig
 
 SHAPE = ModelConfig(num_layers=2, hidden_size=32, num_heads=4, num_kv_heads=2, intermediate_size=64)
 MUON = TrainConfig(inner_optimizer="muon", lr=3e-3, muon_lr=0.03)

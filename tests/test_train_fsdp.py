@@ -15,7 +15,8 @@ import torch
 import torch.distributed.tensor  # loading the checkpoints' DTensors (the inner optimizer's) needs it imported
 
 from diloco_train.launch import train
-from diloco_train.run_config import TrainConfig, build_config
+from diloco_train.run_config import build_config
+from diloco_train.train_config import TrainConfig
 
 
 @pytest.mark.slow  # about 56 s: with -m slow; tests/test_fsdp_islands.py covers the bit-exact resume by default

@@ -5,8 +5,9 @@ Imports point one way: diloco_train -> transports -> diloco_core; the core never
 
 from .data.corpus import BatchSampler, Corpus, DataConfig, load_corpus
 from .model import PRESETS, Llama, ModelConfig, count_parameters
-from .run_config import RunConfig, TrainConfig, build_config
+from .run_config import RunConfig, build_config
 from .train import TrainResult, evaluate, lr_at, train
+from .train_config import TrainConfig
 
 __all__ = [
     "PRESETS",

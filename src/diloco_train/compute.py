@@ -10,7 +10,8 @@ import torch.nn.functional as F
 
 from .data.corpus import BatchSampler
 from .model import Llama
-from .run_config import RunConfig, TrainConfig
+from .run_config import RunConfig
+from .train_config import TrainConfig
 
 __all__ = ["autocast", "device_for", "evaluate", "loss_of"]
 
@@ -45,7 +46,11 @@ def evaluate(model: Llama, val: torch.Tensor, config: RunConfig, device: torch.d
     """Mean loss over ``eval_batches`` validation batches, the same windows at every call."""
     t = config.train
     sampler = BatchSampler(
-        val, seq_len=config.data.seq_len, batch_size=t.batch_size, seed=_EVAL_SEED, what="validation data"
+        val,
+        seq_len=config.data.seq_len,
+        batch_size=t.batch_size,
+        seed=_EVAL_SEED,
+        what="validation data",
     )
     was_training = model.training
     model.eval()

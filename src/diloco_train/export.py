@@ -55,14 +55,18 @@ class Exported:
 def _configs(run_dir: Path) -> tuple[ModelConfig, DataConfig, dict[str, Any]]:
     path = RunFolder(run_dir).config
     if not path.is_file():
-        raise ValueError(f"{str(run_dir)!r} is not a run folder: it has no config.toml (e.g. runs/diloco-...)")
+        raise ValueError(
+            f"{str(run_dir)!r} is not a run folder: it has no config.toml (e.g. runs/diloco-...)"
+        )
     saved = load_toml(path)
     model = from_mapping(ModelConfig, saved.get("model", {}), "model").resolved()
     data = from_mapping(DataConfig, saved.get("data", {}), "data")
     return model, data, saved
 
 
-def global_state(run_dir: str | Path, step: int | None = None) -> tuple[int, dict[str, torch.Tensor]]:
+def global_state(
+    run_dir: str | Path, step: int | None = None
+) -> tuple[int, dict[str, torch.Tensor]]:
     """The run's global weights by parameter name at its checkpoint of ``step`` (None: the newest), and that step."""
     run_dir = Path(run_dir)
     model_config, _, saved = _configs(run_dir)
@@ -80,7 +84,9 @@ def global_state(run_dir: str | Path, step: int | None = None) -> tuple[int, dic
     if step is None:
         step = steps[-1]
     elif step not in steps:
-        raise ValueError(f"--step {step} is invalid: expected one of the run's checkpoints, steps {steps}")
+        raise ValueError(
+            f"--step {step} is invalid: expected one of the run's checkpoints, steps {steps}"
+        )
     core = load_checkpoint(run.rank(ranks[0]).checkpoint(step))["core"]
     with torch.device("meta"):
         model = Llama(model_config)  # names, shapes and block structure; nothing allocated
@@ -89,7 +95,9 @@ def global_state(run_dir: str | Path, step: int | None = None) -> tuple[int, dic
         return step, {name: t.float() for (name, _), t in zip(named, core["model"], strict=True)}
     names = [name for name, _ in named]
     if list(core["param_names"]) != names:
-        raise ValueError(f"the checkpoint's parameters do not match the run's [model] in {RunFolder(run_dir).config}")
+        raise ValueError(
+            f"the checkpoint's parameters do not match the run's [model] in {RunFolder(run_dir).config}"
+        )
     # The global copy holds the fragments one after another (streaming: strided blocks; a list of guards);
     # the trainer never passes fragments of its own, so the core's strided split reproduces the order.
     guard = core["guard"]
@@ -98,7 +106,9 @@ def global_state(run_dir: str | Path, step: int | None = None) -> tuple[int, dic
     order = [i for group in strided_fragments(model, params, fragments) for i in group]
     flat: torch.Tensor = core["global"]
     if flat.numel() != sum(p.numel() for p in params):
-        raise ValueError(f"the checkpoint's global copy has {flat.numel()} values, the run's model another count")
+        raise ValueError(
+            f"the checkpoint's global copy has {flat.numel()} values, the run's model another count"
+        )
     out: dict[str, torch.Tensor] = {}
     offset = 0
     for i in order:
@@ -110,17 +120,29 @@ def global_state(run_dir: str | Path, step: int | None = None) -> tuple[int, dic
 
 def _tokenizer(data: DataConfig) -> dict[str, Any]:
     if data.hf_tokenizer:
-        return {"kind": "hf", "name": data.hf_tokenizer, "how": "transformers.AutoTokenizer.from_pretrained(name)"}
-    return {"kind": "bytes", "vocab_size": 256, "how": "token ids are the text's UTF-8 bytes: list(text.encode())"}
+        return {
+            "kind": "hf",
+            "name": data.hf_tokenizer,
+            "how": "transformers.AutoTokenizer.from_pretrained(name)",
+        }
+    return {
+        "kind": "bytes",
+        "vocab_size": 256,
+        "how": "token ids are the text's UTF-8 bytes: list(text.encode())",
+    }
 
 
-def export(run_dir: str | Path, out: str | Path | None = None, *, step: int | None = None) -> Exported:
+def export(
+    run_dir: str | Path, out: str | Path | None = None, *, step: int | None = None
+) -> Exported:
     """Write the run's global weights (its newest checkpoint, or ``step``'s) to ``out`` (default RUN/export):
     ours as model.safetensors + config.json, and Hugging Face's in ``out``/hf."""
     try:
         from safetensors.torch import save_file
     except ImportError:
-        raise ValueError("diloco export writes safetensors: pip install safetensors (or 'diloco[train]')") from None
+        raise ValueError(
+            "diloco export writes safetensors: pip install safetensors (or 'diloco[train]')"
+        ) from None
 
     run_dir = Path(run_dir)
     model_config, data, _ = _configs(run_dir)
@@ -138,7 +160,11 @@ def export(run_dir: str | Path, out: str | Path | None = None, *, step: int | No
     }
     (folder / "config.json").write_text(json.dumps(meta, indent=2) + "\n", encoding="utf-8")
     write_hf(folder / "hf", model_config, state, max_positions=data.seq_len)
-    words = _copy_tokenizer(data.hf_tokenizer, folder / "hf") if data.hf_tokenizer else "bytes (token = a UTF-8 byte)"
+    words = (
+        _copy_tokenizer(data.hf_tokenizer, folder / "hf")
+        if data.hf_tokenizer
+        else "bytes (token = a UTF-8 byte)"
+    )
     return Exported(out=folder, step=step, model=model_config, data=data, tokenizer=words)
 
 
@@ -165,7 +191,9 @@ def load(folder: str | Path, *, device: str | torch.device = "cpu") -> Llama:
     except (OSError, ValueError) as e:
         raise ValueError(f"{str(folder)!r} is not a diloco export: {e}") from None
     if meta.get("format") != FORMAT:
-        raise ValueError(f"{str(folder)!r} is not a diloco export: config.json's format is not {FORMAT!r}")
+        raise ValueError(
+            f"{str(folder)!r} is not a diloco export: config.json's format is not {FORMAT!r}"
+        )
     with torch.device("meta"):  # no initialisation: every weight comes from the file
         model = Llama(from_mapping(ModelConfig, meta["model"], "model"))
     model.load_state_dict(load_file(str(folder / "model.safetensors")), assign=True)

@@ -87,7 +87,9 @@ def hf_state_dict(c: ModelConfig, state: dict[str, torch.Tensor]) -> dict[str, t
         if rest in _SAME:
             out[prefix + _SAME[rest]] = t
         elif rest == "attn.kv.weight":
-            out[prefix + "self_attn.k_proj.weight"], out[prefix + "self_attn.v_proj.weight"] = t.split(kv_rows)
+            out[prefix + "self_attn.k_proj.weight"], out[prefix + "self_attn.v_proj.weight"] = (
+                t.split(kv_rows)
+            )
         elif rest == "mlp.gate_up.weight":
             out[prefix + "mlp.gate_proj.weight"], out[prefix + "mlp.up_proj.weight"] = t.chunk(2)
         else:
@@ -95,7 +97,9 @@ def hf_state_dict(c: ModelConfig, state: dict[str, torch.Tensor]) -> dict[str, t
     return {k: v.contiguous().clone() for k, v in out.items()}  # safetensors stores no shared views
 
 
-def write_hf(folder: Path, c: ModelConfig, state: dict[str, torch.Tensor], *, max_positions: int) -> None:
+def write_hf(
+    folder: Path, c: ModelConfig, state: dict[str, torch.Tensor], *, max_positions: int
+) -> None:
     """Write ``folder``/config.json and model.safetensors, which ``LlamaForCausalLM.from_pretrained`` reads."""
     from safetensors.torch import save_file
 

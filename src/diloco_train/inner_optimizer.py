@@ -8,7 +8,7 @@ from typing import Any
 import torch
 
 from .model import Llama
-from .run_config import TrainConfig
+from .train_config import TrainConfig
 
 __all__ = ["MuonAdamW", "build_inner_optimizer"]
 
@@ -19,17 +19,24 @@ def build_inner_optimizer(model: Llama, t: TrainConfig) -> torch.optim.Optimizer
 
     Muon's group has ``lr_scale`` = muon_lr / lr: the schedule (``schedule.set_lr``) gives it ``t.muon_lr`` at
     the peak. Muon decays by its own lr times its weight decay, set so that the product is AdamW's."""
-    hidden = [p for p in model.blocks.parameters() if p.ndim == 2] if t.inner_optimizer == "muon" else []
+    hidden = (
+        [p for p in model.blocks.parameters() if p.ndim == 2] if t.inner_optimizer == "muon" else []
+    )
     taken = {id(p) for p in hidden}
     rest = [p for p in model.parameters() if id(p) not in taken]
     decay = [p for p in rest if p.ndim >= 2]
     no_decay = [p for p in rest if p.ndim < 2]
-    groups = [{"params": decay, "weight_decay": t.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    groups = [
+        {"params": decay, "weight_decay": t.weight_decay},
+        {"params": no_decay, "weight_decay": 0.0},
+    ]
     adamw = torch.optim.AdamW(groups, lr=t.lr, betas=(t.beta1, t.beta2))
     if not hidden:
         return adamw
     scale = t.muon_lr / t.lr
-    muon = torch.optim.Muon([{"params": hidden, "lr_scale": scale}], lr=t.muon_lr, weight_decay=t.weight_decay / scale)
+    muon = torch.optim.Muon(
+        [{"params": hidden, "lr_scale": scale}], lr=t.muon_lr, weight_decay=t.weight_decay / scale
+    )
     return MuonAdamW(muon, adamw)
 
 
@@ -49,7 +56,10 @@ class MuonAdamW(torch.optim.Optimizer):
     def _share(self) -> None:
         """Hand each optimizer its groups and the one state (torch's load_state_dict replaces both objects)."""
         n = len(self.muon.param_groups)
-        self.muon.param_groups, self.adamw.param_groups = self.param_groups[:n], self.param_groups[n:]
+        self.muon.param_groups, self.adamw.param_groups = (
+            self.param_groups[:n],
+            self.param_groups[n:],
+        )
         self.muon.state = self.adamw.state = self.state
 
     @torch.no_grad()

@@ -69,8 +69,10 @@ class Interrupts:
     @contextmanager
     def installed(self) -> Iterator[Interrupts]:
         """SIGINT and SIGTERM handled here for the block (the previous handlers restored after it)."""
-        self.received, self.soft, self.pending = None, None, False
-        if threading.current_thread() is not threading.main_thread():  # only the main thread may set handlers
+        self.received = None
+        self.soft = None
+        self.pending = False
+        if threading.current_thread() is not threading.main_thread():  # only it may set handlers
             yield self
             return
         previous = {s: signal.signal(s, self._handle) for s in _SIGNALS}

@@ -25,6 +25,7 @@ from .data.corpus import Corpus, load_corpus
 from .data.shards import check_data, check_shards
 from .interrupts import INTERRUPTS
 from .job import Job
+from .layout import check_processes, local_workers
 from .report.metrics import TrainResult
 from .report.sinks import check_sinks
 from .run_config import RunConfig
@@ -35,21 +36,9 @@ from .runs.resume import check_resume_workers, prepare_run_dir
 from .runs.run_folder import RunFolder
 from .runs.run_name import agree_run_dir
 
-__all__ = ["check_quorum", "describe_workers", "train"]
+__all__ = ["train"]
 
 logger = logging.getLogger(__name__)
-
-
-def _local_workers(config: RunConfig, spec: TransportSpec) -> int:
-    """Workers in this process: the run's, where they are threads (one in single mode); else this one."""
-    return 1 if config.train.mode == "single" or not spec.threads else config.train.workers
-
-
-def describe_workers(config: RunConfig) -> str:
-    """How the run's workers are laid out, in words (for the CLI's first line)."""
-    spec = transport_spec(config.transport)
-    shards = config.train.fsdp_shards
-    return spec.describe(_local_workers(config, spec)) + (f", in islands of {shards} FSDP ranks" if shards > 1 else "")
 
 
 def train(
@@ -93,7 +82,9 @@ def train(
 
 def _nothing_of_a_run(path: Path) -> bool:
     """What a start writes before the run has a record: config.toml, an empty metrics.jsonl."""
-    return path.name == RunFolder.CONFIG or (path.name == RunFolder.METRICS and path.stat().st_size == 0)
+    return path.name == RunFolder.CONFIG or (
+        path.name == RunFolder.METRICS and path.stat().st_size == 0
+    )
 
 
 def _start(
@@ -108,16 +99,20 @@ def _start(
 ) -> TrainResult:
     if resume:
         config = stored_secret(config, run_dir)
-    given = config  # as configured: the join command gives it to the next peer, which resolves it alike
+    given = (
+        config  # as configured: the join command gives it to the next peer, which resolves it alike
+    )
     t = config.train
     spec = transport_spec(config.transport)
-    _check_processes(config, spec)
+    check_processes(config, spec)
     corpus = load_corpus(config.data)
     config = _resolve_model(config, corpus)
-    local = _local_workers(config, spec)
+    local = local_workers(config, spec)
     # Workers sharing this machine's cores: threads here, times the worker processes on this node (torchrun).
     # Oversubscribed cores make every OpenMP region wait on a busy core (seen: 10x slower steps).
-    torch.set_num_threads(t.threads or max(1, (os.cpu_count() or 1) // (local * spec.processes_on_machine)))
+    torch.set_num_threads(
+        t.threads or max(1, (os.cpu_count() or 1) // (local * spec.processes_on_machine))
+    )
     check_shards(t, spec)
     if t.fsdp_shards > 1 and not spec.fsdp_islands:
         raise ValueError(
@@ -125,7 +120,9 @@ def _start(
             f"needs [transport] kind='torch' under torchrun, not kind={spec.kind!r}"
         )
     with ExitStack() as owner, ExitStack() as stack:
-        transports = _connect(config, spec, local=local, owner=owner, stack=stack, run_dir=run_dir, wrap=wrap)
+        transports = _connect(
+            config, spec, local=local, owner=owner, stack=stack, run_dir=run_dir, wrap=wrap
+        )
         first = transports[0]
         world = 1 if first is None else first.world_size
         if first is not None and not spec.threads and spec.fixed_ranks:
@@ -135,7 +132,8 @@ def _start(
         lead = first is None or first.rank == 0  # rank 0 is in this process
         job = _job(config, spec, corpus=corpus, run_dir=run_dir, resume=resume, world=world)
         stack.callback(job.outcome.close)
-        if spec.threads:  # this process runs all the run's workers: a signal stops them at a step they checkpoint
+        # this process runs all the run's workers: a signal stops them at a step they checkpoint
+        if spec.threads:
             stack.callback(INTERRUPTS.stop_softly(job.stops.softly))
         check_data(config, corpus, world)
         if lead:
@@ -151,21 +149,6 @@ def _start(
     result = job.outcome.result
     assert result is not None
     return result
-
-
-def _check_processes(config: RunConfig, spec: TransportSpec) -> None:
-    """The run's mode and quorum against how this transport lays out its workers and who started the process."""
-    if config.train.mode == "single" and not spec.threads:
-        raise ValueError(
-            f"train.mode='single' runs one worker in one process; [transport] kind={spec.kind!r} needs ddp or diloco"
-        )
-    world_env = os.environ.get("WORLD_SIZE", "1")
-    if spec.threads and world_env.isdigit() and int(world_env) > 1:  # torchrun started this process
-        raise ValueError(
-            f"[transport] kind={spec.kind!r} runs all the run's workers in each process, but torchrun started "
-            f"WORLD_SIZE={world_env} processes: add --set transport.kind=torch (docs/lan.md)"
-        )
-    check_quorum(config, spec)
 
 
 def _connect(
@@ -185,7 +168,8 @@ def _connect(
     if spec.threads or not spec.fixed_ranks:
         owner.callback(RunOwner(run_dir, range(local) if spec.threads else [0]).release)
     if not spec.threads:
-        check_ports(spec.section)  # a port taken by a peer here: said so, before the transport starts
+        # a port taken by a peer here: said so, before the transport starts
+        check_ports(spec.section)
     # [diloco] reduce_timeout also bounds the transport's own collectives unless [transport] sets them.
     timeout = config.diloco.reduce_timeout
     transports: Sequence[Transport | None] = (
@@ -199,7 +183,15 @@ def _connect(
     return transports
 
 
-def _job(config: RunConfig, spec: TransportSpec, *, corpus: Corpus, run_dir: Path, resume: bool, world: int) -> Job:
+def _job(
+    config: RunConfig,
+    spec: TransportSpec,
+    *,
+    corpus: Corpus,
+    run_dir: Path,
+    resume: bool,
+    world: int,
+) -> Job:
     """What this process's workers share, once the world's size is known."""
     shards = config.train.fsdp_shards
     if world % shards:
@@ -215,15 +207,23 @@ def _job(config: RunConfig, spec: TransportSpec, *, corpus: Corpus, run_dir: Pat
         resume=resume,
         same_disk=spec.threads,
         secret_keys=spec.secret_keys,
-        islands=functools.partial(spec.connect_islands, reduce_timeout=timeout) if shards > 1 else None,
+        islands=functools.partial(spec.connect_islands, reduce_timeout=timeout)
+        if shards > 1
+        else None,
     )
 
 
 def _prepare(
-    job: Job, spec: TransportSpec, *, first: Transport | None, given: RunConfig, command: list[str] | None
+    job: Job,
+    spec: TransportSpec,
+    *,
+    first: Transport | None,
+    given: RunConfig,
+    command: list[str] | None,
 ) -> None:
     """Rank 0's part before training: the run folder written, a resume's workers checked, the join command."""
-    check_sinks(job.config.train.log_to)  # the extras train.log_to needs, before the run folder is written
+    # the extras train.log_to needs, before the run folder is written
+    check_sinks(job.config.train.log_to)
     prepare_run_dir(job.run_dir, job.config, resume=job.resume, secret_keys=spec.secret_keys)
     if job.resume and spec.threads:  # every worker's checkpoint is on this disk
         check_resume_workers(job.run_dir, first.world_size if first is not None else 1)
@@ -243,17 +243,6 @@ def _not_rank_0(run_dir: Path, *, steps: int) -> TrainResult:
         bytes_sent=0,
         rank0=False,
     )
-
-
-def check_quorum(config: RunConfig, spec: TransportSpec) -> None:
-    """A quorum the run's workers cannot reach, where their count is known (they are this process's
-    threads), is an error, not a round that waits for every worker."""
-    quorum, workers = spec.section.get("quorum", 0), config.train.workers
-    if spec.threads and config.train.mode != "single" and quorum > workers:
-        raise ValueError(
-            f"transport.quorum={quorum} is invalid with train.workers={workers}: "
-            f"expected an integer in [0, {workers}] (0: every worker)"
-        )
 
 
 def _resolve_model(config: RunConfig, corpus: Corpus) -> RunConfig:

@@ -77,10 +77,19 @@ class ModelConfig:
     def __post_init__(self) -> None:
         check_fields(self)
         r = self._shape(None)
-        hidden, heads, kv_heads = r["hidden_size"], r["num_heads"], r["num_kv_heads"]
+        hidden = r["hidden_size"]
+        heads = r["num_heads"]
+        kv_heads = r["num_kv_heads"]
         check_field("num_heads", heads, hidden % heads == 0, f"a divisor of hidden_size={hidden}")
-        check_field("num_kv_heads", kv_heads, heads % kv_heads == 0, f"a divisor of num_heads={heads}")
-        check_field("hidden_size", hidden, (hidden // heads) % 2 == 0, "a multiple of 2 * num_heads (rotary pairs)")
+        check_field(
+            "num_kv_heads", kv_heads, heads % kv_heads == 0, f"a divisor of num_heads={heads}"
+        )
+        check_field(
+            "hidden_size",
+            hidden,
+            (hidden // heads) % 2 == 0,
+            "a multiple of 2 * num_heads (rotary pairs)",
+        )
 
     def _shape(self, vocab_size: int | None) -> dict[str, int]:
         preset = PRESETS[self.preset]
@@ -103,11 +112,17 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Normalise in fp32: under bf16 autocast the mean of squares loses too many bits.
         xf = x.float()
-        return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).type_as(x) * self.weight
+        return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).type_as(
+            x
+        ) * self.weight
 
 
-def _rotary(seq_len: int, head_dim: int, theta: float, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim)
+def _rotary(
+    seq_len: int, head_dim: int, theta: float, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    inv_freq = 1.0 / theta ** (
+        torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim
+    )
     angles = torch.outer(torch.arange(seq_len, device=device, dtype=torch.float32), inv_freq)
     return angles.cos(), angles.sin()
 
@@ -195,7 +210,11 @@ class Llama(nn.Module):
             if name.endswith("norm.weight"):
                 p.fill_(1.0)
             else:
-                p.normal_(0.0, out_std if name.endswith(("o.weight", "down.weight")) else std, generator=generator)
+                p.normal_(
+                    0.0,
+                    out_std if name.endswith(("o.weight", "down.weight")) else std,
+                    generator=generator,
+                )
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         t = tokens.shape[1]

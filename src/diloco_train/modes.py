@@ -64,7 +64,10 @@ class Sync:
         transport: Transport | None,
         device: torch.device,
     ) -> None:
-        self.config, self.model, self.optimizer, self.transport = config, model, optimizer, transport
+        self.config = config
+        self.model = model
+        self.optimizer = optimizer
+        self.transport = transport
         self.device = device
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.timeout = config.diloco.reduce_timeout
@@ -73,16 +76,16 @@ class Sync:
         self.feedback: ErrorFeedback | None = None
         mode = config.train.mode
         fixed = transport is not None and transport.capabilities.fixed_ranks
-        self.warm = warm_start_steps(config, fixed_ranks=fixed) if mode == "diloco" else 0  # DDP steps first
+        # DDP steps first
+        self.warm = warm_start_steps(config, fixed_ranks=fixed) if mode == "diloco" else 0
         self.diloco: DiLoCo | None = None
         self._warm_diloco = False  # self.diloco is the warm start's (warm_start_sync = "updates")
         self.grads: FlatBuffer | None = None
         if mode == "diloco" and not self.warm:
             self._start_diloco()
         elif mode == "diloco" and config.train.warm_start_sync == "updates":
-            if (
-                transport is None or not transport.capabilities.fixed_ranks
-            ):  # one DiLoCo per transport, and no joiner in it
+            # one DiLoCo per transport, and no joiner in it
+            if transport is None or not transport.capabilities.fixed_ranks:
                 raise ValueError(
                     "train.warm_start_sync='updates' is invalid on a transport whose peers come and go: "
                     "expected fixed ranks (in-process, torch), or train.ddp_warm_start=0"
@@ -94,8 +97,11 @@ class Sync:
                 transport.broadcast(self.params, src=0, timeout=self.timeout)
             self.grads = FlatBuffer(self.params, device)
             n = self.grads.flat.numel()
-            self.wire.prepare(self.grads.flat, payloads=(2, transport.world_size))  # its kernels: not in a step
-            self.feedback = ErrorFeedback(self.wire, self.grads.flat, fed=n, on=config.train.ddp_error_feedback)
+            # its kernels: not in a step
+            self.wire.prepare(self.grads.flat, payloads=(2, transport.world_size))
+            self.feedback = ErrorFeedback(
+                self.wire, self.grads.flat, fed=n, on=config.train.ddp_error_feedback
+            )
 
     @property
     def round(self) -> int:
@@ -105,7 +111,11 @@ class Sync:
     @property
     def elastic(self) -> bool:
         """DiLoCo runs (past any warm start) with rounds that end by time (``diloco.round_seconds``)."""
-        return self.diloco is not None and not self._warm_diloco and self.diloco.config.round_seconds is not None
+        return (
+            self.diloco is not None
+            and not self._warm_diloco
+            and self.diloco.config.round_seconds is not None
+        )
 
     def advanced(self, step: int) -> int:
         """The trainer's step once this worker took one more inner step from ``step``: ``step + 1``; with rounds
@@ -146,7 +156,9 @@ class Sync:
                 grads.copy_from([p.grad for p in self.params])
                 assert self.feedback is not None
                 self.feedback.feed(grads.flat)
-                result = self.transport.all_reduce([grads.flat], codec=self.wire, key="ddp/grads").wait(self.timeout)
+                result = self.transport.all_reduce(
+                    [grads.flat], codec=self.wire, key="ddp/grads"
+                ).wait(self.timeout)
                 self.feedback.commit()
                 grads.copy_to([p.grad for p in self.params])
             comm = Comm(result.seconds, result.bytes_sent, result.bytes_received)
@@ -156,8 +168,10 @@ class Sync:
         if self.diloco is not None:
             report = self.diloco.step()
             sent = (report.bytes_sent, report.bytes_received) if report is not None else (0, 0)
-            comm = Comm(self.diloco.outer_seconds, *sent)  # what the step waited for (overlap: not the reduce)
-            if self._warm_diloco:  # a warm start's step, counted in bytes as DDP's, not as an outer round
+            # what the step waited for (overlap: not the reduce)
+            comm = Comm(self.diloco.outer_seconds, *sent)
+            # a warm start's step, counted in bytes as DDP's, not as an outer round
+            if self._warm_diloco:
                 report = None
         else:
             self.optimizer.step()
@@ -173,7 +187,10 @@ class Sync:
         """The mode's part of a checkpoint: DiLoCo's state, else the weights and the optimizer's."""
         if self.diloco is not None:
             return self.diloco.state_dict()
-        state = {"model": [p.detach() for p in self.model.parameters()], "inner_optimizer": self.optimizer.state_dict()}
+        state = {
+            "model": [p.detach() for p in self.model.parameters()],
+            "inner_optimizer": self.optimizer.state_dict(),
+        }
         residual = self.feedback.residual if self.feedback is not None else None
         return state if residual is None else {**state, "ddp_residual": residual}
 
@@ -188,7 +205,9 @@ class Sync:
         else:
             _check_model(core["model"], self.model)
             with torch.no_grad():
-                torch._foreach_copy_(list(self.model.parameters()), [t.to(self.device) for t in core["model"]])
+                torch._foreach_copy_(
+                    list(self.model.parameters()), [t.to(self.device) for t in core["model"]]
+                )
             self.optimizer.load_state_dict(core["inner_optimizer"])
             if self.feedback is not None:
                 self.feedback.load(core.get("ddp_residual"))
@@ -203,7 +222,9 @@ class Sync:
             c = c.every_step(codec=ddp_wire(self.config), error_feedback=t.ddp_error_feedback)
         elif c.outer_lr is None and not self.transport.capabilities.fixed_ranks:
             c = replace(c, outer_lr=outer_lr_for(max(t.num_shards, 1), c.outer_momentum))
-        self.diloco = DiLoCo(model=self.model, inner_optimizer=self.optimizer, transport=self.transport, config=c)
+        self.diloco = DiLoCo(
+            model=self.model, inner_optimizer=self.optimizer, transport=self.transport, config=c
+        )
         self._warm_diloco = warm
         self.grads = self.feedback = None  # the warm start's residual ends with it
 

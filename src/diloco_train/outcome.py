@@ -32,7 +32,9 @@ class Outcome:
         """The first error that is not a transport failing because of another (else the first; None)."""
         with self._lock:
             errors = list(self._errors)
-        return next((e for e in errors if not isinstance(e, TransportError)), errors[0] if errors else None)
+        return next(
+            (e for e in errors if not isinstance(e, TransportError)), errors[0] if errors else None
+        )
 
     def busy(self, rank: int, seconds: float) -> None:
         """``rank``'s busy seconds so far (``Pace``), for rank 0's goodput when every worker is here."""

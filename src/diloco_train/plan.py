@@ -25,7 +25,17 @@ from dataclasses import dataclass
 from diloco_core import Codec, MergeRule, codec_for
 from transports.torch.wire_bytes import bytes_out, path_of
 
-__all__ = ["MODES", "Link", "Method", "Row", "ddp_seconds", "exposed", "plan", "seconds_per_round", "sync_bytes"]
+__all__ = [
+    "MODES",
+    "Link",
+    "Method",
+    "Row",
+    "ddp_seconds",
+    "exposed",
+    "plan",
+    "seconds_per_round",
+    "sync_bytes",
+]
 
 MODES = ("blocking", "streaming", "eager")
 
@@ -43,7 +53,9 @@ class Link:
 
     def __post_init__(self) -> None:
         if not self.mbit >= 0:
-            raise ValueError(f"link mbit={self.mbit!r} is invalid: expected a rate >= 0 (0: no limit)")
+            raise ValueError(
+                f"link mbit={self.mbit!r} is invalid: expected a rate >= 0 (0: no limit)"
+            )
         if not self.latency_ms >= 0:
             raise ValueError(f"link latency_ms={self.latency_ms!r} is invalid: expected >= 0")
         if not self.burst_bytes >= 0:
@@ -55,7 +67,9 @@ class Link:
         if not self.mbit:
             return self.latency_ms / 1e3
         rate = self.mbit * 1e6 / 8  # bytes per second
-        on_link = max(0.0, nbytes * (workers if self.shared else 1) - min(self.burst_bytes, idle_s * rate))
+        on_link = max(
+            0.0, nbytes * (workers if self.shared else 1) - min(self.burst_bytes, idle_s * rate)
+        )
         return self.latency_ms / 1e3 + on_link / rate
 
 
@@ -95,7 +109,9 @@ class Method:
         return self.inner_steps if self.mode == "eager" else 0
 
 
-def sync_bytes(params: int, codec: str | Codec, *, workers: int, rule: MergeRule = MergeRule.ROBUST) -> int:
+def sync_bytes(
+    params: int, codec: str | Codec, *, workers: int, rule: MergeRule = MergeRule.ROBUST
+) -> int:
     """Bytes each worker sends to reduce ``params`` values on ``codec`` (the torch transport's paths)."""
     c = codec_for(codec)
     if workers < 2:
@@ -108,12 +124,16 @@ def exposed(link_s: float, *, hidden_s: float) -> float:
     return max(0.0, link_s - hidden_s)
 
 
-def seconds_per_round(*, step_s: float, round_bytes: float, link: Link, workers: int, method: Method) -> float:
+def seconds_per_round(
+    *, step_s: float, round_bytes: float, link: Link, workers: int, method: Method
+) -> float:
     """Wall seconds of one round of ``method.inner_steps`` steps whose syncs send ``round_bytes`` per worker."""
     syncs = method.fragments if method.mode == "streaming" else 1
     idle_s = method.steps_between_syncs() * step_s
     link_s = link.seconds(round_bytes / syncs, workers=workers, idle_s=idle_s)
-    return method.inner_steps * step_s + syncs * exposed(link_s, hidden_s=method.hidden_steps() * step_s)
+    return method.inner_steps * step_s + syncs * exposed(
+        link_s, hidden_s=method.hidden_steps() * step_s
+    )
 
 
 def ddp_seconds(*, step_s: float, grad_bytes: float, link: Link, workers: int) -> float:
@@ -156,7 +176,9 @@ def plan(
     for h in inner_steps:
         for mode in MODES:
             if mode == "streaming" and overlap_steps >= h:
-                rows.append(Row(inner_steps=h, mode=mode, utilization=math.nan, seconds_per_1000=math.nan))
+                rows.append(
+                    Row(inner_steps=h, mode=mode, utilization=math.nan, seconds_per_1000=math.nan)
+                )
                 continue
             streaming = mode == "streaming"
             method = Method(
@@ -169,6 +191,11 @@ def plan(
                 step_s=step_s, round_bytes=round_bytes, link=link, workers=workers, method=method
             )
             rows.append(
-                Row(inner_steps=h, mode=mode, utilization=h * step_s / per_round, seconds_per_1000=1000 * per_round / h)
+                Row(
+                    inner_steps=h,
+                    mode=mode,
+                    utilization=h * step_s / per_round,
+                    seconds_per_1000=1000 * per_round / h,
+                )
             )
     return rows

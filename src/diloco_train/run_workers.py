@@ -14,7 +14,9 @@ from .worker import Worker
 __all__ = ["run_workers"]
 
 
-def run_workers(job: Job, *, transports: Sequence[Transport | None], show: bool, lead: bool) -> None:
+def run_workers(
+    job: Job, *, transports: Sequence[Transport | None], show: bool, lead: bool
+) -> None:
     """This process's one worker here, or its workers as threads."""
     if len(transports) > 1:
         _run_threads(job, transports=transports, show=show)
@@ -45,7 +47,10 @@ def _run_threads(job: Job, *, transports: Sequence[Transport | None], show: bool
             if transport is not None:
                 transport.close()
 
-    threads = [threading.Thread(target=work, args=(r,), name=f"diloco-worker-{r}", daemon=True) for r in range(world)]
+    threads = [
+        threading.Thread(target=work, args=(r,), name=f"diloco-worker-{r}", daemon=True)
+        for r in range(world)
+    ]
     for th in threads:
         th.start()
     try:

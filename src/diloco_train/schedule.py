@@ -6,7 +6,7 @@ import math
 
 import torch
 
-from .run_config import TrainConfig
+from .train_config import TrainConfig
 
 __all__ = ["lr_at", "set_lr"]
 

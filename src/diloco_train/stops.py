@@ -16,7 +16,9 @@ class Stops:
         self._lock = threading.Lock()
         self._interrupted = False
         self._stop_at: int | None = None
-        self._begun: dict[int, int] = {}  # each worker's step once it has begun it (the one it will reach)
+        self._begun: dict[
+            int, int
+        ] = {}  # each worker's step once it has begun it (the one it will reach)
 
     @property
     def now(self) -> bool:

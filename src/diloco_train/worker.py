@@ -7,7 +7,6 @@ from __future__ import annotations
 import logging
 import math
 import time
-from dataclasses import dataclass
 
 import torch
 
@@ -21,62 +20,53 @@ from .fsdp import evaluates, shard_model
 from .inner_optimizer import build_inner_optimizer
 from .interrupts import INTERRUPTS
 from .job import Job
+from .loop import Loop
 from .model import Llama
 from .modes import Sync
 from .pace import Pace, speed_of
 from .report.log_tag import set_worker
 from .report.metrics import Reporter
 from .report.sinks import open_sinks
-from .run_config import MAX_SEED
 from .runs.divergence import LossWatch, all_finite
 from .runs.resume import checkpoint_due, commit_resume, confirm_loaded, load_worker, save_worker
 from .runs.resume_from import resume_step, set_aside
 from .runs.run_folder import RunFolder
 from .schedule import lr_at, set_lr
+from .train_config import MAX_SEED
 
 __all__ = ["Worker"]
 
 logger = logging.getLogger(__name__)
 
 
-@dataclass
-class _Loop:
-    """One worker's training loop as it goes: what it trains and reports with, and where it stands."""
-
-    model: torch.nn.Module
-    optimizer: torch.optim.Optimizer
-    sampler: BatchSampler
-    sync: Sync
-    pace: Pace
-    reporter: Reporter | None
-    """Rank 0's (metrics.jsonl, the bar); None on the other ranks."""
-    evaluating: bool
-    schedule: EvalSchedule
-    watch: LossWatch
-    end: int
-    step: int
-    saved: int
-    """The step of this worker's newest checkpoint here (the resumed one, or none: 0)."""
-    last_eval: float = math.nan
-
-
 class Worker:
-    def __init__(self, job: Job, *, rank: int, world_size: int, transport: Transport | None, show: bool) -> None:
-        self.job, self.rank, self.world_size, self.transport, self.show = job, rank, world_size, transport, show
-        self.config, self.t = job.config, job.config.train
+    def __init__(
+        self, job: Job, *, rank: int, world_size: int, transport: Transport | None, show: bool
+    ) -> None:
+        self.job = job
+        self.rank = rank
+        self.world_size = world_size
+        self.transport = transport
+        self.show = show
+        self.config = job.config
+        self.t = job.config.train
         self.device = device_for(self.t, rank)
 
     def run(self) -> None:
         """Build, resume, train to the end (or a stop), report."""
         loop = self._build()
         job = self.job
-        while loop.step < loop.end and not job.stops.now and not job.stops.here(self.rank, loop.step):
+        while (
+            loop.step < loop.end and not job.stops.now and not job.stops.here(self.rank, loop.step)
+        ):
             self._step(loop)
         self._finish(loop)
 
-    def _build(self) -> _Loop:
+    def _build(self) -> Loop:
         """The model, its optimizer, data shard and sync; the resumed state; rank 0's report and first eval."""
-        job, c, t = self.job, self.config, self.t
+        job = self.job
+        c = self.config
+        t = self.t
         model = Llama(c.model, generator=torch.Generator().manual_seed(t.seed)).to(self.device)
         between = self.transport  # what DiLoCo averages over: the world, or the islands (FSDP2)
         if job.islands is not None:
@@ -85,18 +75,22 @@ class Worker:
         shard, num_shards = shard_of(t, rank=self.rank, world_size=self.world_size)
         fixed = self.transport is None or self.transport.capabilities.fixed_ranks
         set_worker(f"worker {self.rank}" if fixed else f"peer shard {shard}")
-        RunFolder(job.run_dir).rank(self.rank).remove_stray_temp()  # of a write this rank's last process left
+        # of a write this rank's last process left
+        RunFolder(job.run_dir).rank(self.rank).remove_stray_temp()
         sampler = BatchSampler(
             job.corpus.shard(shard, num_shards),
             seq_len=c.data.seq_len,
             batch_size=t.batch_size,
-            seed=(t.seed * 1_000_003 + shard + 1) % (MAX_SEED + 1),  # unchanged where it fits 64 bits
+            seed=(t.seed * 1_000_003 + shard + 1)
+            % (MAX_SEED + 1),  # unchanged where it fits 64 bits
             what=f"shard {shard} of {num_shards} of the training data",
         )
-        sync = Sync(config=c, model=model, optimizer=optimizer, transport=between, device=self.device)
+        sync = Sync(
+            config=c, model=model, optimizer=optimizer, transport=between, device=self.device
+        )
         step = self._resume(sync, sampler) if job.resume else 0
         end = min(t.stop_after, t.steps) if t.stop_after else t.steps
-        loop = _Loop(
+        loop = Loop(
             model=model,
             optimizer=optimizer,
             sampler=sampler,
@@ -105,7 +99,9 @@ class Worker:
             reporter=self._open_report(step, end=end),
             evaluating=evaluates(self.rank, t.fsdp_shards),
             schedule=EvalSchedule(every=t.eval_every or c.diloco.inner_steps, start=step, end=end),
-            watch=LossWatch(limit=t.max_nonfinite_losses, files=RunFolder(job.run_dir).rank(self.rank), lr=t.lr),
+            watch=LossWatch(
+                limit=t.max_nonfinite_losses, files=RunFolder(job.run_dir).rank(self.rank), lr=t.lr
+            ),
             end=end,
             step=step,
             saved=step,
@@ -134,7 +130,7 @@ class Worker:
         )
         return self.job.outcome.opened(reporter)
 
-    def _step(self, loop: _Loop) -> None:
+    def _step(self, loop: Loop) -> None:
         """One inner step and the round it may end; then, where the run's step moved, what is due at it."""
         t, sync = self.t, loop.sync
         sync.before(loop.step)
@@ -144,11 +140,16 @@ class Worker:
         set_lr(loop.optimizer, lr)
         x, y = loop.sampler.next()
         with autocast(self.device, t.bf16):
-            loss = loss_of(loop.model, x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True))
+            loss = loss_of(
+                loop.model,
+                x.to(self.device, non_blocking=True),
+                y.to(self.device, non_blocking=True),
+            )
         loss.backward()
         loop.pace.slow_down(time.perf_counter() - t0)
         comm, report = sync.step(t.grad_clip)
-        after = sync.advanced(loop.step)  # rounds by time: the run's progress, which moves only as rounds end
+        # rounds by time: the run's progress, which moves only as rounds end
+        after = sync.advanced(loop.step)
         moved = after != loop.step
         loop.step = after
         loss_value = loss.item()  # the one host sync per step
@@ -165,7 +166,10 @@ class Worker:
                     "round": sync.round,
                     "loss": loss_value,
                     "lr": lr,
-                    "tokens_per_s": t.batch_size * self.config.data.seq_len * self.world_size / elapsed,
+                    "tokens_per_s": t.batch_size
+                    * self.config.data.seq_len
+                    * self.world_size
+                    / elapsed,
                     "compute_s": elapsed - comm.seconds,
                     "comm_s": comm.seconds,
                     "bytes_sent": comm.bytes_sent,
@@ -177,16 +181,20 @@ class Worker:
             self._at_new_step(loop, round_before=round_before)
         loop.watch.see(loop.step, loss_value)
         if moved and checkpoint_due(
-            loop.step, end=loop.end, inner_steps=self.config.diloco.inner_steps, every=t.checkpoint_every
+            loop.step,
+            end=loop.end,
+            inner_steps=self.config.diloco.inner_steps,
+            every=t.checkpoint_every,
         ):
             self._save(loop.step, sync, loop.sampler)
             loop.saved = loop.step
 
-    def _at_new_step(self, loop: _Loop, *, round_before: int) -> None:
+    def _at_new_step(self, loop: Loop, *, round_before: int) -> None:
         """At a step the run moved to: the rounds still in flight applied at the end of training, and the eval
         due (at a round's boundary: where the global weights changed since ``round_before``)."""
         sync = loop.sync
-        if loop.step == self.t.steps:  # the end of training (not a stop_after): apply the rounds still in flight
+        # the end of training (not a stop_after): apply the rounds still in flight
+        if loop.step == self.t.steps:
             sync.flush()  # after the step's record: waiting for the last reduce is not compute
         boundary = sync.diloco is None or sync.round != round_before  # the global weights changed
         if loop.schedule.due(loop.step, boundary=boundary) and loop.evaluating:
@@ -195,23 +203,29 @@ class Worker:
             if loop.reporter is not None:
                 loop.reporter.eval(loop.step, loop.last_eval, seconds=time.perf_counter() - began)
 
-    def _finish(self, loop: _Loop) -> None:
+    def _finish(self, loop: Loop) -> None:
         """After the loop: an interrupted run's checkpoint of the step every worker stopped at; rank 0's result."""
         stops, outcome = self.job.stops, self.job.outcome
-        if stops.interrupted and not stops.now and loop.step > loop.saved:  # the step all workers stopped at
+        # the step all workers stopped at
+        if stops.interrupted and not stops.now and loop.step > loop.saved:
             self._save(loop.step, loop.sync, loop.sampler)
         if stops.now or stops.interrupted or not loop.evaluating:
             return
-        if math.isnan(loop.last_eval):  # resumed at the very end: nothing trained, still report where it stands
+        # resumed at the very end: nothing trained, still report where it stands
+        if math.isnan(loop.last_eval):
             loop.last_eval = self._evaluate(loop.sync)
         if loop.reporter is not None:
             busy = outcome.busy_seconds()
-            outcome.finished(loop.reporter.finish(step=loop.step, eval_after=loop.last_eval, busy=busy))
+            outcome.finished(
+                loop.reporter.finish(step=loop.step, eval_after=loop.last_eval, busy=busy)
+            )
 
     def _evaluate(self, sync: Sync) -> float:
         """The validation loss of the run's global weights (``evals``)."""
         with global_weights(sync):
-            return evaluate(sync.model, val=self.job.corpus.val, config=self.config, device=self.device)
+            return evaluate(
+                sync.model, val=self.job.corpus.val, config=self.config, device=self.device
+            )
 
     def _resume(self, sync: Sync, sampler: BatchSampler) -> int:
         """Load this worker's checkpoint of the step all ranks resume from; that step (0: none yet). Rank 0
@@ -221,9 +235,8 @@ class Worker:
         step = found.step
         sync.resumed_at(step)
         if found.state is not None:
-            fixed = (
-                self.transport is None or self.transport.capabilities.fixed_ranks
-            )  # else group sizes change every round
+            # else group sizes change every round
+            fixed = self.transport is None or self.transport.capabilities.fixed_ranks
             state = load_worker(
                 job.run_dir,
                 state=found.state,
@@ -236,10 +249,12 @@ class Worker:
             sampler.load_state_dict(state["data"])
             logger.info("rank %d: resumed from step %d", self.rank, step)
         confirm_loaded(self.transport, timeout)
-        set_aside(job.run_dir, rank=self.rank, resumed=found)  # files after the step resumed from: never kept
+        # files after the step resumed from: never kept
+        set_aside(job.run_dir, rank=self.rank, resumed=found)
         if self.rank == 0:
             commit_resume(job.run_dir, step=step, config=self.config, secret_keys=job.secret_keys)
-        return max(step, 0)  # -1: crashed (or restarted by torchrun) before its first checkpoint: start over
+        # -1: crashed (or restarted by torchrun) before its first checkpoint: start over
+        return max(step, 0)
 
     def _save(self, step: int, sync: Sync, sampler: BatchSampler) -> None:
         """Checkpoint ``step``, unless its state holds NaN or inf: then the older checkpoints stay as they are."""
@@ -247,7 +262,11 @@ class Worker:
         if not all_finite(core):
             if job.outcome.first_nonfinite_state():
                 newest = RunFolder(job.run_dir).rank(self.rank).newest()
-                logger.warning("step %d: the state holds NaN or infinite values: not checkpointed (%s)", step, newest)
+                logger.warning(
+                    "step %d: the state holds NaN or infinite values: not checkpointed (%s)",
+                    step,
+                    newest,
+                )
             return
         with INTERRUPTS.deferred():
             save_worker(

@@ -15,7 +15,9 @@ def configure_export_parser(p: argparse.ArgumentParser) -> None:
     """The options of ``diloco export`` on its subparser."""
     p.add_argument("run", metavar="RUN", help="the run folder (e.g. runs/diloco-...)")
     p.add_argument("--out", metavar="DIR", help="output folder (default: RUN/export)")
-    p.add_argument("--step", type=int, metavar="N", help="the checkpoint of step N (default: the newest)")
+    p.add_argument(
+        "--step", type=int, metavar="N", help="the checkpoint of step N (default: the newest)"
+    )
 
 
 def export_main(args: argparse.Namespace) -> int:

@@ -23,13 +23,12 @@ from .export_cli import EXPORT_EXAMPLE, configure_export_parser, export_main
 from .plan_cli import PLAN_EXAMPLE, configure_plan_parser, plan_main
 from .plot_cli import configure_plot_parser, plot_main
 from .torchrun import TORCHRUN_ARGS_ENV
+from .train_cli import TRAIN_EXAMPLE, config_keys, configure_train_parser
 
 if TYPE_CHECKING:
     from ..run_config import RunConfig
 
 __all__ = ["main"]
-
-_EXAMPLE = "e.g. diloco train --set train.steps=200 --set diloco.inner_steps=50"
 
 
 def _version() -> str:
@@ -41,72 +40,20 @@ def _version() -> str:
         return "unknown (not installed)"
 
 
-def _config_keys() -> str:
-    """Every config section and key with its default, read from the dataclasses (docs/trainer.md explains them)."""
-    from dataclasses import MISSING, fields
-
-    from transports import TRANSPORT_KINDS
-
-    from ..run_config import SECTIONS, TRAINER_DEFAULTS
-
-    lines = ["config keys (--set SECTION.KEY=VALUE or a TOML table; defaults shown; docs/trainer.md):"]
-    for name, cls in SECTIONS.items():
-        keys = []
-        for f in fields(cls):
-            if not f.init or not f.repr:  # not a key to show: a deprecated alias
-                continue
-            default = f.default if f.default is not MISSING else f.default_factory()  # type: ignore[misc]
-            default = TRAINER_DEFAULTS.get(name, {}).get(f.name, default)
-            keys.append(f"{f.name}={default!r}")
-        lines.append(f"  [{name}] " + ", ".join(keys))
-    kinds = ", ".join(repr(k) for k in TRANSPORT_KINDS)
-    lines.append(
-        f"  [transport] kind: one of {kinds} (default 'inprocess'), and its transport's keys (docs/lan.md, wan.md)"
-    )
-    return "\n".join(lines)
-
-
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="diloco", description="Train a language model with DiLoCo (or DDP, or one worker)."
     )
     p.add_argument("--version", action="version", version=f"diloco {_version()}")
     sub = p.add_subparsers(dest="command", metavar="{train,plot,plan,export,torchrun}")
-    t = sub.add_parser(
-        "train",
-        help="train (with no options: tiny model, 4 in-process workers, a few minutes on a CPU)",
-        epilog=f"{_EXAMPLE}\n\n{_config_keys()}",
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+    configure_train_parser(
+        sub.add_parser(
+            "train",
+            help="train (with no options: tiny model, 4 in-process workers, a few minutes on a CPU)",
+            epilog=f"{TRAIN_EXAMPLE}\n\n{config_keys()}",
+            formatter_class=argparse.RawDescriptionHelpFormatter,
+        )
     )
-    t.add_argument(
-        "--config",
-        action="append",
-        default=[],
-        metavar="FILE.toml",
-        help="TOML file with [model] [data] [train] [diloco] [transport] tables (repeatable; later wins)",
-    )
-    t.add_argument(
-        "--set",
-        action="append",
-        default=[],
-        dest="overrides",
-        metavar="SECTION.KEY=VALUE",
-        help="override one key; VALUE is a TOML literal (a bare word is a string). Repeatable",
-    )
-    t.add_argument(
-        "--resume",
-        action="store_true",
-        help="continue run NAME from its latest checkpoint, with its saved config (--config/--set change it: "
-        "each change is printed; one that breaks exact resume needs --force)",
-    )
-    t.add_argument(
-        "--force",
-        action="store_true",
-        help="with --resume: accept changes of the model, data, workers, schedule or DiLoCo settings",
-    )
-    t.add_argument("--name", metavar="RUN", help="run name: files go to <train.runs_dir>/RUN/ (default: mode-time)")
-    t.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
-    t.add_argument("-v", "--verbose", action="store_true", help="log one line per round and worker")
     sub.add_parser(
         "torchrun",
         help="torchrun's launcher for `train` (same options), ending in one line on Ctrl+C or a failed worker",
@@ -114,7 +61,9 @@ def _parser() -> argparse.ArgumentParser:
         epilog="e.g. diloco torchrun --standalone --nproc-per-node=2 train --set transport.kind=torch (docs/lan.md)",
     )
     configure_plot_parser(
-        sub.add_parser("plot", help="overlay the loss curves of runs (x: step, bytes, time) in a PNG")
+        sub.add_parser(
+            "plot", help="overlay the loss curves of runs (x: step, bytes, time) in a PNG"
+        )
     )
     configure_plan_parser(
         sub.add_parser(
@@ -125,7 +74,9 @@ def _parser() -> argparse.ArgumentParser:
     )
     configure_export_parser(
         sub.add_parser(
-            "export", help="write a run's global model as safetensors and a Hugging Face folder", epilog=EXPORT_EXAMPLE
+            "export",
+            help="write a run's global model as safetensors and a Hugging Face folder",
+            epilog=EXPORT_EXAMPLE,
         )
     )
     return p
@@ -140,7 +91,8 @@ def _run_config(args: argparse.Namespace) -> RunConfig:
     saved = _saved_config(args)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", DeprecationWarning)
-        if saved is not None and saved.is_file():  # else nothing to resume yet: start the run as configured
+        # else nothing to resume yet: start the run as configured
+        if saved is not None and saved.is_file():
             config, changes = merge_onto_saved(
                 load_toml(saved),
                 files=args.config,
@@ -179,7 +131,8 @@ def _saved_config(args: argparse.Namespace) -> Path | None:
 def _train(args: argparse.Namespace, argv: list[str]) -> int:
     from transports import transport_spec
 
-    from ..launch import check_quorum, train
+    from ..launch import train
+    from ..layout import check_quorum
     from ..report.run_words import run_header, run_summary, traffic_line
     from ..runs.run_name import default_name, resume_command
 
@@ -194,14 +147,25 @@ def _train(args: argparse.Namespace, argv: list[str]) -> int:
     command = ["diloco", "train", *argv]
     # Under ``diloco torchrun`` the hint repeats its launcher options (the wrapper passes them down).
     torchrun_args = os.environ.get(TORCHRUN_ARGS_ENV)
-    launcher = ["diloco", "torchrun", *shlex.split(torchrun_args)] if torchrun_args is not None else ["diloco"]
+    launcher = (
+        ["diloco", "torchrun", *shlex.split(torchrun_args)]
+        if torchrun_args is not None
+        else ["diloco"]
+    )
 
     def again() -> str:  # once the run has started: a secret it stored is read back by the resume
-        return resume_command(name, config, launcher=launcher, secret_stored=RunFolder(run_dir).join_secret.is_file())
+        return resume_command(
+            name, config, launcher=launcher, secret_stored=RunFolder(run_dir).join_secret.is_file()
+        )
 
     try:
         result = train(
-            config, run_dir, resume=args.resume, show_progress=not args.quiet, command=command, named=bool(args.name)
+            config,
+            run_dir,
+            resume=args.resume,
+            show_progress=not args.quiet,
+            command=command,
+            named=bool(args.name),
         )
     except KeyboardInterrupt:
         INTERRUPTS.ignore()  # a second Ctrl+C (or torchrun's SIGTERM) adds nothing
@@ -212,7 +176,9 @@ def _train(args: argparse.Namespace, argv: list[str]) -> int:
         return 0
     print(run_summary(result, run_dir))
     if result.steps < t.steps:
-        print(f"stopped at step {result.steps} of {t.steps} (train.stop_after); resume with: {again()}")
+        print(
+            f"stopped at step {result.steps} of {t.steps} (train.stop_after); resume with: {again()}"
+        )
     traffic = traffic_line(result, config)
     if traffic is not None:
         print(traffic)
@@ -277,7 +243,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     except KeyboardInterrupt:
         print(
-            f"diloco: interrupted ({INTERRUPTS.name}) before training started: nothing can be resumed", file=sys.stderr
+            f"diloco: interrupted ({INTERRUPTS.name}) before training started: nothing can be resumed",
+            file=sys.stderr,
         )
         return INTERRUPTS.status
 

@@ -14,7 +14,9 @@ from ..plan import MODES, Link, Row, ddp_seconds, plan, sync_bytes
 
 __all__ = ["PLAN_EXAMPLE", "configure_plan_parser", "plan_main"]
 
-PLAN_EXAMPLE = "e.g. diloco plan --params 150m --step-s 0.4 --link-mbit 1000 --latency-ms 20 --workers 8"
+PLAN_EXAMPLE = (
+    "e.g. diloco plan --params 150m --step-s 0.4 --link-mbit 1000 --latency-ms 20 --workers 8"
+)
 
 _SUFFIX = {"k": 1e3, "m": 1e6, "b": 1e9, "g": 1e9}
 
@@ -26,7 +28,9 @@ def _count(text: str) -> int:
     try:
         value = round(float(number) * scale)
     except (ValueError, OverflowError):  # OverflowError: inf
-        raise argparse.ArgumentTypeError(f"{text!r} is not a count (e.g. 150e6, 150m, 1.1b)") from None
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a count (e.g. 150e6, 150m, 1.1b)"
+        ) from None
     if value < 1:
         raise argparse.ArgumentTypeError(f"{text!r} is invalid: expected at least 1 parameter")
     return value
@@ -36,7 +40,9 @@ def _steps(text: str) -> tuple[int, ...]:
     try:
         values = tuple(int(x) for x in text.split(","))
     except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of integers") from None
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a comma-separated list of integers"
+        ) from None
     if not values or min(values) < 1:
         raise argparse.ArgumentTypeError(f"{text!r} is invalid: every H must be >= 1")
     return tuple(sorted(set(values)))
@@ -44,17 +50,43 @@ def _steps(text: str) -> tuple[int, ...]:
 
 def configure_plan_parser(p: argparse.ArgumentParser) -> None:
     """The options of ``diloco plan`` on its subparser."""
-    p.add_argument("--params", type=_count, required=True, help="parameters of the model (150e6, 150m, 1.1b)")
-    p.add_argument("--step-s", type=float, required=True, help="measured seconds of one inner step on one worker")
-    p.add_argument("--link-mbit", type=float, required=True, help="each worker's link rate in Mbit/s")
+    p.add_argument(
+        "--params", type=_count, required=True, help="parameters of the model (150e6, 150m, 1.1b)"
+    )
+    p.add_argument(
+        "--step-s",
+        type=float,
+        required=True,
+        help="measured seconds of one inner step on one worker",
+    )
+    p.add_argument(
+        "--link-mbit", type=float, required=True, help="each worker's link rate in Mbit/s"
+    )
     p.add_argument("--latency-ms", type=float, default=0.0, help="latency per sync (default 0)")
-    p.add_argument("--shared", action="store_true", help="every worker's traffic shares the one link (one queue)")
-    p.add_argument("--burst-kb", type=float, default=0.0, help="a token-bucket link's burst in KiB (tc tbf; default 0)")
+    p.add_argument(
+        "--shared",
+        action="store_true",
+        help="every worker's traffic shares the one link (one queue)",
+    )
+    p.add_argument(
+        "--burst-kb",
+        type=float,
+        default=0.0,
+        help="a token-bucket link's burst in KiB (tc tbf; default 0)",
+    )
     p.add_argument("--workers", type=int, default=4, help="workers averaging (default 4)")
-    p.add_argument("--codec", default="int4", choices=sorted(CODECS), help="pseudo-gradient wire (default int4)")
+    p.add_argument(
+        "--codec",
+        default="int4",
+        choices=sorted(CODECS),
+        help="pseudo-gradient wire (default int4)",
+    )
     wire = DiLoCoConfig()  # the trainer's [diloco] defaults, one home
     p.add_argument(
-        "--codec-block", type=int, default=wire.codec_block, help="values per scale of the wire (default %(default)s)"
+        "--codec-block",
+        type=int,
+        default=wire.codec_block,
+        help="values per scale of the wire (default %(default)s)",
     )
     p.add_argument(
         "--codec-density",
@@ -68,9 +100,21 @@ def configure_plan_parser(p: argparse.ArgumentParser) -> None:
         default=wire.codec_value_bits,
         help="topk: bits per value sent, 2 or 4 (default %(default)s)",
     )
-    p.add_argument("--inner-steps", type=_steps, default=(1, 2, 5, 10, 20, 50, 100, 200, 500), metavar="H,H,...")
-    p.add_argument("--fragments", type=int, default=4, help="streaming: fragments per round (default 4)")
-    p.add_argument("--overlap-steps", type=int, default=1, help="streaming: steps a fragment's sync hides behind")
+    p.add_argument(
+        "--inner-steps",
+        type=_steps,
+        default=(1, 2, 5, 10, 20, 50, 100, 200, 500),
+        metavar="H,H,...",
+    )
+    p.add_argument(
+        "--fragments", type=int, default=4, help="streaming: fragments per round (default 4)"
+    )
+    p.add_argument(
+        "--overlap-steps",
+        type=int,
+        default=1,
+        help="streaming: steps a fragment's sync hides behind",
+    )
     p.add_argument("--target", type=float, default=0.9, help="utilization to keep (default 0.9)")
 
 
@@ -78,11 +122,15 @@ def _codec(args: argparse.Namespace) -> Codec:
     """The wire ``--codec`` names with its settings, checked as the trainer checks its ``[diloco]`` section
     (``DiLoCoConfig``: sign's block, topk's density at its block, value bits for every codec); a bad one is
     named by its flag."""
-    settings = {f"codec_{k}": getattr(args, f"codec_{k}") for k in ("block", "density", "value_bits")}
+    settings = {
+        f"codec_{k}": getattr(args, f"codec_{k}") for k in ("block", "density", "value_bits")
+    }
     try:
         return codec_of(DiLoCoConfig(codec=args.codec, **settings))
     except ValueError as e:
-        raise ValueError(re.sub(r"\bcodec_(\w+)=", lambda m: f"--codec-{m[1].replace('_', '-')}=", str(e))) from None
+        raise ValueError(
+            re.sub(r"\bcodec_(\w+)=", lambda m: f"--codec-{m[1].replace('_', '-')}=", str(e))
+        ) from None
 
 
 def _check(args: argparse.Namespace) -> None:
@@ -103,13 +151,20 @@ def _check(args: argparse.Namespace) -> None:
 
 def recommend(rows: list[Row], *, target: float) -> dict[str, Row | None]:
     """Per mode, the smallest H whose utilization is at least ``target`` (None: no H listed reaches it)."""
-    return {m: next((r for r in rows if r.mode == m and r.utilization >= target), None) for m in MODES}
+    return {
+        m: next((r for r in rows if r.mode == m and r.utilization >= target), None) for m in MODES
+    }
 
 
 def plan_main(args: argparse.Namespace) -> int:
     _check(args)
     codec = _codec(args)
-    link = Link(mbit=args.link_mbit, latency_ms=args.latency_ms, shared=args.shared, burst_bytes=args.burst_kb * 1024)
+    link = Link(
+        mbit=args.link_mbit,
+        latency_ms=args.latency_ms,
+        shared=args.shared,
+        burst_bytes=args.burst_kb * 1024,
+    )
     rows = plan(
         params=args.params,
         step_s=args.step_s,
@@ -123,8 +178,11 @@ def plan_main(args: argparse.Namespace) -> int:
     nbytes = sync_bytes(args.params, codec, workers=args.workers)
     grad = sync_bytes(args.params, "fp32", workers=args.workers, rule=MergeRule.MEAN)
     ddp = ddp_seconds(step_s=args.step_s, grad_bytes=grad, link=link, workers=args.workers)
-    wire = args.codec if codec.identity == codec_for(args.codec).identity else str(codec.identity)  # non-default
-    where = "one link shared by every worker" if args.shared else "each worker its own full-duplex link"
+    # non-default
+    wire = args.codec if codec.identity == codec_for(args.codec).identity else str(codec.identity)
+    where = (
+        "one link shared by every worker" if args.shared else "each worker its own full-duplex link"
+    )
     rate = f"{args.link_mbit:g} Mbit/s" if args.link_mbit else "no rate limit"
     print(
         f"diloco plan (predicted, not measured): {args.params:,} parameters, {args.step_s:g} s per step, "
@@ -138,13 +196,19 @@ def plan_main(args: argparse.Namespace) -> int:
     for h in args.inner_steps:
         cells = [r for r in rows if r.inner_steps == h]
         text = [
-            f"{100 * r.utilization:.1f}% | {r.seconds_per_1000:,.0f}" if r.utilization == r.utilization else "n/a | n/a"
+            f"{100 * r.utilization:.1f}% | {r.seconds_per_1000:,.0f}"
+            if r.utilization == r.utilization
+            else "n/a | n/a"
             for r in cells
         ]
         print(f"| {h} | " + " | ".join(text) + " |")
     print(f"\nsmallest H with utilization >= {100 * args.target:g}%:")
     for mode, row in recommend(rows, target=args.target).items():
-        found = f"H = {row.inner_steps} ({100 * row.utilization:.1f}%)" if row else "none of the H listed"
+        found = (
+            f"H = {row.inner_steps} ({100 * row.utilization:.1f}%)"
+            if row
+            else "none of the H listed"
+        )
         print(f"  {mode}: {found}")
     print(
         f"\nassumptions: streaming in {args.fragments} fragments (at most H), each hidden behind "

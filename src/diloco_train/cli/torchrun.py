@@ -27,12 +27,16 @@ def split_launcher_args(argv: Sequence[str]) -> tuple[list[str], list[str]]:
     """``[torchrun options] train [train options]`` -> (torchrun's options, the ``train`` command line)."""
     argv = list(argv)
     if "train" not in argv:
-        raise ValueError(f"diloco torchrun needs the train command after torchrun's options; {_USAGE}")
+        raise ValueError(
+            f"diloco torchrun needs the train command after torchrun's options; {_USAGE}"
+        )
     at = argv.index("train")
     launcher = argv[:at]
     script = [a for a in launcher if not a.startswith("-")]
     if script and script[-1].endswith((".py", "diloco_train.cli")):
-        raise ValueError(f"diloco torchrun starts diloco_train.cli itself; drop {script[-1]!r}; {_USAGE}")
+        raise ValueError(
+            f"diloco torchrun starts diloco_train.cli itself; drop {script[-1]!r}; {_USAGE}"
+        )
     return launcher, argv[at:]
 
 
@@ -58,7 +62,14 @@ def torchrun(argv: Sequence[str]) -> int:
         return 128 + int(e.sigval)
     except ChildFailedError as e:
         rank, failure = e.get_first_failure()
-        how = f"exit status {failure.exitcode}" if failure.exitcode >= 0 else f"signal {-failure.exitcode}"
-        print(f"diloco: error: worker rank {rank} ended with {how} (its own message is above)", file=sys.stderr)
+        how = (
+            f"exit status {failure.exitcode}"
+            if failure.exitcode >= 0
+            else f"signal {-failure.exitcode}"
+        )
+        print(
+            f"diloco: error: worker rank {rank} ended with {how} (its own message is above)",
+            file=sys.stderr,
+        )
         return failure.exitcode if 0 < failure.exitcode < 128 else 1
     return 0

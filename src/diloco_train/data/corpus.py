@@ -54,18 +54,34 @@ class DataConfig:
 
     def __post_init__(self) -> None:
         check_fields(self)
-        check_field("path", self.path, not (self.path and self.hf_dataset), "empty when hf_dataset is set")
+        check_field(
+            "path", self.path, not (self.path and self.hf_dataset), "empty when hf_dataset is set"
+        )
         # Settings of hf_dataset alone: without it they were ignored silently (data.path trains on bytes).
-        alone = "empty without hf_dataset (it applies to hf_dataset only; data.path is read as bytes)"
-        check_field("hf_tokenizer", self.hf_tokenizer, bool(self.hf_dataset or not self.hf_tokenizer), alone)
+        alone = (
+            "empty without hf_dataset (it applies to hf_dataset only; data.path is read as bytes)"
+        )
+        check_field(
+            "hf_tokenizer", self.hf_tokenizer, bool(self.hf_dataset or not self.hf_tokenizer), alone
+        )
         ok = bool(self.hf_dataset or not self.max_documents)
         check_field("max_documents", self.max_documents, ok, alone.replace("empty", "0"))
         ok = bool(self.hf_dataset or self.hf_split == "train")
         check_field("hf_split", self.hf_split, ok, alone.replace("empty", "'train' (the default)"))
         ok = bool(self.path or self.hf_dataset or self.text_field == "text")
-        check_field("text_field", self.text_field, ok, "'text' (the default) without data.path or hf_dataset")
+        check_field(
+            "text_field",
+            self.text_field,
+            ok,
+            "'text' (the default) without data.path or hf_dataset",
+        )
         ok = bool(self.streaming or not self.token_cache)
-        check_field("token_cache", self.token_cache, ok, "empty without data.streaming=true (it holds its files)")
+        check_field(
+            "token_cache",
+            self.token_cache,
+            ok,
+            "empty without data.streaming=true (it holds its files)",
+        )
 
 
 @dataclass(frozen=True)
@@ -89,7 +105,10 @@ class Corpus:
 
 def _source(config: DataConfig) -> Source:
     if config.hf_dataset:
-        from .data_hf import hf_source  # datasets and transformers are imported only where asked for
+        # datasets and transformers are imported only where asked for
+        from .data_hf import (
+            hf_source,
+        )
 
         return hf_source(config)
     if config.path:
@@ -106,7 +125,9 @@ def _concat(docs: list[Document]) -> torch.Tensor:
 def _in_memory(docs: Iterable[Document], *, vocab: int, val_fraction: float) -> Corpus:
     docs = [d for d in docs if len(d[1])]
     if len(docs) < 2:
-        raise ValueError(f"data: {len(docs)} non-empty document(s) found; need at least 2 to hold one out")
+        raise ValueError(
+            f"data: {len(docs)} non-empty document(s) found; need at least 2 to hold one out"
+        )
     docs.sort(key=lambda d: d[0])
     val = [d for d in docs if is_val(d[0], val_fraction)]
     if not val:  # a small corpus may draw no validation document at all: hold out the first by hash
@@ -117,7 +138,9 @@ def _in_memory(docs: Iterable[Document], *, vocab: int, val_fraction: float) -> 
     train = [d for d in docs if d[0] not in val_names]
     train.sort(key=lambda d: digest(d[0]))
     if not train:
-        raise ValueError(f"data: all {len(docs)} documents fell into validation; lower data.val_fraction")
+        raise ValueError(
+            f"data: all {len(docs)} documents fell into validation; lower data.val_fraction"
+        )
     return Corpus(
         train=_concat(train),
         val=_concat(val),
@@ -138,12 +161,17 @@ def load_corpus(config: DataConfig) -> Corpus:
             return _cache[config]
         docs, vocab, stamp = _source(config)
         if config.streaming:
-            where = str(Path(config.path).expanduser().resolve()) if config.path else str(stdlib_root())
+            where = (
+                str(Path(config.path).expanduser().resolve()) if config.path else str(stdlib_root())
+            )
             key = [where, config.hf_dataset, config.hf_split, config.hf_tokenizer]
             key += [config.text_field, config.max_documents, config.val_fraction, stamp]
             folder = cache_folder(config.token_cache)
-            dtype = np.dtype(np.int32 if config.hf_tokenizer else np.uint8)  # bytes, or a tokenizer's ids
-            found = open_or_build(docs, folder=folder, key=key, dtype=dtype, val_fraction=config.val_fraction)
+            # bytes, or a tokenizer's ids
+            dtype = np.dtype(np.int32 if config.hf_tokenizer else np.uint8)
+            found = open_or_build(
+                docs, folder=folder, key=key, dtype=dtype, val_fraction=config.val_fraction
+            )
             corpus = Corpus(
                 train=found.train,
                 val=found.val,
@@ -171,7 +199,9 @@ class BatchSampler:
     makes the next batches identical to those an uninterrupted run would have drawn.
     """
 
-    def __init__(self, tokens: torch.Tensor, seq_len: int, batch_size: int, seed: int, what: str = "data") -> None:
+    def __init__(
+        self, tokens: torch.Tensor, seq_len: int, batch_size: int, seed: int, what: str = "data"
+    ) -> None:
         if tokens.numel() < seq_len + 1:
             raise ValueError(
                 f"{what} has {tokens.numel()} tokens, fewer than one window of data.seq_len + 1 = {seq_len + 1}; "
@@ -190,7 +220,9 @@ class BatchSampler:
 
     def next(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Inputs and next-token targets, each (batch_size, seq_len) int64."""
-        starts = torch.randint(0, self.tokens.numel() - self.seq_len, (self.batch_size,), generator=self.generator)
+        starts = torch.randint(
+            0, self.tokens.numel() - self.seq_len, (self.batch_size,), generator=self.generator
+        )
         window = self.tokens[starts[:, None] + self._offsets].long()
         return window[:, :-1], window[:, 1:]
 

@@ -23,7 +23,14 @@ if TYPE_CHECKING:
 
 __all__ = ["hf_source"]
 
-_BUILDERS = {".parquet": "parquet", ".jsonl": "json", ".json": "json", ".csv": "csv", ".txt": "text", ".arrow": "arrow"}
+_BUILDERS = {
+    ".parquet": "parquet",
+    ".jsonl": "json",
+    ".json": "json",
+    ".csv": "csv",
+    ".txt": "text",
+    ".arrow": "arrow",
+}
 _BATCH = 1000
 _HUB_TIMEOUT = 10.0
 _LOCAL = {
@@ -70,7 +77,9 @@ def _offline(field: str, name: str, e: Exception) -> ValueError:
 
 def _one_split(name: str, split: str, ds: Any) -> Any:
     if split != "train" and ds.split != split:
-        raise ValueError(f"data.hf_split={split!r} is invalid: expected 'train' (the default): {name} has no splits")
+        raise ValueError(
+            f"data.hf_split={split!r} is invalid: expected 'train' (the default): {name} has no splits"
+        )
     return ds
 
 
@@ -84,12 +93,18 @@ def load_hf_dataset(name: str, split: str) -> Any:
         if not isinstance(ds, DatasetDict):
             return _one_split(name, split, ds)
         if split not in ds:
-            raise ValueError(f"data.hf_split={split!r} is invalid: expected one of the splits of {name}: {sorted(ds)}")
+            raise ValueError(
+                f"data.hf_split={split!r} is invalid: expected one of the splits of {name}: {sorted(ds)}"
+            )
         return ds[split]
     if path.is_file():
         if path.suffix not in _BUILDERS:
-            raise ValueError(f"data.hf_dataset={name!r} is invalid: expected a file ending in {', '.join(_BUILDERS)}")
-        return _one_split(name, split, load_dataset(_BUILDERS[path.suffix], data_files=str(path), split="train"))
+            raise ValueError(
+                f"data.hf_dataset={name!r} is invalid: expected a file ending in {', '.join(_BUILDERS)}"
+            )
+        return _one_split(
+            name, split, load_dataset(_BUILDERS[path.suffix], data_files=str(path), split="train")
+        )
     if path.is_dir():
         return load_dataset(str(path), split=split)
     if _looks_local(name):
@@ -130,12 +145,17 @@ def _documents(config: DataConfig, ds: Any, tok: Any) -> Iterator[Document]:
         texts = batch[config.text_field]
         for j, text in enumerate(texts):
             if not isinstance(text, str):
-                raise ValueError(f"data.text_field={config.text_field!r}: record {i + j} of {prefix} is not text")
+                raise ValueError(
+                    f"data.text_field={config.text_field!r}: record {i + j} of {prefix} is not text"
+                )
         if tok is None:
             yield from ((f"{prefix}:{i + j}", text.encode()) for j, text in enumerate(texts))
         else:
             ids = tok(texts, add_special_tokens=False)["input_ids"]
-            yield from ((f"{prefix}:{i + j}", np.asarray(list(d) + eos, dtype=np.int32)) for j, d in enumerate(ids))
+            yield from (
+                (f"{prefix}:{i + j}", np.asarray(list(d) + eos, dtype=np.int32))
+                for j, d in enumerate(ids)
+            )
         i += len(texts)
 
 
@@ -143,7 +163,9 @@ def hf_source(config: DataConfig) -> Source:
     try:
         import datasets  # noqa: F401
     except ImportError:
-        raise ValueError("data.hf_dataset needs Hugging Face datasets: pip install 'diloco[hf]'") from None
+        raise ValueError(
+            "data.hf_dataset needs Hugging Face datasets: pip install 'diloco[hf]'"
+        ) from None
     ds = load_hf_dataset(config.hf_dataset, config.hf_split)
     if config.max_documents:
         ds = ds.select(range(min(config.max_documents, len(ds))))

@@ -63,9 +63,13 @@ def _jsonl_documents(path: Path, name: str, text_field: str) -> Iterator[Documen
             except json.JSONDecodeError as e:
                 raise ValueError(f"{path}:{i + 1}: not valid JSON ({e.msg})") from None
             except UnicodeDecodeError as e:  # JSON is UTF-8 text
-                raise ValueError(f"{path}:{i + 1}: not UTF-8 text (byte {e.object[e.start]:#04x})") from None
+                raise ValueError(
+                    f"{path}:{i + 1}: not UTF-8 text (byte {e.object[e.start]:#04x})"
+                ) from None
             if not isinstance(record, dict) or not isinstance(record.get(text_field), str):
-                raise ValueError(f"{path}:{i + 1}: expected an object with a string {text_field!r} field")
+                raise ValueError(
+                    f"{path}:{i + 1}: expected an object with a string {text_field!r} field"
+                )
             yield f"{name}:{i + 1}", record[text_field].encode()
 
 
@@ -90,5 +94,9 @@ def local_source(path: str, text_field: str) -> Source:
     files = sorted(p for p in root.rglob("*") if p.is_file() and p.suffix in TEXT_SUFFIXES)
     if not files:
         raise ValueError(f"data.path={path!r} holds no {', '.join(TEXT_SUFFIXES)} files")
-    docs = (d for p in files for d in _file_documents(p, p.relative_to(root).as_posix(), text_field, whole_file=True))
+    docs = (
+        d
+        for p in files
+        for d in _file_documents(p, p.relative_to(root).as_posix(), text_field, whole_file=True)
+    )
     return docs, 256, stamp_of(files)

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from transports import TransportSpec
 
-from ..run_config import RunConfig, TrainConfig
+from ..run_config import RunConfig
+from ..train_config import TrainConfig
 from .corpus import BatchSampler, Corpus
 
 __all__ = ["check_data", "check_shards", "shard_of"]
@@ -34,10 +35,16 @@ def check_shards(t: TrainConfig, spec: TransportSpec) -> None:
 def check_data(config: RunConfig, corpus: Corpus, world_size: int) -> None:
     """Fail before any worker starts when a shard or the validation set is too small for a batch."""
     t, seq = config.train, config.data.seq_len
-    BatchSampler(corpus.val, seq_len=seq, batch_size=t.batch_size, seed=0, what="the validation data")
+    BatchSampler(
+        corpus.val, seq_len=seq, batch_size=t.batch_size, seed=0, what="the validation data"
+    )
     for rank in range(world_size):
         shard, n = shard_of(t, rank=rank, world_size=world_size)
         if shard >= n:
-            raise ValueError(f"train.num_shards={n} is too small for worker {rank}: shard {shard} does not exist")
+            raise ValueError(
+                f"train.num_shards={n} is too small for worker {rank}: shard {shard} does not exist"
+            )
         what = f"shard {shard} of {n} of the training data"
-        BatchSampler(corpus.shard(shard, n), seq_len=seq, batch_size=t.batch_size, seed=0, what=what)
+        BatchSampler(
+            corpus.shard(shard, n), seq_len=seq, batch_size=t.batch_size, seed=0, what=what
+        )

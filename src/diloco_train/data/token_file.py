@@ -40,7 +40,9 @@ class LazyNames(Sequence[str]):
     """Document names ``start`` .. ``stop`` of a names file (one JSON string a line), read when first asked for."""
 
     def __init__(self, path: Path, start: int, stop: int) -> None:
-        self.path, self.start, self.stop = path, start, stop
+        self.path = path
+        self.start = start
+        self.stop = stop
         self.names: list[str] | None = None
 
     def _all(self) -> list[str]:
@@ -72,7 +74,9 @@ def _open(base: Path, meta: dict) -> TokenFile:
     dtype = np.dtype(meta["dtype"])
     n_train, n_val = meta["train_tokens"], meta["val_tokens"]
     # Copy-on-write: a writable array torch takes without a warning; nothing ever writes to it.
-    tokens = torch.from_numpy(np.memmap(base.with_suffix(".tokens"), dtype=dtype, mode="c", shape=(n_train + n_val,)))
+    tokens = torch.from_numpy(
+        np.memmap(base.with_suffix(".tokens"), dtype=dtype, mode="c", shape=(n_train + n_val,))
+    )
     names, docs = base.with_suffix(".names"), meta["train_documents"]
     return TokenFile(
         train=tokens[:n_train],
@@ -90,8 +94,12 @@ class _Index:
     """Per document of the scratch files, in reading order: where its tokens and its name are, its name's hash."""
 
     def __init__(self) -> None:
-        self.offset, self.length, self.name_at = array("q"), array("q"), array("q")
-        self.hi, self.lo, self.val = array("Q"), array("Q"), array("b")
+        self.offset = array("q")
+        self.length = array("q")
+        self.name_at = array("q")
+        self.hi = array("Q")
+        self.lo = array("Q")
+        self.val = array("b")
 
     def add(self, *, offset: int, length: int, name_at: int, name: str, val: bool) -> None:
         d = digest(name)
@@ -103,17 +111,29 @@ class _Index:
         self.val.append(val)
 
 
-def _scan(docs: Iterable[Document], *, tokens: Path, names: Path, dtype: np.dtype, val_fraction: float) -> _Index:
-    index, at, name_at = _Index(), 0, 0
+def _scan(
+    docs: Iterable[Document], *, tokens: Path, names: Path, dtype: np.dtype, val_fraction: float
+) -> _Index:
+    index = _Index()
+    at = 0
+    name_at = 0
     with tokens.open("wb", buffering=_CHUNK) as t, names.open("wb", buffering=_CHUNK) as n:
         for name, doc in docs:
             if not len(doc):
                 continue
-            raw = doc if isinstance(doc, bytes) else np.ascontiguousarray(doc, dtype=dtype).tobytes()
+            raw = (
+                doc if isinstance(doc, bytes) else np.ascontiguousarray(doc, dtype=dtype).tobytes()
+            )
             line = (json.dumps(name) + "\n").encode()
             t.write(raw)
             n.write(line)
-            index.add(offset=at, length=len(raw), name_at=name_at, name=name, val=is_val(name, val_fraction))
+            index.add(
+                offset=at,
+                length=len(raw),
+                name_at=name_at,
+                name=name,
+                val=is_val(name, val_fraction),
+            )
             at, name_at = at + len(raw), name_at + len(line)
     return index
 
@@ -121,12 +141,17 @@ def _scan(docs: Iterable[Document], *, tokens: Path, names: Path, dtype: np.dtyp
 def _order(index: _Index, names: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """(training documents by name hash, validation documents by name): the in-memory corpus's order."""
     val = np.frombuffer(index.val, dtype=np.int8).astype(bool)
-    by_hash = np.lexsort((np.frombuffer(index.lo, dtype=np.uint64), np.frombuffer(index.hi, dtype=np.uint64)))
-    if not val.any():  # a small corpus may draw no validation document at all: hold out the first by hash
+    by_hash = np.lexsort(
+        (np.frombuffer(index.lo, dtype=np.uint64), np.frombuffer(index.hi, dtype=np.uint64))
+    )
+    # a small corpus may draw no validation document at all: hold out the first by hash
+    if not val.any():
         val[by_hash[0]] = True
     train = by_hash[~val[by_hash]]
     if not len(train):
-        raise ValueError(f"data: all {len(val)} documents fell into validation; lower data.val_fraction")
+        raise ValueError(
+            f"data: all {len(val)} documents fell into validation; lower data.val_fraction"
+        )
     held = np.flatnonzero(val)
     held = held[np.argsort([_name(names, index, int(i)) for i in held], kind="stable")]
     return train, held
@@ -149,9 +174,13 @@ def _build(docs: Iterable[Document], *, base: Path, dtype: np.dtype, val_fractio
     scratch, scratch_names = _scratch(base, "scan"), _scratch(base, "scan-names")
     tokens, names = _scratch(base, "tokens"), _scratch(base, "names")
     try:
-        index = _scan(docs, tokens=scratch, names=scratch_names, dtype=dtype, val_fraction=val_fraction)
+        index = _scan(
+            docs, tokens=scratch, names=scratch_names, dtype=dtype, val_fraction=val_fraction
+        )
         if len(index.offset) < 2:
-            raise ValueError(f"data: {len(index.offset)} non-empty document(s) found; need at least 2 to hold one out")
+            raise ValueError(
+                f"data: {len(index.offset)} non-empty document(s) found; need at least 2 to hold one out"
+            )
         source = np.memmap(scratch, dtype=np.uint8, mode="r")
         name_bytes = np.memmap(scratch_names, dtype=np.uint8, mode="r")
         train, val = _order(index, name_bytes)
@@ -186,7 +215,9 @@ def open_or_build(
     docs: Iterable[Document], *, folder: Path, key: object, dtype: np.dtype, val_fraction: float
 ) -> TokenFile:
     """The token file of ``key`` in ``folder``: opened where a complete one is there, else built from ``docs``."""
-    name = hashlib.sha256(json.dumps([VERSION, key], sort_keys=True, default=str).encode()).hexdigest()[:32]
+    name = hashlib.sha256(
+        json.dumps([VERSION, key], sort_keys=True, default=str).encode()
+    ).hexdigest()[:32]
     folder.mkdir(parents=True, exist_ok=True)
     base = folder / name
     described = base.with_suffix(".json")
@@ -194,6 +225,7 @@ def open_or_build(
         meta = json.loads(described.read_text())
         size = (meta["train_tokens"] + meta["val_tokens"]) * np.dtype(meta["dtype"]).itemsize
         tokens = base.with_suffix(".tokens")
-        if tokens.exists() and tokens.stat().st_size == size:  # else a file deleted or cut short: written again
+        # else a file deleted or cut short: written again
+        if tokens.exists() and tokens.stat().st_size == size:
             return _open(base, meta)
     return _open(base, _build(docs, base=base, dtype=dtype, val_fraction=val_fraction))

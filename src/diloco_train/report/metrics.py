@@ -66,7 +66,14 @@ class Reporter:
     """Rank 0's output: metrics.jsonl, the progress bar, the summary and the run's ``TrainResult``."""
 
     def __init__(
-        self, *, run_dir: Path, world_size: int, start_step: int, end_step: int, show: bool, sinks: Sequence[Sink] = ()
+        self,
+        *,
+        run_dir: Path,
+        world_size: int,
+        start_step: int,
+        end_step: int,
+        show: bool,
+        sinks: Sequence[Sink] = (),
     ) -> None:
         self.run_dir = run_dir
         self.sinks = sinks
@@ -84,7 +91,9 @@ class Reporter:
         self.last_step = 0
         for r in steps:
             self._advance(r["step"])
-        self.last_step = start_step  # records lost past the earlier ones up to the resume step do not count
+        self.last_step = (
+            start_step  # records lost past the earlier ones up to the resume step do not count
+        )
         self.rounds = len(rounds)
         self.round_bytes = sum(r["bytes_sent"] for r in rounds)
         self.offset = max(timed, default=0.0)
@@ -101,7 +110,9 @@ class Reporter:
             logger.warning("no progress bar: pip install 'diloco[train]'")
             show = False
         if show:
-            self.bar = tqdm(total=end_step, initial=start_step, unit="step", dynamic_ncols=True, file=sys.stderr)
+            self.bar = tqdm(
+                total=end_step, initial=start_step, unit="step", dynamic_ncols=True, file=sys.stderr
+            )
 
     def start_clock(self) -> None:
         """The training loop starts now (after the first eval of a new run)."""
@@ -109,13 +120,16 @@ class Reporter:
 
     def clock(self) -> float:
         """Seconds of the run's training loop so far, earlier invocations' included (0 before it started)."""
-        return self.offset + (time.perf_counter() - self.started if self.started is not None else 0.0)
+        return self.offset + (
+            time.perf_counter() - self.started if self.started is not None else 0.0
+        )
 
     def write(self, record: dict[str, Any]) -> None:
         try:
             self.file.write(json.dumps(record) + "\n")
             self.file.flush()
-        except OSError as e:  # a full disk: torch's or the OS's message alone would not say which file
+        # a full disk: torch's or the OS's message alone would not say which file
+        except OSError as e:
             raise OSError(f"cannot write {RunFolder(self.run_dir).metrics}: {e}") from None
         for sink in self.sinks:
             sink.log(record["step"], scalars_of(record))
@@ -189,7 +203,13 @@ class Reporter:
 
     def eval(self, step: int, loss: float, *, seconds: float) -> None:
         """Record an evaluation; ``seconds``: what it took, inside ``time_s`` (time to a loss leaves it out)."""
-        record = {"type": "eval", "step": step, "loss": loss, "perplexity": perplexity(loss), "time_s": self.clock()}
+        record = {
+            "type": "eval",
+            "step": step,
+            "loss": loss,
+            "perplexity": perplexity(loss),
+            "time_s": self.clock(),
+        }
         self.write(record | {"eval_s": seconds})
         if self.bar is not None:
             self.bar.write(f"step {step}: eval loss {loss:.4f} (perplexity {perplexity(loss):.2f})")

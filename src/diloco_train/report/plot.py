@@ -15,7 +15,12 @@ from .plot_data import AXES, RunCurves, read_run
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
 
-__all__ = ["X_CHOICES", "draw_runs", "plot_runs", "read_metrics"]  # read_metrics: bench/convergence.py's import
+__all__ = [
+    "X_CHOICES",
+    "draw_runs",
+    "plot_runs",
+    "read_metrics",
+]  # read_metrics: bench/convergence.py's import
 
 logger = logging.getLogger(__name__)
 
@@ -81,7 +86,15 @@ def draw_runs(runs: Sequence[RunCurves], *, axes: Sequence[str]) -> Figure:
         for i, run in enumerate(runs):
             color = colors[i % len(colors)]
             for row, panel in enumerate(panels):
-                _draw(grid[row][col], panel=panel, run=run, axis=axis, color=color, log=log, alone=len(runs) == 1)
+                _draw(
+                    grid[row][col],
+                    panel=panel,
+                    run=run,
+                    axis=axis,
+                    color=color,
+                    log=log,
+                    alone=len(runs) == 1,
+                )
         for row, panel in enumerate(panels):
             ax = grid[row][col]
             ax.grid(alpha=0.3)
@@ -119,7 +132,9 @@ def _spread(runs: Sequence[RunCurves]) -> float:
     return max(sent) / min(sent) if sent else 1.0
 
 
-def _draw(ax: Any, *, panel: str, run: RunCurves, axis: str, color: str, log: bool, alone: bool) -> None:
+def _draw(
+    ax: Any, *, panel: str, run: RunCurves, axis: str, color: str, log: bool, alone: bool
+) -> None:
     """One run's curves in one panel against ``axis``."""
     scale = _SCALE[axis]
 
@@ -129,7 +144,12 @@ def _draw(ax: Any, *, panel: str, run: RunCurves, axis: str, color: str, log: bo
 
     if axis == "bytes" and run.bytes_sent == 0:  # one worker, or a peer alone: nothing on the wire
         if panel == "loss" and run.evals:
-            ax.axhline(run.evals[-1][1], color=color, ls=":", label=f"{run.name} final eval (sends nothing)")
+            ax.axhline(
+                run.evals[-1][1],
+                color=color,
+                ls=":",
+                label=f"{run.name} final eval (sends nothing)",
+            )
         return
     if panel == "loss":
         if run.warm_start:
@@ -137,14 +157,21 @@ def _draw(ax: Any, *, panel: str, run: RunCurves, axis: str, color: str, log: bo
             label = f"{run.name} DDP warm start ({run.warm_start} steps)"
             ax.axvspan(left * scale, right * scale, color=color, alpha=0.12, lw=0, label=label)
         steps = [s for s, _ in run.train]
-        ax.plot(*xy(steps, _smooth([v for _, v in run.train])), color=color, alpha=0.6, label=f"{run.name} train (EMA)")
+        ax.plot(
+            *xy(steps, _smooth([v for _, v in run.train])),
+            color=color,
+            alpha=0.6,
+            label=f"{run.name} train (EMA)",
+        )
         if run.evals:
             evals = xy([s for s, _ in run.evals], [v for _, v in run.evals])
             ax.plot(*evals, "o-", color=color, ms=4, label=f"{run.name} eval")
         if alone and len(run.rounds) <= 30:  # more would hide the curves
             ends, _ = xy([r["step"] for r in run.rounds], [0.0] * len(run.rounds))
             for j, x in enumerate(ends):
-                ax.axvline(x, color="gray", lw=0.6, ls="--", label="outer round" if j == 0 else None)
+                ax.axvline(
+                    x, color="gray", lw=0.6, ls="--", label="outer round" if j == 0 else None
+                )
     elif panel == "agreement" and run.rounds:
         points = xy([r["step"] for r in run.rounds], [r["agreement"] for r in run.rounds])
         ax.plot(*points, ".-", color=color, ms=3, label=run.name)

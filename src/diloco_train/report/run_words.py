@@ -8,7 +8,7 @@ from pathlib import Path
 from diloco_core import FP32, DiLoCoConfig
 from diloco_core.codecs.names import codec_of
 
-from ..launch import describe_workers
+from ..layout import describe_workers
 from ..modes import warm_start_steps
 from ..run_config import RunConfig
 from .metrics import TrainResult, perplexity
@@ -22,7 +22,11 @@ def run_header(config: RunConfig, run_dir: Path, *, fixed_ranks: bool) -> str:
     line = f"run {run_dir}: {t.mode}, {describe_workers(config)}, model {config.model.preset}, {t.steps} steps"
     if t.mode != "diloco":
         return line
-    return line + f", {_rounds(config.diloco)}" + _warm_start(warm_start_steps(config, fixed_ranks=fixed_ranks))
+    return (
+        line
+        + f", {_rounds(config.diloco)}"
+        + _warm_start(warm_start_steps(config, fixed_ranks=fixed_ranks))
+    )
 
 
 def _warm_start(warm: int) -> str:
@@ -43,7 +47,11 @@ def run_summary(result: TrainResult, run_dir: Path) -> str:
     """The run's losses, wall time, the two busy figures (rank 0's compute, every worker's goodput) and files."""
     wall = result.wall_seconds
     util = result.compute_seconds / wall if wall else 0.0
-    busy = f", goodput {100 * result.goodput:.1f}% (all workers: busy / (workers x wall))" if result.goodput else ""
+    busy = (
+        f", goodput {100 * result.goodput:.1f}% (all workers: busy / (workers x wall))"
+        if result.goodput
+        else ""
+    )
     losses = (
         f"eval loss {result.eval_before:.4f} (perplexity {perplexity(result.eval_before):.2f}) -> "
         f"{result.eval_after:.4f} (perplexity {perplexity(result.eval_after):.2f}) after {result.steps} steps"
@@ -52,7 +60,11 @@ def run_summary(result: TrainResult, run_dir: Path) -> str:
         f"wall {wall:.1f}s, compute utilization {100 * util:.1f}% (rank 0: compute / wall){busy}, "
         f"{result.bytes_sent / 1e6:.1f} MB sent by rank 0"
     )
-    lines = [losses, compute, f"files: {run_dir}/metrics.jsonl, config.toml, plot.png, checkpoints/"]
+    lines = [
+        losses,
+        compute,
+        f"files: {run_dir}/metrics.jsonl, config.toml, plot.png, checkpoints/",
+    ]
     if not math.isfinite(result.eval_after):
         lines.append(
             "the eval loss is not finite: training diverged (states that were not finite were not checkpointed)"
@@ -66,7 +78,8 @@ def traffic_line(result: TrainResult, config: RunConfig) -> str | None:
         return None
     # DDP all-reduces the gradient, as many values as a round's pseudo-gradient, at every step, in fp32.
     codec = codec_of(config.diloco)
-    as_fp32 = FP32.payload_bytes(1 << 20) / codec.payload_bytes(1 << 20)  # 1 << 20: whole codec blocks
+    # 1 << 20: whole codec blocks
+    as_fp32 = FP32.payload_bytes(1 << 20) / codec.payload_bytes(1 << 20)
     ddp = result.round_bytes / result.rounds * as_fp32 * result.steps_run
     return (
         f"traffic: DDP would have sent ~{ddp / 1e6:,.0f} MB for these {result.steps_run} steps, "

@@ -12,8 +12,9 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
-from ..run_config import SINKS, load_toml  # SINKS: the values train.log_to may list
+from ..run_config import load_toml
 from ..runs.run_folder import RunFolder
+from ..train_config import SINKS  # the values train.log_to may list
 
 __all__ = ["SINKS", "Sink", "check_sinks", "open_sinks", "scalars_of"]
 
@@ -21,9 +22,15 @@ __all__ = ["SINKS", "Sink", "check_sinks", "open_sinks", "scalars_of"]
 
 # Per record type: its fields logged, as "<prefix>/<field>" (the step is the x of every scalar).
 _FIELDS = {
-    "step": ("train", ("loss", "lr", "tokens_per_s", "compute_s", "comm_s", "bytes_sent", "time_s")),
+    "step": (
+        "train",
+        ("loss", "lr", "tokens_per_s", "compute_s", "comm_s", "bytes_sent", "time_s"),
+    ),
     "eval": ("eval", ("loss", "perplexity", "eval_s")),
-    "round": ("round", ("num_contributors", "bytes_sent", "comm_s", "round_s", "agreement", "pseudo_grad_norm")),
+    "round": (
+        "round",
+        ("num_contributors", "bytes_sent", "comm_s", "round_s", "agreement", "pseudo_grad_norm"),
+    ),
     "summary": ("summary", ("wall_s", "utilization", "goodput", "bytes_sent", "eval_after")),
 }
 
@@ -31,7 +38,9 @@ _FIELDS = {
 def scalars_of(record: Mapping[str, Any]) -> dict[str, float]:
     """The record's numbers a sink logs: ``{"train/loss": 2.1, ...}`` for a step record ({} for other types)."""
     prefix, names = _FIELDS.get(record.get("type", ""), ("", ()))
-    return {f"{prefix}/{n}": float(record[n]) for n in names if isinstance(record.get(n), (int, float))}
+    return {
+        f"{prefix}/{n}": float(record[n]) for n in names if isinstance(record.get(n), (int, float))
+    }
 
 
 class Sink(Protocol):
@@ -46,7 +55,10 @@ class TensorBoardSink:
     metrics.jsonl drops them."""
 
     def __init__(self, run_dir: Path, *, start_step: int) -> None:
-        from torch.utils.tensorboard import SummaryWriter  # check_sinks has said whether tensorboard is installed
+        # check_sinks has said whether tensorboard is installed
+        from torch.utils.tensorboard import (
+            SummaryWriter,
+        )
 
         purge = start_step + 1 if start_step else None
         self.writer = SummaryWriter(log_dir=str(RunFolder(run_dir).tensorboard), purge_step=purge)
@@ -93,7 +105,9 @@ def open_sinks(log_to: Sequence[str], *, run_dir: Path, start_step: int) -> list
     try:
         for name in log_to:
             sinks.append(
-                TensorBoardSink(run_dir, start_step=start_step) if name == "tensorboard" else WandbSink(run_dir)
+                TensorBoardSink(run_dir, start_step=start_step)
+                if name == "tensorboard"
+                else WandbSink(run_dir)
             )
     except BaseException:
         for sink in sinks:

@@ -55,7 +55,9 @@ class _Recording:
         self.f.flush()
 
 
-def atomic_save(obj: Any, path: str | Path, *, opener: Callable[[int], BinaryIO] = _open_temp) -> None:
+def atomic_save(
+    obj: Any, path: str | Path, *, opener: Callable[[int], BinaryIO] = _open_temp
+) -> None:
     """``torch.save(obj)`` to ``path`` so that ``path`` holds either the old or the whole new file. A failed
     write is an OSError naming ``path`` and why; ``path`` is left as it was and no temporary file stays.
     ``opener`` turns the temporary file's descriptor into the file written (tests pass one that fails)."""
@@ -126,7 +128,9 @@ def load_checkpoint(path: str | Path) -> dict[str, Any]:
         raise ValueError(f"checkpoint {str(path)!r} holds a {type(state).__name__}, not a dict")
     saved = state.pop(CHECKSUM, None)
     if saved is None:
-        logger.warning("checkpoint %r has no checksum (written before checksums): loaded unverified", str(path))
+        logger.warning(
+            "checkpoint %r has no checksum (written before checksums): loaded unverified", str(path)
+        )
         return state
     found = checksum_of(state)
     if saved != found:

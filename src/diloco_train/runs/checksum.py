@@ -30,7 +30,8 @@ def checksum_of(state: dict[str, Any]) -> str:
         if isinstance(value, torch.Tensor):
             t = local_of(value).detach().cpu().contiguous().reshape(-1)
             crc = zlib.crc32(f"{place}:{t.dtype}:{tuple(value.shape)}:".encode(), crc)
-            crc = zlib.crc32(t.view(torch.uint8).numpy(), crc)  # no copy; the GIL is released while it runs
+            # no copy; the GIL is released while it runs
+            crc = zlib.crc32(t.view(torch.uint8).numpy(), crc)
         else:
             crc = zlib.crc32(f"{place}={value!r};".encode(), crc)
     return f"crc32:{crc:08x}"

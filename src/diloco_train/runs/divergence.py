@@ -28,11 +28,14 @@ _CHUNK = 1 << 24
 def all_finite(obj: Any) -> bool:
     """Whether every floating-point tensor in ``obj`` (tensors, dicts, lists and tuples of them) is finite."""
     if isinstance(obj, torch.Tensor):
-        obj = local_of(obj)  # a DTensor (FSDP2) as its local shard: a collective here could deadlock
+        # a DTensor (FSDP2) as its local shard: a collective here could deadlock
+        obj = local_of(obj)
         if not obj.is_floating_point():
             return True
         flat = obj.detach().reshape(-1)
-        return all(bool(torch.isfinite(flat[i : i + _CHUNK]).all()) for i in range(0, flat.numel(), _CHUNK))
+        return all(
+            bool(torch.isfinite(flat[i : i + _CHUNK]).all()) for i in range(0, flat.numel(), _CHUNK)
+        )
     if isinstance(obj, dict):
         return all(all_finite(v) for v in obj.values())
     if isinstance(obj, (list, tuple)):
@@ -62,7 +65,11 @@ class LossWatch:
         count = step - self.first + 1
         if count < self.limit:
             return
-        where = f"at step {step}" if count == 1 else f"at {count} steps in a row, steps {self.first} to {step}"
+        where = (
+            f"at step {step}"
+            if count == 1
+            else f"at {count} steps in a row, steps {self.first} to {step}"
+        )
         lower = f"a lower train.lr (now {self.lr})"
         todo = f"resume from it with --resume and {lower}, or start a new run"
         if not self.files.steps():  # nothing to resume from

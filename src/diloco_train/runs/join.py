@@ -97,9 +97,15 @@ def join_command(
     settings = dict(settings or {})
     shard = (train.shard + 1) % train.num_shards if train.num_shards > 0 else max(train.shard, 0)
     defaults = build_config().to_dict()
-    skip = {"train.shard", f"transport.{_LISTEN}", f"transport.{_ANNOUNCE}", f"transport.{spec.join_key}"}
+    skip = {
+        "train.shard",
+        f"transport.{_LISTEN}",
+        f"transport.{_ANNOUNCE}",
+        f"transport.{spec.join_key}",
+    }
     skip |= {f"transport.{k}" for k in [*settings, *spec.secret_keys]}
-    base = re.sub(r"-shard\d+$", "", run_name)  # a joiner's join command: wan-shard2, not wan-shard1-shard2
+    # a joiner's join command: wan-shard2, not wan-shard1-shard2
+    base = re.sub(r"-shard\d+$", "", run_name)
     argv = ["diloco", "train", "--name", f"{base}-shard{shard}", "--set", f"train.shard={shard}"]
     for name, table in config.to_dict().items():
         for key, value in table.items():
@@ -144,7 +150,10 @@ def stored_secret(config: RunConfig, run_dir: Path) -> RunConfig:
     named = any(k in config.transport for k in (*spec.secret_keys, *_SECRET_SOURCES))
     if spec.join_key is None or named or not path.is_file():
         return config
-    print(f"run {run_dir}: the run's secret is read from {path} (stored when the run started)", file=sys.stderr)
+    print(
+        f"run {run_dir}: the run's secret is read from {path} (stored when the run started)",
+        file=sys.stderr,
+    )
     return replace(config, transport={**config.transport, "secret_file": str(path.resolve())})
 
 
@@ -169,11 +178,20 @@ def _shared_secret(transport: Transport, spec: TransportSpec, command: list[str]
 
 
 def print_join(
-    transport: Transport, *, spec: TransportSpec, config: RunConfig, command: list[str] | None, run_dir: Path
+    transport: Transport,
+    *,
+    spec: TransportSpec,
+    config: RunConfig,
+    command: list[str] | None,
+    run_dir: Path,
 ) -> None:
     """Where peers join by address, show the command that joins another one to this run (never its secret:
     the module docstring)."""
-    if not isinstance(transport, Membership) or not transport.join_addresses or spec.join_key is None:
+    if (
+        not isinstance(transport, Membership)
+        or not transport.join_addresses
+        or spec.join_key is None
+    ):
         return
     command = list(command or ["diloco", "train"])
     secret = _shared_secret(transport, spec, command)
@@ -185,7 +203,11 @@ def print_join(
         addresses=list(transport.join_addresses),
         settings=None if path is None else {"secret_file": str(path)},
     )
-    where = "" if path is None else f"\n(the run's secret is in {path}: copy it there on another machine, mode 600)"
+    where = (
+        ""
+        if path is None
+        else f"\n(the run's secret is in {path}: copy it there on another machine, mode 600)"
+    )
     print(
         "another peer joins with (here or on another machine; each further peer with its own --name and "
         "train.shard):\n  " + shlex.join(argv) + where,

@@ -50,7 +50,9 @@ def truncate_metrics(run_dir: Path, step: int) -> None:
     """Drop what a crashed or stopped run logged after the checkpoint it resumes from."""
     path = RunFolder(run_dir).metrics
     keep = [
-        r for r in read_metrics(run_dir, missing_ok=True) if r.get("type") != "summary" and r.get("step", 0) <= step
+        r
+        for r in read_metrics(run_dir, missing_ok=True)
+        if r.get("type") != "summary" and r.get("step", 0) <= step
     ]
     tmp = path.with_suffix(".jsonl.tmp")
     tmp.write_text("".join(json.dumps(r) + "\n" for r in keep), encoding="utf-8")

@@ -67,7 +67,8 @@ class RunOwner:
 
     def _claim(self, run_dir: Path, rank: int) -> None:
         path = RunFolder(run_dir).owner_lock(rank)
-        f = path.open("a+", encoding="utf-8")  # never truncated before the lock is ours: it names the owner
+        # never truncated before the lock is ours: it names the owner
+        f = path.open("a+", encoding="utf-8")
         try:
             fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:

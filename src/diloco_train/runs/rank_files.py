@@ -89,7 +89,11 @@ class RankFiles:
         if not steps:
             return "no checkpoint was written yet"
         kept = self.pinned()
-        spike = f"; the newest before a loss spike is of step {kept}" if kept in steps and kept != steps[-1] else ""
+        spike = (
+            f"; the newest before a loss spike is of step {kept}"
+            if kept in steps and kept != steps[-1]
+            else ""
+        )
         return f"the newest checkpoint is of step {steps[-1]}{spike}"
 
     def remove_stray_temp(self) -> None:
@@ -97,4 +101,6 @@ class RankFiles:
         process). Only the process that owns the rank calls this, before it writes: none is under way."""
         for stray in self.folder.glob(f".step*-rank{self.rank}.pt.*.tmp"):
             stray.unlink(missing_ok=True)
-            logger.debug("rank %d: removed %s, left by an interrupted checkpoint write", self.rank, stray)
+            logger.debug(
+                "rank %d: removed %s, left by an interrupted checkpoint write", self.rank, stray
+            )

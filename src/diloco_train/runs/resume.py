@@ -41,12 +41,16 @@ _CHECKPOINT_FORMAT = 1
 logger = logging.getLogger(__name__)
 
 
-def prepare_run_dir(run_dir: Path, config: RunConfig, *, resume: bool, secret_keys: Collection[str]) -> None:
+def prepare_run_dir(
+    run_dir: Path, config: RunConfig, *, resume: bool, secret_keys: Collection[str]
+) -> None:
     """Refuse to overwrite a run unless resuming; a new run's config.toml is written here, a resumed run's
     once its resume succeeded (``commit_resume``)."""
     folder = RunFolder(run_dir)
     if not resume and (folder.metrics.exists() or folder.checkpoints.exists()):
-        raise ValueError(f"run {str(run_dir)!r} already exists: pass --resume to continue it, or another --name")
+        raise ValueError(
+            f"run {str(run_dir)!r} already exists: pass --resume to continue it, or another --name"
+        )
     run_dir.mkdir(parents=True, exist_ok=True)
     if not resume:
         write_config(run_dir, config, secret_keys=secret_keys)
@@ -55,7 +59,9 @@ def prepare_run_dir(run_dir: Path, config: RunConfig, *, resume: bool, secret_ke
 def write_config(run_dir: Path, config: RunConfig, *, secret_keys: Collection[str]) -> None:
     """The run's config.toml, ``secret_keys`` of [transport] left out."""
     tables = config.to_dict()
-    tables["transport"] = {k: v for k, v in tables["transport"].items() if k not in secret_keys}  # never on disk
+    tables["transport"] = {
+        k: v for k, v in tables["transport"].items() if k not in secret_keys
+    }  # never on disk
     RunFolder(run_dir).config.write_text(dump_toml(tables), encoding="utf-8")
 
 
@@ -85,10 +91,14 @@ def _recorded_world(files: RankFiles) -> int | None:
     ``resume_from`` reports). Read memory-mapped: only the small entries are read."""
     for step in reversed(files.steps()):
         try:
-            state = torch.load(files.checkpoint(step), map_location="cpu", weights_only=True, mmap=True)
+            state = torch.load(
+                files.checkpoint(step), map_location="cpu", weights_only=True, mmap=True
+            )
         except Exception:  # noqa: BLE001, S112 - unreadable: resume_from warns about it and tries an older one
             continue
-        return int(state["world_size"]) if isinstance(state, dict) and "world_size" in state else None
+        return (
+            int(state["world_size"]) if isinstance(state, dict) and "world_size" in state else None
+        )
     return None
 
 
@@ -99,22 +109,30 @@ def confirm_loaded(transport: Transport | None, timeout: float) -> None:
         from_every_rank(transport, 1, timeout)
 
 
-def commit_resume(run_dir: Path, *, step: int, config: RunConfig, secret_keys: Collection[str]) -> None:
+def commit_resume(
+    run_dir: Path, *, step: int, config: RunConfig, secret_keys: Collection[str]
+) -> None:
     """Rank 0, once every worker has loaded the checkpoint of ``step`` (-1: there was none): drop what was
     logged after it (everything, with none), write the config the run continues with, tell the user."""
     if step < 0:
         logger.warning("run %s has no checkpoint yet: starting it from step 0", run_dir)
-        RunFolder(run_dir).metrics.unlink(missing_ok=True)  # what was logged is from a run that starts over
+        # what was logged is from a run that starts over
+        RunFolder(run_dir).metrics.unlink(missing_ok=True)
     else:
         truncate_metrics(run_dir, step)
         end = min(config.train.stop_after or config.train.steps, config.train.steps)
-        print(f"run {run_dir}: resumed from step {step} of {config.train.steps}, to step {end}", file=sys.stderr)
+        print(
+            f"run {run_dir}: resumed from step {step} of {config.train.steps}, to step {end}",
+            file=sys.stderr,
+        )
     write_config(run_dir, config, secret_keys=secret_keys)
 
 
 def checkpoint_due(step: int, *, end: int, inner_steps: int, every: int) -> bool:
     """At the last step, and every ``every`` rounds of ``inner_steps`` steps (in every mode); 0: only at the end."""
-    return step == end or (every > 0 and step % inner_steps == 0 and (step // inner_steps) % every == 0)
+    return step == end or (
+        every > 0 and step % inner_steps == 0 and (step // inner_steps) % every == 0
+    )
 
 
 _SHARED = ("global", "outer_optimizer")
@@ -152,7 +170,13 @@ def save_worker(
 
 
 def load_worker(
-    run_dir: Path, *, state: dict[str, Any], step: int, world_size: int, config: RunConfig, fixed_ranks: bool
+    run_dir: Path,
+    *,
+    state: dict[str, Any],
+    step: int,
+    world_size: int,
+    config: RunConfig,
+    fixed_ranks: bool,
 ) -> dict[str, Any]:
     """``state``, a rank's checkpoint of ``step`` (``resume_from``), checked against this run: same mode and,
     where ranks hold for the run (``fixed_ranks``; else group sizes change from round to round), the same

@@ -96,7 +96,9 @@ class _Readable:
             self.ok[step] = False
             return False
         if not all_finite(state.get("core")):
-            logger.warning("checkpoint %r holds NaN or infinite values: trying an older checkpoint", str(path))
+            logger.warning(
+                "checkpoint %r holds NaN or infinite values: trying an older checkpoint", str(path)
+            )
             self.ok[step] = False
             return False
         self.ok[step], self.last = True, (step, state)
@@ -123,11 +125,15 @@ def resume_step(run_dir: Path, *, rank: int, transport: Transport | None, timeou
     """The step ``rank`` resumes from and its checkpoint of it. Ranks that hold for the run agree on the
     newest step all of them can read; peers that come and go have none to agree with: each takes its own."""
     readable = _Readable(RunFolder(run_dir).rank(rank))
-    agree = transport is not None and transport.capabilities.fixed_ranks and transport.world_size > 1
+    agree = (
+        transport is not None and transport.capabilities.fixed_ranks and transport.world_size > 1
+    )
     bound: int | None = None
     while True:
         mine = readable.newest(bound)
-        everyone = from_every_rank(transport, mine, timeout) if agree and transport is not None else [mine]
+        everyone = (
+            from_every_rank(transport, mine, timeout) if agree and transport is not None else [mine]
+        )
         _refuse(everyone, folder=readable.files.folder, bound=bound)
         common = min(everyone)
         refused = frozenset(step for step, ok in readable.ok.items() if not ok)
@@ -149,5 +155,8 @@ def set_aside(run_dir: Path, *, rank: int, resumed: Resume) -> None:
         aside = path.with_name(path.name + (".corrupt" if step in resumed.refused else ".unused"))
         path.replace(aside)
         logger.warning(
-            "resumed from step %d: %s renamed to %s (out of rotation and resumes)", resumed.step, path, aside.name
+            "resumed from step %d: %s renamed to %s (out of rotation and resumes)",
+            resumed.step,
+            path,
+            aside.name,
         )

@@ -14,7 +14,8 @@ import torch
 from diloco_core import Transport
 from transports import transport_spec
 
-from ..run_config import RunConfig, TrainConfig
+from ..run_config import RunConfig
+from ..train_config import TrainConfig
 
 __all__ = ["agree_run_dir", "check_name", "default_name", "resume_command"]
 
@@ -34,7 +35,9 @@ def check_name(name: str) -> str:
             "'.', '_' and '-', starting with a letter or digit (set train.runs_dir to write elsewhere)"
         )
     if len(name.encode("utf-8")) > _MAX_BYTES:
-        raise ValueError(f"--name {name!r} is invalid: expected at most {_MAX_BYTES} bytes (a file name's limit)")
+        raise ValueError(
+            f"--name {name!r} is invalid: expected at most {_MAX_BYTES} bytes (a file name's limit)"
+        )
     return name
 
 
@@ -57,7 +60,11 @@ def agree_run_dir(transport: Transport, run_dir: Path, *, timeout: float) -> Pat
 
 
 def resume_command(
-    name: str, config: RunConfig, *, launcher: Sequence[str] = ("diloco",), secret_stored: bool = False
+    name: str,
+    config: RunConfig,
+    *,
+    launcher: Sequence[str] = ("diloco",),
+    secret_stored: bool = False,
 ) -> str:
     """The command line that continues run ``name``: its runs_dir where not the default, and a placeholder
     for each [transport] secret (never saved with the config) unless ``secret_stored``: the run folder holds it
@@ -66,5 +73,9 @@ def resume_command(
     if config.train.runs_dir != TrainConfig.runs_dir:
         argv += ["--set", f"train.runs_dir={json.dumps(config.train.runs_dir)}"]
     spec = transport_spec(config.transport)
-    secrets = [] if secret_stored else [f'transport.{k}="..."' for k in sorted(spec.secret_keys) if k in spec.section]
+    secrets = (
+        []
+        if secret_stored
+        else [f'transport.{k}="..."' for k in sorted(spec.secret_keys) if k in spec.section]
+    )
     return shlex.join(argv) + "".join(f" --set '{s}'" for s in secrets)
