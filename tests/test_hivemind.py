@@ -391,7 +391,8 @@ def test_a_stale_verdict_reaches_the_transport_typed_from_the_averager_process()
         peers.append(HivemindTransport(HivemindConfig(**cfg, initial_peers=peers[0].join_addresses)))
 
         def step(transport: HivemindTransport, tag: tuple[int, bytes]) -> object:
-            averager = transport._averager("default", 4, FP32)  # the averager all_reduce would use (its own process)
+            # the averager all_reduce would use (its own process)
+            averager = transport._averagers.of("default", size=4, codec=FP32)
             control = averager.step(
                 gather=list(tag), timeout=2 * FAST["matchmaking_time"], allow_retries=False, wait=False
             )
@@ -648,10 +649,11 @@ def test_averagers_started_at_once_can_each_be_joined_alone(swarm):
     this failed in 3 of 3 runs, and closing the test swarm took 5-10 s in 4 of 7."""
     for size in (11, 12, 13):
         together(
-            [lambda t=t, size=size: t._averager("default", size, FP32) for t in swarm]
+            [lambda t=t, size=size: t._averagers.of("default", size=size, codec=FP32) for t in swarm]
         )  # what all_reduce does first
         for t in swarm:
-            averager = t._averager("default", size, FP32)  # the one just started (kept per key, size, codec)
+            # the one just started (kept per key, size, codec)
+            averager = t._averagers.of("default", size=size, codec=FP32)
             writers = procs.writers(procs.pipe_of(averager.sentinel))
             assert writers == {averager.pid}, (
                 f"the exit sentinel of averager {averager.pid} is also held by {writers - {averager.pid}}"

@@ -85,7 +85,8 @@ def _hivemind(section: Mapping[str, Any]) -> Transport:
 def _hivemind_spec(
     *, kind: str, section: dict[str, Any], own: Mapping[str, Any], link: LinkConfig | None
 ) -> TransportSpec:
-    importlib.import_module(".hivemind", __package__)  # a missing hivemind says so before a run starts
+    # a missing hivemind says so before a run starts
+    importlib.import_module(".hivemind", __package__)
     return TransportSpec(
         kind=kind,
         section=section,
@@ -109,7 +110,9 @@ TRANSPORT_KINDS: dict[str, _Kind] = {
 def _kind_of(section: Mapping[str, Any]) -> str:
     kind = section.get("kind", DEFAULT_KIND)
     if kind not in TRANSPORT_KINDS:
-        raise ValueError(f"[transport] kind={kind!r} is invalid: expected one of {sorted(TRANSPORT_KINDS)}")
+        raise ValueError(
+            f"[transport] kind={kind!r} is invalid: expected one of {sorted(TRANSPORT_KINDS)}"
+        )
     return kind
 
 
@@ -117,7 +120,9 @@ def _behind(link: LinkConfig | None, transport: Transport) -> Transport:
     return transport if link is None else SimulatedLink.from_config(transport, link)
 
 
-def create_transport(section: Mapping[str, Any], *, reduce_timeout: float | None = None) -> Transport:
+def create_transport(
+    section: Mapping[str, Any], *, reduce_timeout: float | None = None
+) -> Transport:
     """``section["kind"]`` picks the transport; the other keys are that transport's config fields, but
     ``link_mbit`` and ``link_latency_ms``, which any kind takes: they put it behind a simulated link
     (``transports.simulated_link``). ``reduce_timeout`` (the core's, ``[diloco] reduce_timeout``) is the
@@ -175,11 +180,15 @@ class TransportSpec:
             return [_behind(self.link, group.transport(rank)) for rank in range(workers)]
         return [create_transport(self.section, reduce_timeout=reduce_timeout)]
 
-    def connect_islands(self, model: Any, mesh: Any, *, reduce_timeout: float | None = None) -> Transport:
+    def connect_islands(
+        self, model: Any, mesh: Any, *, reduce_timeout: float | None = None
+    ) -> Transport:
         """The transport between FSDP2 islands for ``model``, sharded over ``mesh["shard"]`` (a 2-D DeviceMesh,
         ``transports.islands``), once ``connect`` has joined the process group."""
         if not self.fsdp_islands:
-            raise ValueError(f"[transport] kind={self.kind!r} cannot connect FSDP islands; use kind='torch'")
+            raise ValueError(
+                f"[transport] kind={self.kind!r} cannot connect FSDP islands; use kind='torch'"
+            )
         from .islands import island_transport
         from .torch.group import TorchDistConfig
 
@@ -187,7 +196,9 @@ class TransportSpec:
         if reduce_timeout is not None:
             section.setdefault("timeout", reduce_timeout)
         config = from_mapping(TorchDistConfig, section, "transport")
-        return island_transport(model, mesh, bucket_mb=config.bucket_mb, timeout=config.timeout, narrow=config.narrow)
+        return island_transport(
+            model, mesh, bucket_mb=config.bucket_mb, timeout=config.timeout, narrow=config.narrow
+        )
 
 
 def _local_world_size() -> int:

@@ -14,7 +14,17 @@ from typing import Any
 
 import torch
 
-from diloco_core import FP32, MEAN, Capabilities, Codec, Membership, Merge, ReduceHandle, RunState, Transport
+from diloco_core import (
+    FP32,
+    MEAN,
+    Capabilities,
+    Codec,
+    Membership,
+    Merge,
+    ReduceHandle,
+    RunState,
+    Transport,
+)
 
 __all__ = ["ForwardingTransport"]
 
@@ -25,8 +35,14 @@ class ForwardingTransport(Transport):
 
     inner: Transport
 
-    def __new__(cls, inner: Transport | None = None, *args: Any, **kwargs: Any) -> ForwardingTransport:  # noqa: PYI034
-        honest = _with_membership(cls) if isinstance(inner, Membership) and not issubclass(cls, Membership) else cls
+    def __new__(  # noqa: PYI034
+        cls, inner: Transport | None = None, *args: Any, **kwargs: Any
+    ) -> ForwardingTransport:
+        honest = (
+            _with_membership(cls)
+            if isinstance(inner, Membership) and not issubclass(cls, Membership)
+            else cls
+        )
         return super().__new__(honest)
 
     def __init__(self, inner: Transport) -> None:
@@ -49,7 +65,12 @@ class ForwardingTransport(Transport):
         return self.inner.world_size
 
     def all_reduce(
-        self, tensors: Sequence[torch.Tensor], *, codec: Codec = FP32, key: str = "default", merge: Merge = MEAN
+        self,
+        tensors: Sequence[torch.Tensor],
+        *,
+        codec: Codec = FP32,
+        key: str = "default",
+        merge: Merge = MEAN,
     ) -> ReduceHandle:
         return self.inner.all_reduce(tensors, codec=codec, key=key, merge=merge)
 
@@ -83,5 +104,7 @@ class _ForwardingMembership(Membership):
 def _with_membership(cls: type[ForwardingTransport]) -> type[ForwardingTransport]:
     """``cls`` that is also a ``Membership`` forwarding to ``inner`` (one class per wrapper class)."""
     return type(
-        cls.__name__, (cls, _ForwardingMembership), {"__module__": cls.__module__, "__qualname__": cls.__qualname__}
+        cls.__name__,
+        (cls, _ForwardingMembership),
+        {"__module__": cls.__module__, "__qualname__": cls.__qualname__},
     )

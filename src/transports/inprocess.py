@@ -18,7 +18,14 @@ import torch
 from diloco_core import FP32, MEAN, Codec, Merge
 from diloco_core.codecs.names import check_codec
 from diloco_core.rules import check_fields, integer, number, string
-from diloco_core.transport import Capabilities, ReduceHandle, ReduceResult, Transport, TransportError, reduce_inputs
+from diloco_core.transport import (
+    Capabilities,
+    ReduceHandle,
+    ReduceResult,
+    Transport,
+    TransportError,
+    reduce_inputs,
+)
 
 from .inprocess_group import InProcessGroup, Slot
 from .quorum import Quorum
@@ -37,7 +44,9 @@ class InProcessConfig:
     quorum: int = field(default=0, metadata=integer(low=0))
     """Contributions a round needs to close without late members after a grace window (``transports.quorum``);
     0: every member."""
-    grace_seconds: float = field(default=5.0, metadata=number(gt=0, noun="a finite number of seconds"))
+    grace_seconds: float = field(
+        default=5.0, metadata=number(gt=0, noun="a finite number of seconds")
+    )
     """The longest grace window a round that has its quorum waits for the others (adaptive below it)."""
 
     def __post_init__(self) -> None:
@@ -64,14 +73,12 @@ class _Handle(ReduceHandle):
         tensors: list[torch.Tensor],
         start: float,
     ) -> None:
-        self._group, self._rank, self._op, self._slot, self._tensors, self._start = (
-            group,
-            rank,
-            op,
-            slot,
-            tensors,
-            start,
-        )
+        self._group = group
+        self._rank = rank
+        self._op = op
+        self._slot = slot
+        self._tensors = tensors
+        self._start = start
 
     def wait(self, timeout: float) -> ReduceResult:
         g, slot = self._group, self._slot
@@ -100,7 +107,9 @@ class InProcessTransport(Transport):
         with _named_lock:
             group = _named_groups.get(config.group)
             if group is None or group.closed_all():
-                group = _named_groups[config.group] = InProcessGroup(config.world_size, quorum=config.quorum_rule)
+                group = _named_groups[config.group] = InProcessGroup(
+                    config.world_size, quorum=config.quorum_rule
+                )
             elif group.world_size != config.world_size:
                 raise ValueError(
                     f"world_size={config.world_size} is invalid: in-process group {config.group!r} has {group.world_size}"
@@ -121,18 +130,33 @@ class InProcessTransport(Transport):
         return self._group.num_members()
 
     def all_reduce(
-        self, tensors: Sequence[torch.Tensor], *, codec: Codec = FP32, key: str = "default", merge: Merge = MEAN
+        self,
+        tensors: Sequence[torch.Tensor],
+        *,
+        codec: Codec = FP32,
+        key: str = "default",
+        merge: Merge = MEAN,
     ) -> ReduceHandle:
         start = time.perf_counter()
         tensors = reduce_inputs(tensors)
         check_codec(codec)
         # The tensors travel as one payload of their concatenation (a block codec's blocks run across them);
         # an fp32 payload of one tensor is its values, read in place (the caller waits first).
-        flat = tensors[0].reshape(-1) if len(tensors) == 1 else torch.cat([t.reshape(-1) for t in tensors])
+        flat = (
+            tensors[0].reshape(-1)
+            if len(tensors) == 1
+            else torch.cat([t.reshape(-1) for t in tensors])
+        )
         payload = [codec.encode(flat)]
         numels = [t.numel() for t in tensors]
         op, slot = self._group.join(
-            self._rank, kind="all_reduce", key=key, codec=codec, tensors=payload, numels=numels, merge=merge
+            self._rank,
+            kind="all_reduce",
+            key=key,
+            codec=codec,
+            tensors=payload,
+            numels=numels,
+            merge=merge,
         )
         return _Handle(self._group, self._rank, op=op, slot=slot, tensors=tensors, start=start)
 
@@ -142,7 +166,9 @@ class InProcessTransport(Transport):
             raise ValueError(f"src={src!r} is invalid: expected a rank in [0, {g.world_size - 1}]")
         tensors = list(tensors)
         payload = [t.detach().clone() for t in tensors] if src == self._rank else None
-        op, slot = g.join(self._rank, kind="broadcast", key=_BROADCAST, codec=FP32, tensors=payload, numels=[])
+        op, slot = g.join(
+            self._rank, kind="broadcast", key=_BROADCAST, codec=FP32, tensors=payload, numels=[]
+        )
         if src == self._rank:
             g.consume(op, slot, self._rank)
             return

@@ -65,10 +65,15 @@ class InProcessGroup:
 
     def transport(self, rank: int) -> InProcessTransport:
         """The transport of ``rank`` (once per rank)."""
-        from .inprocess import InProcessTransport  # the transport is built on the group: imported when first used
+        # the transport is built on the group: imported when first used
+        from .inprocess import (
+            InProcessTransport,
+        )
 
         if not isinstance(rank, int) or not 0 <= rank < self.world_size:
-            raise ValueError(f"rank={rank!r} is invalid: expected an integer in [0, {self.world_size - 1}]")
+            raise ValueError(
+                f"rank={rank!r} is invalid: expected an integer in [0, {self.world_size - 1}]"
+            )
         with self._cond:
             if rank in self._issued:
                 raise ValueError(f"rank {rank} of this InProcessGroup already has a transport")
@@ -110,22 +115,28 @@ class InProcessGroup:
                     f"collective #{n} of key {key!r} mismatched: {slot.kind}/{slot.codec.identity}/{slot.merge} vs "
                     f"{kind}/{codec.identity}/{merge} on rank {rank}"
                 )
-            elif slot.result is not None:  # closed without this late member: its contribution is dropped
+            elif (
+                slot.result is not None
+            ):  # closed without this late member: its contribution is dropped
                 pass
             elif tensors is not None:
                 first = next(iter(slot.contributions.values()), tensors)
                 if [t.shape for t in first] != [t.shape for t in tensors] or slot.numels != numels:
-                    slot.error = (
-                        f"collective #{n} of key {key!r}: rank {rank} sent shapes that differ from the other ranks'"
-                    )
+                    slot.error = f"collective #{n} of key {key!r}: rank {rank} sent shapes that differ from the other ranks'"
                 slot.contributions[rank] = tensors
-                if self._grace and slot.quorum_at is None and len(slot.contributions) >= self._need():
+                if (
+                    self._grace
+                    and slot.quorum_at is None
+                    and len(slot.contributions) >= self._need()
+                ):
                     slot.quorum_at = time.monotonic()
             self._complete(slot)
             self._cond.notify_all()
             return op, slot
 
-    def await_mean(self, op: tuple[str, int], slot: Slot, *, rank: int, timeout: float) -> list[torch.Tensor]:
+    def await_mean(
+        self, op: tuple[str, int], slot: Slot, *, rank: int, timeout: float
+    ) -> list[torch.Tensor]:
         """The mean of ``op`` once every member contributed; ``TransportError`` if it failed or did not complete
         within ``timeout`` (then it fails for every rank). Consumed by ``rank`` if it failed."""
         with self._cond:
@@ -135,9 +146,7 @@ class InProcessGroup:
                 # others' retry in the next slot, instead of pairing its round with the others' next one.
                 missing = sorted(self._members - set(slot.contributions))
                 key, n = op
-                slot.error = (
-                    f"in-process all_reduce #{n} of key {key!r}: ranks {missing} did not join within {timeout:g}s"
-                )
+                slot.error = f"in-process all_reduce #{n} of key {key!r}: ranks {missing} did not join within {timeout:g}s"
                 self._cond.notify_all()
             if slot.error is not None:
                 self._consume(op, slot, rank)
@@ -151,14 +160,21 @@ class InProcessGroup:
         """``src``'s values of broadcast ``op``; ``TransportError`` if ``src`` left first or did not send in time."""
         with self._cond:
             ready = self._cond.wait_for(
-                lambda: src in slot.contributions or slot.error is not None or src not in self._members, timeout
+                lambda: (
+                    src in slot.contributions or slot.error is not None or src not in self._members
+                ),
+                timeout,
             )
             if slot.error is not None:
                 raise TransportError(slot.error)
             if src not in slot.contributions and src not in self._members:
-                raise TransportError(f"in-process broadcast #{op[1]}: rank {src} left the group before sending")
+                raise TransportError(
+                    f"in-process broadcast #{op[1]}: rank {src} left the group before sending"
+                )
             if not ready:
-                raise TransportError(f"in-process broadcast #{op[1]}: rank {src} did not send within {timeout:g}s")
+                raise TransportError(
+                    f"in-process broadcast #{op[1]}: rank {src} did not send within {timeout:g}s"
+                )
             return slot.contributions[src]
 
     def consume(self, op: tuple[str, int], slot: Slot, rank: int) -> None:
@@ -217,7 +233,9 @@ class InProcessGroup:
         ranks = sorted(slot.contributions)
         out = torch.empty(sum(slot.numels), dtype=torch.float32)
         payloads = [slot.contributions[r][0] for r in ranks]
-        slot.left_out = slot.merge.of(payloads, codec=slot.codec, out=out, who=[f"rank {r}" for r in ranks])
+        slot.left_out = slot.merge.of(
+            payloads, codec=slot.codec, out=out, who=[f"rank {r}" for r in ranks]
+        )
         slot.result = list(out.split(slot.numels))
         slot.num_contributors = len(ranks)
         slot.contributions.clear()

@@ -34,10 +34,14 @@ def island_mesh(shards: int, device_type: str = "cpu") -> DeviceMesh:
     """The world (an initialized process group) as ``world_size // shards`` islands of ``shards`` ranks each:
     ranks ``[i * shards, (i + 1) * shards)`` form island i (with torchrun, consecutive ranks share a node)."""
     if not dist.is_initialized():
-        raise ValueError("island_mesh needs an initialized process group (dist.init_process_group, or torchrun)")
+        raise ValueError(
+            "island_mesh needs an initialized process group (dist.init_process_group, or torchrun)"
+        )
     world = dist.get_world_size()
     if not isinstance(shards, int) or isinstance(shards, bool) or shards < 1 or world % shards:
-        raise ValueError(f"shards={shards!r} is invalid: expected a divisor of the world size {world}")
+        raise ValueError(
+            f"shards={shards!r} is invalid: expected a divisor of the world size {world}"
+        )
     return init_device_mesh(device_type, (world // shards, shards), mesh_dim_names=(ISLAND, SHARD))
 
 
@@ -72,9 +76,13 @@ def check_islands(
                 f"across {island_dim!r} itself, so the model must be sharded over {shard_dim!r} only: {how}"
             )
         if t.device_mesh != shards:
-            raise ValueError(f"{name!r} is {_where(t)}, not on mesh[{shard_dim!r}] ({shards}): {how}")
+            raise ValueError(
+                f"{name!r} is {_where(t)}, not on mesh[{shard_dim!r}] ({shards}): {how}"
+            )
         if len(t.placements) != 1 or not t.placements[0].is_shard():
-            raise ValueError(f"{name!r} is {_where(t)}; FSDP islands take FSDP2's one Shard placement: {how}")
+            raise ValueError(
+                f"{name!r} is {_where(t)}; FSDP islands take FSDP2's one Shard placement: {how}"
+            )
 
 
 def island_transport(

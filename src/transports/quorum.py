@@ -33,7 +33,9 @@ MIN_GRACE = 0.05
 class Quorum:
     members: int = field(default=0, metadata=integer(low=0))
     """Contributions a round needs before it may close without the others (0: every member, no grace window)."""
-    grace_seconds: float = field(default=5.0, metadata=number(gt=0, noun="a finite number of seconds"))
+    grace_seconds: float = field(
+        default=5.0, metadata=number(gt=0, noun="a finite number of seconds")
+    )
     """The longest a round that has its quorum waits for the others."""
 
     def __post_init__(self) -> None:
@@ -42,7 +44,10 @@ class Quorum:
 
 def quorum_from(section: Mapping[str, Any]) -> Quorum:
     """The ``Quorum`` of a [transport] section (``QUORUM_KEYS``; unset: its defaults), checked."""
-    given = {"members": section.get("quorum", 0), "grace_seconds": section.get("grace_seconds", 5.0)}
+    given = {
+        "members": section.get("quorum", 0),
+        "grace_seconds": section.get("grace_seconds", 5.0),
+    }
     try:
         return Quorum(**given)
     except ValueError as e:
@@ -62,7 +67,9 @@ class Grace:
         seen = self._slack.get(key)
         if not seen:
             return self.quorum.grace_seconds
-        return min(self.quorum.grace_seconds, max(self.floor, SLACK_FACTOR * statistics.median(seen)))
+        return min(
+            self.quorum.grace_seconds, max(self.floor, SLACK_FACTOR * statistics.median(seen))
+        )
 
     def measured(self, key: str) -> bool:
         """Whether a full round of ``key`` has been measured (``window`` is then adaptive, not the bound)."""

@@ -36,7 +36,8 @@ class LinkConfig:
     """The ``[transport]`` keys of a simulated link (unset: no simulated link)."""
 
     link_mbit: float | None = field(
-        default=None, metadata=number(gt=0, noun="a finite number", unset=True, valid="a finite number > 0")
+        default=None,
+        metadata=number(gt=0, noun="a finite number", unset=True, valid="a finite number > 0"),
     )
     """Bandwidth of each member's link in Mbit/s (10^6 bits per second), a finite number > 0."""
     link_latency_ms: float = field(default=0.0, metadata=number(ge=0, noun="a finite number"))
@@ -58,7 +59,9 @@ def link_from_section(section: Mapping[str, Any]) -> tuple[LinkConfig | None, di
     """Split a ``[transport]`` section into its simulated link (None where ``link_mbit`` is unset) and the
     keys of its kind."""
     rest = {k: v for k, v in section.items() if k not in LINK_KEYS}
-    config = from_mapping(LinkConfig, {k: v for k, v in section.items() if k in LINK_KEYS}, "transport")
+    config = from_mapping(
+        LinkConfig, {k: v for k, v in section.items() if k in LINK_KEYS}, "transport"
+    )
     return (config if config.link_mbit is not None else None), rest
 
 
@@ -78,9 +81,17 @@ class SimulatedLink(ForwardingTransport):
         sleep: Callable[[float], None] = time.sleep,
     ) -> None:
         check_field(
-            "bandwidth", bandwidth, is_finite_number(bandwidth) and bandwidth > 0, "a finite number of bits/s > 0"
+            "bandwidth",
+            bandwidth,
+            is_finite_number(bandwidth) and bandwidth > 0,
+            "a finite number of bits/s > 0",
         )
-        check_field("latency", latency, is_finite_number(latency) and latency >= 0, "a finite number of seconds >= 0")
+        check_field(
+            "latency",
+            latency,
+            is_finite_number(latency) and latency >= 0,
+            "a finite number of seconds >= 0",
+        )
         super().__init__(inner)
         self.bandwidth, self.latency = float(bandwidth), float(latency)
         self.clock, self.sleep = clock, sleep
@@ -101,10 +112,17 @@ class SimulatedLink(ForwardingTransport):
         return self.latency + nbytes * 8 / self.bandwidth
 
     def all_reduce(
-        self, tensors: Sequence[torch.Tensor], *, codec: Codec = FP32, key: str = "default", merge: Merge = MEAN
+        self,
+        tensors: Sequence[torch.Tensor],
+        *,
+        codec: Codec = FP32,
+        key: str = "default",
+        merge: Merge = MEAN,
     ) -> ReduceHandle:
         start = self.clock()
-        handle = _LinkHandle(self, self.inner.all_reduce(tensors, codec=codec, key=key, merge=merge), start)
+        handle = _LinkHandle(
+            self, self.inner.all_reduce(tensors, codec=codec, key=key, merge=merge), start
+        )
         with self._lock:
             self._queue.append(handle)
         return handle
@@ -116,7 +134,8 @@ class SimulatedLink(ForwardingTransport):
                 if upto.done_at is not None or not self._queue:
                     return
                 head = self._queue[0]
-            head.resolve(deadline)  # one waiter at a time per handle; a handle's own lock orders the rest
+            # one waiter at a time per handle; a handle's own lock orders the rest
+            head.resolve(deadline)
             with self._lock:
                 if self._queue and self._queue[0] is head:
                     self._queue.pop(0)
@@ -130,7 +149,9 @@ class SimulatedLink(ForwardingTransport):
 
 class _LinkHandle(ReduceHandle):
     def __init__(self, link: SimulatedLink, inner: ReduceHandle, start: float) -> None:
-        self.link, self.inner, self.start = link, inner, start
+        self.link = link
+        self.inner = inner
+        self.start = start
         self.result: ReduceResult | None = None
         self.error: TransportError | None = None
         self.done_at: float | None = None

@@ -66,12 +66,13 @@ received tensor is checked for shape, dtype and finite values before use (a bloc
 with ``codec.check``: shape, dtype, finite non-negative scales).
 
 One concept per module: ``config`` (HivemindConfig), ``transport`` (HivemindTransport), ``attempts`` (a
-reduce's attempts: whom and how long it waits, retries, catching up), ``attempt`` (one attempt, phases 1 and
+reduce's attempts: whom and how long it waits, retries), ``attempt`` (one attempt, phases 1 and
 5), ``grace`` (a quorum's grace windows), ``swarm`` (presence: whom a reduce waits for, a joiner's phase),
-``averager`` (phases 2 and 4), ``confirm`` (phase 4), ``relay_check`` (relayed payloads against
+``averager`` (phases 2 and 4), ``averager_pool`` (a peer's averagers, one per key, size, codec and
+merge), ``admission`` (whom an averager lets join or download), ``confirm`` (phase 4), ``relay_check`` (relayed payloads against
 their senders' digests), ``blame`` (whom a failed exchange blames:
 the retry goes without it), ``strikes`` (benches), ``reducer`` (phase 3), ``block_runner`` (phase 3 for block codecs),
-``state_tag`` (the state tag and the stale verdict), ``tracked_state`` (a peer's tag, re-sync),
+``state_tag`` (the state tag and the stale verdict), ``tracked_state`` (a peer's tag, its download at a join, catching up, re-sync),
 ``state_server`` (state for joiners), ``donors`` (what each donor serves, a download from one),
 ``donor_choice`` (which served state a peer takes), ``checks`` (received tensors), ``handle`` (what all_reduce
 returns), ``deadlines`` (every deadline of a reduce, from two settings), ``resources`` (processes, close), ``faults`` (HivemindFaults, for tests), ``requirement``

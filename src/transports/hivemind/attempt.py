@@ -50,7 +50,9 @@ def attempt(
     group that forms sooner waits for the trigger). Bounded even if the averager's process dies mid-step."""
     limits = deadlines(resources.config)
     # With a window, a follower waits for its leader's window (which ends first) and the leader's word.
-    timeout = limits.matchmaking if window is None else window.seconds + max(MIN_WINDOW, window.seconds)
+    timeout = (
+        limits.matchmaking if window is None else window.seconds + max(MIN_WINDOW, window.seconds)
+    )
     control = averager.step(
         gather=gather,
         number=number,
@@ -74,7 +76,8 @@ def attempt(
 def fill(averager: Averager, tensors: list[torch.Tensor]) -> None:
     """The caller's values into the averager's buffer (casts: rounded to the wire dtype on the way in)."""
     with averager.get_tensors() as (buf,):
-        for v, t in zip(buf.split([t.numel() for t in tensors]), tensors):  # plain copies: foreach_copy_ is 5x slower
+        # plain copies: foreach_copy_ is 5x slower
+        for v, t in zip(buf.split([t.numel() for t in tensors]), tensors):
             v.copy_(t.detach().reshape(-1))
 
 
@@ -93,15 +96,23 @@ def commit(
     """Copy the group's result ``out`` (None: alone) into ``tensors``; the result and the group's peers.
     Called under the transport's lock."""
     if out is None:  # nobody to average with: my own values, as OpenDiLoCo
-        n, sent, received, group, left_out = 1, 0, 0, [], ()
+        n = 1
+        sent = 0
+        received = 0
+        group = []
+        left_out = ()
     else:  # the payload bytes this peer really sent and received in the round (its runner counted)
-        n, sent, received, group = len(out["peers"]), out["sent"], out["received"], list(out["peers"])
+        n = len(out["peers"])
+        sent = out["sent"]
+        received = out["received"]
+        group = list(out["peers"])
         left_out = tuple(LeftOut(*entry) for entry in out["left_out"])
     # Alone, the buffer holds my own values as they travel, like every contributor's.
     with averager.get_tensors() as (buf,):
         if outcome.abandoned:  # the caller timed out and may be retrying with these tensors
             raise TransportError("hivemind all_reduce finished after its caller had given up")
-        if out is None and codec.elementwise_dtype is None:  # a block codec's buffer holds fp32 values
+        # a block codec's buffer holds fp32 values
+        if out is None and codec.elementwise_dtype is None:
             codec.decode(codec.encode(buf), buf)
         for r, t in zip(buf.split([t.numel() for t in tensors]), tensors):
             t.copy_(r.view_as(t))
@@ -109,6 +120,10 @@ def commit(
             state.commit(out["digest"] if out is not None else b"alone:" + me)
         took = time.perf_counter() - start
         outcome.result = ReduceResult(
-            num_contributors=n, bytes_sent=sent, bytes_received=received, seconds=took, left_out=left_out
+            num_contributors=n,
+            bytes_sent=sent,
+            bytes_received=received,
+            seconds=took,
+            left_out=left_out,
         )
     return outcome.result, group

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from diloco_core.transport import StateReplaced, TransportError
+from diloco_core.transport import TransportError
 
 from .attempt import RETRYABLE, attempt, fill
 from .averager import Averager
@@ -87,10 +87,17 @@ class Attempts:
         windows: RoundWindows | None,
     ) -> None:
         """``windows``: the grace windows of a quorum (None: every round waits the configured matchmaking)."""
-        self._res, self._swarm, self._state, self._lock, self._windows = resources, swarm, state, lock, windows
-        self._numbers = ReduceNumbers()  # untracked keys' calls, numbered as each reduce starts (in call order)
+        self._res = resources
+        self._swarm = swarm
+        self._state = state
+        self._lock = lock
+        self._windows = windows
+        # untracked keys' calls, numbered as each reduce starts (in call order)
+        self._numbers = ReduceNumbers()
 
-    def run(self, averager: Averager, tensors: list[torch.Tensor], *, key: str, outcome: Outcome) -> Attempted:
+    def run(
+        self, averager: Averager, tensors: list[torch.Tensor], *, key: str, outcome: Outcome
+    ) -> Attempted:
         limits = deadlines(self._res.config)
         tracked = key in self._state.keys  # DiLoCo's rounds: groupmates compare state tags
         # The others: numbered per averager (peers meet per averager), from this peer's state
@@ -135,10 +142,10 @@ class Attempts:
         """Before the first attempt: the result of a round the swarm closed without this peer."""
         if window is not None:
             # the round closed without me (as expected() read): take its result
-            self._catch_up(outcome, timeout=None)
+            self._state.catch_up(outcome, timeout=None)
         elif tracked and self._swarm.behind_by_two(self._state.tag[0]):
             # meeting a groupmate two rounds on: a tie nothing settles; take the swarm's state first
-            self._catch_up(outcome, timeout=None)
+            self._state.catch_up(outcome, timeout=None)
 
     def _check_can_try(self, averager: Averager, outcome: Outcome) -> None:
         """Raise where no further attempt may start."""
@@ -231,7 +238,7 @@ class Attempts:
         if loop.plan.window is not None and loop.failed is None:
             # No quorum within the window: late (the round closed: take its result) or early
             # (wait on, as without a quorum, up to matchmaking_time; then alone).
-            self._catch_up(outcome, timeout=loop.limits.presence)
+            self._state.catch_up(outcome, timeout=loop.limits.presence)
             if time.monotonic() - loop.start < cfg.matchmaking_time:
                 return True
             logger.warning(
@@ -280,18 +287,3 @@ class Attempts:
                 "are far from the others'",
                 mine[0][3] or f"{mine[0][1]:.3g} x the median spread",
             )
-
-    def _catch_up(self, outcome: Outcome, *, timeout: float | None) -> None:
-        """If another peer has committed the round this peer is about to contribute to, take that round's
-        result (the state committed from the one this peer holds): ``StateReplaced``, in phase again."""
-        with self._lock:
-            tag = self._state.tag
-        if not self._swarm.ahead(tag[0], timeout=timeout):
-            return
-        logger.info("hivemind all_reduce: the swarm closed round %d without this peer; taking its result", tag[0] + 1)
-        try:
-            self._state.resync(tag, outcome, timeout=self._res.config.matchmaking_time)
-        except StateReplaced:
-            raise
-        except TransportError as e:  # my state is not the one the round began from: the group's check sees to it
-            logger.info("hivemind all_reduce: %s; matchmaking as usual", e)

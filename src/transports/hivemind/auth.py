@@ -66,7 +66,9 @@ class RunKeys:
         return self.mac(b"join", prefix.encode(), peer_id)
 
     def join_ok(self, prefix: str, peer_id: bytes, token: object) -> bool:
-        return isinstance(token, bytes) and hmac.compare_digest(token, self.join_token(prefix, peer_id))
+        return isinstance(token, bytes) and hmac.compare_digest(
+            token, self.join_token(prefix, peer_id)
+        )
 
     def confirm_mac(self, group_id: bytes, sender: bytes, code: int, digest: bytes) -> bytes:
         return self.mac(b"confirm", group_id, sender, str(code).encode(), digest)
@@ -91,7 +93,9 @@ def derive_keys(run_id: str, secret: str) -> RunKeys:
     salt = SALT + b"\0" + run_id.encode()
     master = hashlib.scrypt(secret.encode(), salt=salt, maxmem=2**28, dklen=32, **KDF)
     namespace = "diloco_" + hmac.new(master, b"namespace", hashlib.sha256).hexdigest()[:40]
-    return RunKeys(namespace=namespace, mac_key=hmac.new(master, b"dht-mac", hashlib.sha256).digest())
+    return RunKeys(
+        namespace=namespace, mac_key=hmac.new(master, b"dht-mac", hashlib.sha256).digest()
+    )
 
 
 def generate_secret() -> str:
@@ -110,7 +114,10 @@ def run_keys(run_id: str, secret: str | None, *, joining: bool) -> tuple[RunKeys
                 "(a first peer started without one generated it and printed it in its join command)"
             )
         secret = generated["secret"] = generate_secret()
-        logger.warning("hivemind run %r has no secret: generated one; every joiner needs it (join_settings)", run_id)
+        logger.warning(
+            "hivemind run %r has no secret: generated one; every joiner needs it (join_settings)",
+            run_id,
+        )
     elif len(secret) < SHORT_SECRET:
         logger.warning(
             "hivemind run %r: the secret has %d characters (< %d): a short secret can be guessed; use a long random "
@@ -172,7 +179,9 @@ class RecordAuth(RecordValidatorBase):
         return frozenset(self._ids)
 
     def _mac(self, record: DHTRecord, value: bytes) -> bytes:
-        return self.keys.mac(b"record", record.key, record.subkey, value, struct.pack(">d", record.expiration_time))
+        return self.keys.mac(
+            b"record", record.key, record.subkey, value, struct.pack(">d", record.expiration_time)
+        )
 
     def sign_value(self, record: DHTRecord) -> bytes:
         if record.key not in self._ids:

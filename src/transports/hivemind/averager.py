@@ -23,19 +23,18 @@ import signal
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from typing import Any, AsyncIterator  # noqa: UP035 - hivemind reads typing's AsyncIterator in RPC signatures
+from typing import Any
 
 import torch
 from hivemind.averaging import DecentralizedAverager
 from hivemind.averaging.allreduce import AllreduceException, AveragingMode
 from hivemind.averaging.matchmaking import MatchmakingException
-from hivemind.p2p import P2PContext
-from hivemind.proto import averaging_pb2
 from hivemind.utils import get_dht_time
 
 from diloco_core import Codec, Merge
 from diloco_core.merge import combined
 
+from .admission import Admission
 from .auth import RunKeys, unwrap_gather, wrap_gather
 from .blame import ExchangeFailed
 from .block_runner import BlockRunner
@@ -50,7 +49,6 @@ from .reduce_number import Number, OutOfStepError, step_verdict
 from .relay_check import RelayChecks
 from .state_tag import StaleStateError, stale_verdict, tag_or_none
 from .strikes import BENCH_MATCHMAKINGS, Strikes
-from .throttle import Throttle
 
 logger = logging.getLogger(__name__)
 
@@ -58,7 +56,7 @@ ABSTAIN_TIMEOUT = 5.0
 """Seconds a groupmate has to take this peer's word that it withholds from a group (``confirm``)."""
 
 
-class Averager(Presence, Donors, Confirmations, RelayChecks, DecentralizedAverager):
+class Averager(Admission, Presence, Donors, Confirmations, RelayChecks, DecentralizedAverager):
     """One flat buffer; the round's result replaces it only after the group confirmed one digest."""
 
     state_fn: Callable[[], tuple[Any, list[torch.Tensor]]] | None = None
@@ -77,15 +75,17 @@ class Averager(Presence, Donors, Confirmations, RelayChecks, DecentralizedAverag
     ) -> None:
         """``presence_key``: declare this peer alive in the DHT under that key (``swarm.Swarm`` reads it).
         ``keys``: the run's (``auth``): joins, confirmations and state downloads are checked with them."""
-        self.codec, self.merge, self.faults, self.presence_key, self.keys = codec, merge, faults, presence_key, keys
+        self.codec = codec
+        self.merge = merge
+        self.faults = faults
+        self.presence_key = presence_key
+        self.keys = keys
         self._presence: dict = {}
         self._confirms: OrderedDict[bytes, dict] = OrderedDict()
         self._abstained: dict[str, float] = {}
         self._relay_digests: OrderedDict[bytes, dict] = OrderedDict()
         self._groups: dict[bytes, dict] = {}  # per group id: its deadline, then its result's digest
-        self._turned_away = Throttle("turned away join requests without a valid token")  # anyone can send them
-        self._refused = Throttle("refused the state to peers without a presence record of the run (yet)")
-        self._benched = Throttle("turned away join requests of peers left out of matchmaking (strikes.py)")
+        self.init_admission()
         super().__init__(**kwargs)
         bench = BENCH_MATCHMAKINGS * self.matchmaking_kwargs["min_matchmaking_time"]
         self.strikes = Strikes(seconds=bench)
@@ -113,40 +113,15 @@ class Averager(Presence, Donors, Confirmations, RelayChecks, DecentralizedAverag
         """hivemind's step, with this step's ``target_group_size`` (None: the averager's own), grace ``window``
         (None: ``min_matchmaking_time`` and ``min_group_size`` as configured; ``grace.py``) and reduce
         ``number`` (``reduce_number``; None: a tracked key's, compared by state tag instead)."""
-        self._outer_pipe.send(("_set_step", [target_group_size, window], {}))  # handled before the step (one pipe)
-        token = self.keys.join_token(self.prefix, self.peer_id.to_bytes())  # a leader admits only peers of the run
+        # handled before the step (one pipe)
+        self._outer_pipe.send(("_set_step", [target_group_size, window], {}))
+        # a leader admits only peers of the run
+        token = self.keys.join_token(self.prefix, self.peer_id.to_bytes())
         arrived = get_dht_time()
         if window is not None:
             kwargs["scheduled_time"] = arrived + window.seconds
         gather = wrap_gather(token, kwargs.pop("gather", None), arrived=arrived, number=number)
         return super().step(*args, gather=gather, **kwargs)
-
-    async def rpc_join_group(
-        self, request: averaging_pb2.JoinRequest, context: P2PContext
-    ) -> AsyncIterator[averaging_pb2.MessageFromLeader]:
-        """hivemind's, for peers of the run only: a follower without a valid join token is turned away."""
-        token = unwrap_gather(self.serializer, request.gather).token
-        if not self.keys.join_ok(self.prefix, context.remote_id.to_bytes(), token):
-            self._turned_away.tick(f"from {context.remote_id}")
-            yield averaging_pb2.MessageFromLeader(code=averaging_pb2.PROTOCOL_VIOLATION)
-            return
-        if self._distrusts(str(context.remote_id)):
-            self._benched.tick(f"from {context.remote_id}")
-            yield averaging_pb2.MessageFromLeader(code=averaging_pb2.GROUP_IS_FULL)
-            return
-        async for response in super().rpc_join_group(request, context):
-            yield response
-
-    async def rpc_download_state(
-        self, request: averaging_pb2.DownloadRequest, context: P2PContext
-    ) -> AsyncIterator[averaging_pb2.DownloadData]:
-        """hivemind's, for peers of the run only: the requester must have declared its presence (a record
-        MACed with the run's key, under the peer id libp2p authenticated)."""
-        if not await self._is_peer_of_the_run(context.remote_id):
-            self._refused.tick(f"to {context.remote_id}")
-            return
-        async for message in super().rpc_download_state(request, context):
-            yield message
 
     async def _set_step(self, target: int | None, window: Window | None) -> None:
         mm, own = self._matchmaking, self.matchmaking_kwargs
@@ -154,7 +129,8 @@ class Averager(Presence, Donors, Confirmations, RelayChecks, DecentralizedAverag
         mm.target_group_size = mm.potential_leaders.target_group_size = size
         wait = own["min_matchmaking_time"] if window is None else window.seconds
         mm.min_matchmaking_time = mm.potential_leaders.min_matchmaking_time = wait
-        mm.request_timeout = min(own["request_timeout"], wait / 3)  # below the wait (hivemind's Matchmaking)
+        # below the wait (hivemind's Matchmaking)
+        mm.request_timeout = min(own["request_timeout"], wait / 3)
         mm.min_group_size = own["min_group_size"] if window is None else window.quorum
 
     def get_current_state(self) -> tuple[Any, list[torch.Tensor], None]:
@@ -184,12 +160,9 @@ class Averager(Presence, Donors, Confirmations, RelayChecks, DecentralizedAverag
             if getattr(self, "_p2p", None) is not None:
                 await self._p2p.shutdown()
 
-    def _distrusts(self, peer: str) -> bool:
-        """Benched (``strikes``), kept apart after it abstained (``confirm``), or a test's verdict."""
-        own = self.faults.distrusts
-        return self.strikes.benched(peer) or self.kept_apart(peer) or (own is not None and own(peer))
-
-    async def _aggregate_with_group(self, group_info: Any, min_vector_size: int, **kwargs: Any) -> Any:
+    async def _aggregate_with_group(
+        self, group_info: Any, min_vector_size: int, **kwargs: Any
+    ) -> Any:
         gathered = [unwrap_gather(self.serializer, g) for g in group_info.gathered]
         # Every groupmate checks every member's token (its leader did already): all reach the same verdict.
         strangers = [
@@ -198,32 +171,47 @@ class Averager(Presence, Donors, Confirmations, RelayChecks, DecentralizedAverag
             if not self.keys.join_ok(self.prefix, p.to_bytes(), g.token)
         ]
         if strangers:
-            raise AllreduceException(f"{len(strangers)} groupmate(s) without a valid join token: nothing sent")
+            raise AllreduceException(
+                f"{len(strangers)} groupmate(s) without a valid join token: nothing sent"
+            )
         me = group_info.peer_ids.index(self.peer_id)
         out_of_step = step_verdict([g.number for g in gathered], me)
         if out_of_step is not None:  # two calls of the key: nobody sends anything (reduce_number)
             raise OutOfStepError(out_of_step)
         tags = [tag_or_none(g.data) for g in gathered]
         arrivals = [g.arrived for g in gathered]
-        spread = None if None in arrivals else max(arrivals) - min(arrivals)  # the same on every member
-        benched = [i for i, p in enumerate(group_info.peer_ids) if p != self.peer_id and self._distrusts(str(p))]
+        # the same on every member
+        spread = None if None in arrivals else max(arrivals) - min(arrivals)
+        benched = [
+            i
+            for i, p in enumerate(group_info.peer_ids)
+            if p != self.peer_id and self._distrusts(str(p))
+        ]
         peers = [p.to_bytes() for p in group_info.peer_ids]  # to name a groupmate not credible
         verdict = stale_verdict(tags, me, distrusted=benched, peers=peers)
         if verdict is not None:  # every groupmate reaches the same verdict: nobody sends anything
             stale = StaleStateError(verdict)  # its culprits: left out of matchmaking a while
             culprits = [str(p) for p in group_info.peer_ids if p.to_bytes() in stale.culprits]
             self.strikes.failed(culprits, reason=str(verdict))
-            if benched:  # a verdict of this peer's own (the others may not have benched them): say so
-                await self.abstain(group_info.peer_ids, group_info.group_id, timeout=ABSTAIN_TIMEOUT)
+            # a verdict of this peer's own (the others may not have benched them): say so
+            if benched:
+                await self.abstain(
+                    group_info.peer_ids, group_info.group_id, timeout=ABSTAIN_TIMEOUT
+                )
             raise stale
         # Per group (a cancelled step may still be confirming while the next one starts).
         group_id = group_info.group_id
-        self._groups[group_id] = {"deadline": time.monotonic() + (self._allreduce_timeout or 60.0) - 0.5}
+        self._groups[group_id] = {
+            "deadline": time.monotonic() + (self._allreduce_timeout or 60.0) - 0.5
+        }
         try:
             await super()._aggregate_with_group(group_info, min_vector_size, **kwargs)
             peers = [p.to_bytes() for p in group_info.peer_ids]
             done = self._groups[group_id]
-            return {k: done[k] for k in ("digest", "sent", "received", "left_out")} | {"peers": peers, "spread": spread}
+            return {k: done[k] for k in ("digest", "sent", "received", "left_out")} | {
+                "peers": peers,
+                "spread": spread,
+            }
         # hivemind wraps every failure: whom the group blames goes out typed
         except MatchmakingException as e:
             blamed = e.__context__
@@ -236,7 +224,11 @@ class Averager(Presence, Donors, Confirmations, RelayChecks, DecentralizedAverag
             self._groups.pop(group_id, None)
 
     async def _run_allreduce_inplace_(
-        self, tensors: Sequence[torch.Tensor], group_info: Any, group_id: bytes | None = None, **kwargs: Any
+        self,
+        tensors: Sequence[torch.Tensor],
+        group_info: Any,
+        group_id: bytes | None = None,
+        **kwargs: Any,
     ) -> None:
         group_id = group_info.group_id if group_id is None else group_id
         # Every codec: payloads gathered per part, each member merges them (block_runner): no mean
@@ -276,8 +268,14 @@ class Averager(Presence, Donors, Confirmations, RelayChecks, DecentralizedAverag
             deadline=deadline,
             failed=runner.blamed,
         )
-        left_out = [dataclasses.astuple(o) for o in combined(runner.left_out)]  # plain values, to the transport
+        left_out = [
+            dataclasses.astuple(o) for o in combined(runner.left_out)
+        ]  # plain values, to the transport
         if not error:
-            self.strikes.round([str(p) for p in group_info.peer_ids if p != self.peer_id], [o[0] for o in left_out])
-        self._groups[group_id].update(digest=digest, sent=runner.bytes_sent, received=runner.bytes_received)
+            self.strikes.round(
+                [str(p) for p in group_info.peer_ids if p != self.peer_id], [o[0] for o in left_out]
+            )
+        self._groups[group_id].update(
+            digest=digest, sent=runner.bytes_sent, received=runner.bytes_received
+        )
         self._groups[group_id]["left_out"] = left_out

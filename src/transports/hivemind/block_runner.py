@@ -78,7 +78,9 @@ class BlockRunner(Runner):
         self.codec = codec
         self.payload_dtype = codec.payload_spec(1)[1]
         self.me = self.ordered_peer_ids.index(self.peer_id)
-        self.own: dict[tuple[int, int], torch.Tensor] = {}  # my payload of each part, by (owner, part index)
+        self.own: dict[
+            tuple[int, int], torch.Tensor
+        ] = {}  # my payload of each part, by (owner, part index)
         # 3 or more peers: an owner relays others' payloads, checked by their digests (relay_check)
         self.checks = len(self.ordered_peer_ids) > 2
         self.claims: dict[tuple[int, int], bytes] = {}  # my payloads' digests, by (owner, part)
@@ -97,17 +99,23 @@ class BlockRunner(Runner):
 
     async def _generate_input_for_peer(self, peer_index: int) -> Any:
         """My payload of every part the groupmate at ``peer_index`` owns, encoded in a thread as they go."""
-        self.tensor_part_container._inputs_consumed_by_peer[peer_index] = True  # hivemind's bookkeeping
+        self.tensor_part_container._inputs_consumed_by_peer[peer_index] = (
+            True  # hivemind's bookkeeping
+        )
 
         def encode(part_index: int) -> runtime_pb2.Tensor:
             return serialize_torch_tensor(self._encode((peer_index, part_index)), _NONE)
 
         parts = as_aiter(*range(len(self.inputs[peer_index])))
         first = True
-        async for serialized in amap_in_executor(encode, parts, max_prefetch=self.tensor_part_container.prefetch):
+        async for serialized in amap_in_executor(
+            encode, parts, max_prefetch=self.tensor_part_container.prefetch
+        ):
             self.bytes_sent += len(serialized.buffer)
             if first:  # as hivemind's: the first message names the group
-                msg = averaging_pb2.AveragingData(code=averaging_pb2.PART_FOR_AVERAGING, group_id=self.group_id)
+                msg = averaging_pb2.AveragingData(
+                    code=averaging_pb2.PART_FOR_AVERAGING, group_id=self.group_id
+                )
             else:
                 msg = averaging_pb2.AveragingData()
             msg.tensor_part.CopyFrom(serialized)
@@ -152,28 +160,40 @@ class BlockRunner(Runner):
         if peer_id == self.peer_id:  # the parts I own: my payload goes straight to my reducer
             for part_index, part in enumerate(self.inputs[index]):
                 payload = await loop.run_in_executor(None, self.codec.encode, part)
-                if payload.data_ptr() == part.data_ptr():  # fp32: the values, which the mean replaces
+                # fp32: the values, which the mean replaces
+                if payload.data_ptr() == part.data_ptr():
                     payload = payload.clone()  # while the relays to the others still read them
-                mean, _ = await self.tensor_part_reducer.accumulate_part(self.me, part_index, payload)
+                mean, _ = await self.tensor_part_reducer.accumulate_part(
+                    self.me, part_index, payload
+                )
                 part.copy_(mean)  # casts: rounded to the wire dtype
                 self._register((index, part_index), part, part_sum(part))
             return
         try:
             self.injected_failure()
-            stream = await self._get_peer_stub(peer_id).rpc_aggregate_part(self._generate_input_for_peer(index))
+            stream = await self._get_peer_stub(peer_id).rpc_aggregate_part(
+                self._generate_input_for_peer(index)
+            )
             want = container.num_parts_by_peer[index]
 
-            def receive(item: tuple[int, Any]) -> tuple[int, int]:  # in an executor thread: part, message
+            # in an executor thread: part, message
+            def receive(
+                item: tuple[int, Any],
+            ) -> tuple[int, int]:
                 part_index, msg = item
                 if msg.code != averaging_pb2.AVERAGED_PART:
-                    raise AllreduceException(f"{peer_id} sent {averaging_pb2.MessageCode.Name(msg.code)}")
+                    raise AllreduceException(
+                        f"{peer_id} sent {averaging_pb2.MessageCode.Name(msg.code)}"
+                    )
                 if part_index >= want:
                     raise AllreduceException(f"{peer_id} sent more parts than expected")
                 return self._mean_from_others((index, part_index), msg)
 
             numbered = _numbered(aiter_with_timeout(stream, self.reducer_timeout))
             done = 0
-            async for received, sum_ in amap_in_executor(receive, numbered, max_prefetch=container.prefetch):
+            async for received, sum_ in amap_in_executor(
+                receive, numbered, max_prefetch=container.prefetch
+            ):
                 self.bytes_received += received
                 self._register((index, done), self.inputs[index][done], sum_)
                 done += 1
@@ -193,7 +213,10 @@ class BlockRunner(Runner):
             loop = asyncio.get_event_loop()
             what = f"payload from sender {sender_index}"
 
-            def receive(item: tuple[int, Any]) -> torch.Tensor:  # in an executor thread: part, message
+            # in an executor thread: part, message
+            def receive(
+                item: tuple[int, Any],
+            ) -> torch.Tensor:
                 k, msg = item
                 if k >= len(numels):
                     raise AllreduceException("sender sent more parts than expected")
@@ -206,7 +229,9 @@ class BlockRunner(Runner):
                     self.seen[(self.me, k, sender_index)] = payload_digest(payload)
                 return payload
 
-            payloads = amap_in_executor(receive, _numbered(stream), max_prefetch=self.tensor_part_container.prefetch)
+            payloads = amap_in_executor(
+                receive, _numbered(stream), max_prefetch=self.tensor_part_container.prefetch
+            )
             async for payload in payloads:
                 self.bytes_received += payload.numel() * payload.element_size()
                 if faults.reducer_received_part is not None:
@@ -224,9 +249,13 @@ class BlockRunner(Runner):
                 out = torch.cat(others)
                 if faults.reducer_sends_mean is not None:
                     out = faults.reducer_sends_mean(out)
-                serialized = await loop.run_in_executor(None, functools.partial(serialize_torch_tensor, out, _NONE))
+                serialized = await loop.run_in_executor(
+                    None, functools.partial(serialize_torch_tensor, out, _NONE)
+                )
                 self.bytes_sent += len(serialized.buffer)
-                yield averaging_pb2.AveragingData(code=averaging_pb2.AVERAGED_PART, tensor_part=serialized)
+                yield averaging_pb2.AveragingData(
+                    code=averaging_pb2.AVERAGED_PART, tensor_part=serialized
+                )
         finally:
             if part_index != reducer.num_parts:
                 await self._ban_sender(self.sender_peer_ids[sender_index])

@@ -21,7 +21,9 @@ def checked(t: torch.Tensor, what: str) -> torch.Tensor:
     return t
 
 
-def check_tensor(t: torch.Tensor, *, shape: Sequence[int], dtype: torch.dtype, what: str, finite: bool = True) -> None:
+def check_tensor(
+    t: torch.Tensor, *, shape: Sequence[int], dtype: torch.dtype, what: str, finite: bool = True
+) -> None:
     """Raise ``ValueError`` naming ``what`` unless ``t`` has ``shape`` and ``dtype`` (and finite values)."""
     if tuple(t.shape) != tuple(shape) or t.dtype != dtype:
         raise ValueError(f"{what}: got {t.dtype}{list(t.shape)}, expected {dtype}{list(shape)}")
@@ -41,8 +43,14 @@ def valid_state(meta: Any, tensors: Any) -> bool:
     if any(meta.get(k) is not None and not valid_tag(meta[k]) for k in ("tag", "prev_tag")):
         return False
     # A download cut short can arrive with fewer tensors than were served: never use part of a state.
-    if not isinstance(tensors, list) or len(tensors) < sum(counts) or len(tensors) != meta.get("num_tensors"):
+    if (
+        not isinstance(tensors, list)
+        or len(tensors) < sum(counts)
+        or len(tensors) != meta.get("num_tensors")
+    ):
         return False
     return all(
-        isinstance(t, torch.Tensor) and (not t.is_floating_point() or not t.numel() or all_finite(t)) for t in tensors
+        isinstance(t, torch.Tensor)
+        and (not t.is_floating_point() or not t.numel() or all_finite(t))
+        for t in tensors
     )

@@ -80,9 +80,12 @@ class Confirmations:
     ) -> averaging_pb2.AveragingData:
         buffer = request.tensor_part.buffer
         digest, tag = buffer[:-MAC_BYTES], buffer[-MAC_BYTES:]
-        mac = self.keys.confirm_mac(request.group_id, context.remote_id.to_bytes(), request.code, digest)
+        mac = self.keys.confirm_mac(
+            request.group_id, context.remote_id.to_bytes(), request.code, digest
+        )
         if len(buffer) < MAC_BYTES or not hmac.compare_digest(tag, mac):
-            return averaging_pb2.AveragingData(code=averaging_pb2.PROTOCOL_VIOLATION)  # not from a peer of the run
+            # not from a peer of the run
+            return averaging_pb2.AveragingData(code=averaging_pb2.PROTOCOL_VIOLATION)
         box = self._confirm_box(request.group_id)
         box["got"][context.remote_id] = (request.code == averaging_pb2.AVERAGED_PART, digest)
         if request.code == averaging_pb2.CANCELLED:
@@ -102,8 +105,14 @@ class Confirmations:
         docstring); a groupmate that does not answer within ``timeout`` s is left to its deadline."""
         code, empty = averaging_pb2.CANCELLED, b""
         mac = self.keys.confirm_mac(group_id, self.peer_id.to_bytes(), code, empty)
-        msg = averaging_pb2.AveragingData(code=code, group_id=group_id, tensor_part=runtime_pb2.Tensor(buffer=mac))
-        stubs = [self.get_stub(self._p2p, p, namespace=self.prefix) for p in peer_ids if p != self.peer_id]
+        msg = averaging_pb2.AveragingData(
+            code=code, group_id=group_id, tensor_part=runtime_pb2.Tensor(buffer=mac)
+        )
+        stubs = [
+            self.get_stub(self._p2p, p, namespace=self.prefix)
+            for p in peer_ids
+            if p != self.peer_id
+        ]
         sends = [asyncio.wait_for(stub.rpc_confirm(msg), timeout) for stub in stubs]
         await asyncio.gather(*sends, return_exceptions=True)
 
@@ -146,7 +155,9 @@ class Confirmations:
         error = wait.error
         if error is None and not all(d is True for d in delivered):
             # A groupmate that did not get my confirmation will not commit; neither may I.
-            error = f"{sum(d is not True for d in delivered)} confirmation(s) could not be delivered"
+            error = (
+                f"{sum(d is not True for d in delivered)} confirmation(s) could not be delivered"
+            )
         if error is not None:
             self._not_committed(
                 peer_ids,

@@ -45,11 +45,15 @@ class MemberAuthorizer(AuthorizerBase):
 
     def __init__(self, keys: RunKeys) -> None:
         self.keys = keys
-        self.refused = Throttle("refused DHT requests without the run's key (a node that is not a peer of the run)")
+        self.refused = Throttle(
+            "refused DHT requests without the run's key (a node that is not a peer of the run)"
+        )
 
     async def sign_request(self, request: Any, service_public_key: Any) -> None:
         auth = request.auth
-        auth.time, auth.nonce, auth.signature = get_dht_time(), secrets.token_bytes(8), b""
+        auth.time = get_dht_time()
+        auth.nonce = secrets.token_bytes(8)
+        auth.signature = b""
         auth.signature = _mac(self.keys, b"request", request)
 
     async def validate_request(self, request: Any) -> bool:

@@ -95,7 +95,9 @@ class Donors:
             stub = self.get_stub(self._p2p, PeerID(peer), namespace=self.prefix)
             request = stub.rpc_download_state(averaging_pb2.DownloadRequest())
             stream = await asyncio.wait_for(request, timeout)
-            metadata, tensors, parts = None, [], []
+            metadata = None
+            tensors = []
+            parts = []
             async for message in aiter_with_timeout(stream, timeout=timeout):
                 if message.metadata:
                     metadata = self.serializer.loads(message.metadata)

@@ -45,7 +45,9 @@ class RoundWindows:
     """The grace window of each reduce key, from the arrival spread of its full rounds."""
 
     def __init__(self, *, quorum: Quorum, matchmaking_time: float) -> None:
-        capped = Quorum(members=quorum.members, grace_seconds=min(quorum.grace_seconds, matchmaking_time))
+        capped = Quorum(
+            members=quorum.members, grace_seconds=min(quorum.grace_seconds, matchmaking_time)
+        )
         self._grace = Grace(capped, floor=min(MIN_WINDOW, capped.grace_seconds))
 
     def window(self, key: str, *, target: int) -> Window:
@@ -53,7 +55,9 @@ class RoundWindows:
         (the first rounds: the peers' start-up spreads them), the bound, and only a full group may close."""
         if not self._grace.measured(key):
             return Window(seconds=self._grace.quorum.grace_seconds, quorum=target)
-        return Window(seconds=self._grace.window(key), quorum=max(1, min(self._grace.quorum.members, target)))
+        return Window(
+            seconds=self._grace.window(key), quorum=max(1, min(self._grace.quorum.members, target))
+        )
 
     def committed(self, key: str, *, group: int, target: int, spread: float | None) -> None:
         """A round of ``key`` committed with ``group`` peers of the ``target`` expected, whose arrivals spread over

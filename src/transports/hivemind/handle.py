@@ -27,14 +27,17 @@ class Handle(FutureHandle):
     into tensors the caller has taken back (the reduce checks the mark under the same lock). When the
     group's state replaces the caller's, the wait loads it, in the caller's thread."""
 
-    def __init__(self, future: concurrent.futures.Future, outcome: Outcome, lock: threading.Lock) -> None:
+    def __init__(
+        self, future: concurrent.futures.Future, outcome: Outcome, lock: threading.Lock
+    ) -> None:
         super().__init__(future, "hivemind all_reduce")
         self._outcome, self._lock = outcome, lock
 
     def wait(self, timeout: float) -> ReduceResult:
         try:
             return super().wait(timeout)
-        except BaseException as e:  # a timeout, or Ctrl+C: nothing may be committed once the caller has left
+        # a timeout, or Ctrl+C: nothing may be committed once the caller has left
+        except BaseException as e:
             with self._lock:
                 committed, replaced = self._outcome.result, self._outcome.replaced
                 if committed is None and replaced is None:
@@ -43,7 +46,8 @@ class Handle(FutureHandle):
                 raise  # Ctrl+C still stops the caller
             if committed is not None:
                 return committed  # it committed just as the wait ran out
-            if replaced is not None:  # the caller's thread loads the group's state: nothing changes under its training
+            # the caller's thread loads the group's state: nothing changes under its training
+            if replaced is not None:
                 load, self._outcome.load = self._outcome.load, None
                 if load is not None:
                     load()

@@ -12,7 +12,9 @@ __all__ = ["HivemindConfig"]
 
 
 def _maddrs(value: object) -> bool:
-    return isinstance(value, (list, tuple)) and all(isinstance(a, str) and a.startswith("/") for a in value)
+    return isinstance(value, (list, tuple)) and all(
+        isinstance(a, str) and a.startswith("/") for a in value
+    )
 
 
 def _optional(valid: str) -> dict:
@@ -36,7 +38,9 @@ class HivemindConfig:
     """Addresses to announce to others instead of the listened ones: the public address behind NAT."""
     matchmaking_time: float = field(default=15.0, metadata=number(gt=0, noun="a number of seconds"))
     """Seconds a peer waits for groupmates before each all-reduce (OpenDiLoCo's 15)."""
-    averaging_timeout: float = field(default=120.0, metadata=number(gt=0, noun="a number of seconds"))
+    averaging_timeout: float = field(
+        default=120.0, metadata=number(gt=0, noun="a number of seconds")
+    )
     """Seconds one all-reduce attempt may take once its group has formed."""
     min_group_size: int = field(default=2, metadata=integer(low=1))
     """Smallest group worth averaging with; a peer that finds fewer averages alone (1 contributor)."""
@@ -71,7 +75,9 @@ class HivemindConfig:
     secret_file: str | None = field(default=None, metadata=_optional("a path or none"))
     """Path of a file holding the secret (surrounding whitespace dropped), readable by its owner only (mode
     0600: a file its group or others may read is refused). At most one of secret, secret_file, secret_env."""
-    secret_env: str | None = field(default=None, metadata=_optional("the name of an environment variable or none"))
+    secret_env: str | None = field(
+        default=None, metadata=_optional("the name of an environment variable or none")
+    )
     """Name of an environment variable holding the secret (e.g. ``DILOCO_SECRET``)."""
 
     @property
@@ -82,7 +88,12 @@ class HivemindConfig:
         check_fields(self)
         for name in ("initial_peers", "host_maddrs", "announce_maddrs"):
             object.__setattr__(self, name, tuple(getattr(self, name)))
-        check_field("host_maddrs", self.host_maddrs, ok=len(self.host_maddrs) > 0, valid="at least one multiaddr")
+        check_field(
+            "host_maddrs",
+            self.host_maddrs,
+            ok=len(self.host_maddrs) > 0,
+            valid="at least one multiaddr",
+        )
         s = self.secret
         ok = s is None or (isinstance(s, str) and s != "")
         check_field("secret", "<hidden>" if s else s, ok=ok, valid="a non-empty string or none")

@@ -15,12 +15,20 @@ from diloco_core import FP32, MEAN, Codec, Merge
 from diloco_core.codecs.names import check_codec
 from diloco_core.membership import Membership
 from diloco_core.run_state import RunState
-from diloco_core.transport import Capabilities, ReduceHandle, ReduceResult, Transport, TransportError, reduce_inputs
+from diloco_core.transport import (
+    Capabilities,
+    ReduceHandle,
+    ReduceResult,
+    Transport,
+    TransportError,
+    reduce_inputs,
+)
 
 from .attempt import commit
 from .attempts import Attempts
 from .auth import RunKeys, run_keys
 from .averager import Averager
+from .averager_pool import AveragerPool
 from .deadlines import deadlines
 from .faults import HivemindFaults
 from .grace import RoundWindows
@@ -53,20 +61,23 @@ class HivemindTransport(Transport, Membership):
         parts the values travel in (hivemind's default; tests make it small to get many parts per round).
         ``keys``: for tests, the run's keys instead of those derived from ``config.secret`` (auth.py)."""
         import_hivemind()  # says how to install hivemind if it is missing
-        if not isinstance(part_size_bytes, int) or isinstance(part_size_bytes, bool) or part_size_bytes < 1:
-            raise ValueError(f"part_size_bytes={part_size_bytes!r} is invalid: expected an integer >= 1")
         self.config = config
         secret = read_secret(config)  # config.secret, or the file or environment variable it names
-        derived, self.join_settings = run_keys(config.run_id, secret, joining=bool(config.initial_peers))
+        derived, self.join_settings = run_keys(
+            config.run_id, secret, joining=bool(config.initial_peers)
+        )
         """Settings a joiner needs besides ``join_addresses``: the secret, where this peer generated it."""
         keys = keys or derived
         self._ns = keys.namespace
         self._res = Resources(
-            config=config, faults=faults or HivemindFaults(), part_size_bytes=part_size_bytes, keys=keys
+            config=config,
+            faults=faults or HivemindFaults(),
+            part_size_bytes=part_size_bytes,
+            keys=keys,
         )
         self._finalizer = weakref.finalize(self, self._res.close)
         self._lock = threading.RLock()
-        self._averagers: dict[tuple[str, int, str, Merge], Averager] = {}  # per (key, size, codec, merge)
+        self._averagers = AveragerPool(self._res, namespace=self._ns)
         self._last_group: list[bytes] = []
         self._closed = False
         self._snapshot_on_commit = False
@@ -75,7 +86,9 @@ class HivemindTransport(Transport, Membership):
             joining=joining, resources=self._res, lock=self._lock, tags=lambda: self._state.served()
         )
         self._swarm = Swarm(resources=self._res, key=keys.presence_key)
-        self._state = TrackedState(server=self._server, resources=self._res, lock=self._lock, swarm=self._swarm)
+        self._state = TrackedState(
+            server=self._server, resources=self._res, lock=self._lock, swarm=self._swarm
+        )
         windows = RoundWindows(quorum=config.quorum_rule, matchmaking_time=config.matchmaking_time)
         self._attempts = Attempts(
             resources=self._res,
@@ -90,12 +103,18 @@ class HivemindTransport(Transport, Membership):
             # only once it holds the run's state).
             # It also declares this peer's presence (swarm.py).
             state_averager = self._res.start_averager(
-                1, FP32, prefix=f"{self._ns}_state", share=not joining, presence_key=keys.presence_key
+                1,
+                FP32,
+                prefix=f"{self._ns}_state",
+                share=not joining,
+                presence_key=keys.presence_key,
             )
             state_averager.state_fn = self._server.serve
             self._server.averager = self._swarm.averager = state_averager
             self._swarm.declare()
-            self._res.pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="hivemind-transport")
+            self._res.pool = concurrent.futures.ThreadPoolExecutor(
+                1, thread_name_prefix="hivemind-transport"
+            )
         except BaseException:
             self._res.close()
             raise
@@ -123,7 +142,9 @@ class HivemindTransport(Transport, Membership):
         peer), then serve this peer's to later joiners (refreshed after every round) and re-sync it when
         a round finds it behind its group."""
         if self._state.on_resync is not None:
-            raise ValueError("this HivemindTransport already serves a DiLoCo: use one transport per DiLoCo")
+            raise ValueError(
+                "this HivemindTransport already serves a DiLoCo: use one transport per DiLoCo"
+            )
 
         def loader(meta: dict, tensors: list[torch.Tensor]) -> Callable[[], None]:
             try:
@@ -131,31 +152,20 @@ class HivemindTransport(Transport, Membership):
             except ValueError as e:
                 raise TransportError(f"hivemind: {e}") from None
 
-        joined = False
-        if self._server.joining:  # in phase with the swarm's rounds: maybe its next round's state (swarm.py)
-            self._server.load_state(timeout)
-            self._swarm.join_in_phase(self._server, config=self.config, stop=lambda: self._res.closed)
-        got = self._server.load_state(timeout)  # None on the swarm's first peer
-        if got is not None and not got[0]:
-            logger.warning(
-                "the peers shared no DiLoCo state (they broadcast without a DiLoCo): keeping round and momentum"
-            )
-        elif got is not None:
-            loader(*got)()
-            # Take the downloaded state's tag too: until now this peer served the initial tag, which no
-            # group holds, so nobody re-synced from its half-loaded state.
-            self._state.adopt(self._server.downloaded[0])
-            joined = True
-        self._server.extra_fn = state.snapshot  # served with the broadcast values, refreshed after every round
+        joined = self._state.download(loader, config=self.config, timeout=timeout)
+        # served with the broadcast values, refreshed after every round
+        self._server.extra_fn = state.snapshot
         self._server.frozen = state.lock
-        self._snapshot_on_commit = state.means_in_flight  # overlap: a completed reduce changes the state too
+        # overlap: a completed reduce changes the state too
+        self._snapshot_on_commit = state.means_in_flight
         state.subscribe(self._server.take_snapshot)
         # From now on groupmates compare state tags before averaging a round: a peer that is behind or has
         # diverged takes its group's state instead (checked by ``loader`` first) and its all_reduce raises
         # StateReplaced.
         self._state.track(state.keys, loader)
         self._server.take_snapshot()
-        self._swarm.declare(round=self._state.tag[0])  # runs rounds: counted by the others' rounds now
+        # runs rounds: counted by the others' rounds now
+        self._swarm.declare(round=self._state.tag[0])
         return joined
 
     def state_dict(self) -> dict:
@@ -186,19 +196,13 @@ class HivemindTransport(Transport, Membership):
 
     # -- averaging -----------------------------------------------------------------------------------
 
-    def _averager(self, key: str, size: int, codec: Codec, merge: Merge = MEAN) -> Averager:
-        """The averager of ``key`` (hivemind fixes an averager's tensors when it starts: one per size, codec and
-        merge)."""
-        wire = str(codec.identity)
-        ident = (key, size, wire, merge)  # peers meet only with the same codec identity (block size, layout)
-        if ident not in self._averagers:
-            rule = "" if merge == MEAN else f"_{merge.rule.value}_{key_hash(repr(merge))}"  # p2p handlers of its own
-            prefix = f"{self._ns}_{key_hash(key)}_{wire}_{size}{rule}"  # any key, in names the DHT and p2p accept
-            self._averagers[ident] = self._res.start_averager(size, codec, prefix=prefix, merge=merge)
-        return self._averagers[ident]
-
     def all_reduce(
-        self, tensors: Sequence[torch.Tensor], *, codec: Codec = FP32, key: str = "default", merge: Merge = MEAN
+        self,
+        tensors: Sequence[torch.Tensor],
+        *,
+        codec: Codec = FP32,
+        key: str = "default",
+        merge: Merge = MEAN,
     ) -> ReduceHandle:
         check_codec(codec)
         tensors = reduce_inputs(tensors)
@@ -208,41 +212,65 @@ class HivemindTransport(Transport, Membership):
         # flight trains from it and meets this round's group if it matchmakes in time (tested); telling
         # joiners to wait instead made them miss the round and average a round behind.
         self._server.take_snapshot()
-        self._averager(key, sum(t.numel() for t in tensors), codec, merge)  # created here: it starts a process
+        # created here: it starts a process
+        self._averagers.of(key, size=sum(t.numel() for t in tensors), codec=codec, merge=merge)
         # The caller's tensors are the contribution (untouched until commit, so a retry re-reads them).
         outcome = Outcome()
-        future = self._res.pool.submit(self._reduce, tensors, codec=codec, key=key, merge=merge, outcome=outcome)
+        future = self._res.pool.submit(
+            self._reduce, tensors, codec=codec, key=key, merge=merge, outcome=outcome
+        )
         return Handle(future, outcome, self._lock)
 
     def _reduce(
         self, tensors: list[torch.Tensor], *, codec: Codec, key: str, merge: Merge, outcome: Outcome
     ) -> ReduceResult:
         start = time.perf_counter()
-        averager = self._averager(key, sum(t.numel() for t in tensors), codec, merge)
+        size = sum(t.numel() for t in tensors)
+        averager = self._averagers.of(key, size=size, codec=codec, merge=merge)
         self._swarm.declare(key=key_hash(key), busy=True)
         try:
-            return self._reduce_with(averager, tensors, codec=codec, key=key, outcome=outcome, start=start)
+            return self._reduce_with(
+                averager, tensors, codec=codec, key=key, outcome=outcome, start=start
+            )
         finally:
             self._swarm.declare(busy=False)
 
     def _reduce_with(
-        self, averager: Averager, tensors: list[torch.Tensor], *, codec: Codec, key: str, outcome: Outcome, start: float
+        self,
+        averager: Averager,
+        tensors: list[torch.Tensor],
+        *,
+        codec: Codec,
+        key: str,
+        outcome: Outcome,
+        start: float,
     ) -> ReduceResult:
         got = self._attempts.run(averager, tensors, key=key, outcome=outcome)
         result = self._commit(
-            averager, tensors, out=got.out, codec=codec, tracked=got.tracked, outcome=outcome, start=start
+            averager,
+            tensors,
+            out=got.out,
+            codec=codec,
+            tracked=got.tracked,
+            outcome=outcome,
+            start=start,
         )
         if got.window is None:
             return result
         absent = self._swarm.absent(self._last_group)  # the quorum's round closed without them
         return dataclasses.replace(result, absent=absent, grace_seconds=got.window.seconds)
 
-    def _commit(self, averager: Averager, tensors: list[torch.Tensor], **kwargs: Any) -> ReduceResult:
+    def _commit(
+        self, averager: Averager, tensors: list[torch.Tensor], **kwargs: Any
+    ) -> ReduceResult:
         with self._lock:
-            result, self._last_group = commit(averager, tensors, state=self._state, me=self._me, **kwargs)
+            result, self._last_group = commit(
+                averager, tensors, state=self._state, me=self._me, **kwargs
+            )
         if kwargs["tracked"]:
             self._swarm.committed(self._state.tag[0], self._last_group)
-            if self._snapshot_on_commit:  # joiners get this mean with the state, and the tag that counts it
+            # joiners get this mean with the state, and the tag that counts it
+            if self._snapshot_on_commit:
                 self._server.snapshot_soon()
         return result
 

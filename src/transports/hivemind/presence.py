@@ -49,12 +49,14 @@ class Presence:
             logger.debug("presence not stored: %r", e)
 
     async def _declare_for_download_periodically(self) -> None:
-        if self.presence_key is not None:  # started with the serving of state: in this process's loop
+        # started with the serving of state: in this process's loop
+        if self.presence_key is not None:
             asyncio.create_task(self._refresh_presence())
         await super()._declare_for_download_periodically()
 
     async def _refresh_presence(self) -> None:
-        while True:  # refreshed well before it expires: a peer is never missing from the list while alive
+        # refreshed well before it expires: a peer is never missing from the list while alive
+        while True:
             await self._store_presence()
             await asyncio.sleep(self.declare_state_period / 3)
 
@@ -62,9 +64,15 @@ class Presence:
         if self.presence_key is None:
             return False
         try:
-            got = await asyncio.wait_for(self.dht.get(self.presence_key, latest=True, return_future=True), 10.0)
+            got = await asyncio.wait_for(
+                self.dht.get(self.presence_key, latest=True, return_future=True), 10.0
+            )
         except Exception as e:  # noqa: BLE001 - unknown: refused, the requester retries
             logger.debug("presence not read: %r", e)
             return False
-        entry = got.value.get(peer.to_bytes()) if got is not None and isinstance(got.value, dict) else None
+        entry = (
+            got.value.get(peer.to_bytes())
+            if got is not None and isinstance(got.value, dict)
+            else None
+        )
         return entry is not None and entry.expiration_time > get_dht_time()

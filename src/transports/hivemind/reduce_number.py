@@ -22,7 +22,15 @@ from typing import Any
 
 from hivemind.averaging.allreduce import AllreduceException
 
-__all__ = ["MAX_NUMBER", "Number", "OutOfStepError", "ReduceNumbers", "StepVerdict", "number_or_none", "step_verdict"]
+__all__ = [
+    "MAX_NUMBER",
+    "Number",
+    "OutOfStepError",
+    "ReduceNumbers",
+    "StepVerdict",
+    "number_or_none",
+    "step_verdict",
+]
 
 MAX_NUMBER = 2**62
 """Counts at or above this are malformed (a groupmate that sends one sent no number)."""

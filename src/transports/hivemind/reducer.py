@@ -51,11 +51,21 @@ class OrderedReducer(TensorPartReducer):
     left_out: list[LeftOut]
 
     def merge_with(
-        self, *, codec: Codec, merge: Merge, starts: Sequence[int], who: Sequence[str], left_out: list[LeftOut]
+        self,
+        *,
+        codec: Codec,
+        merge: Merge,
+        starts: Sequence[int],
+        who: Sequence[str],
+        left_out: list[LeftOut],
     ) -> None:
         """How this reducer's parts are merged: ``codec``'s payloads by ``merge``, each part starting at ``starts``
         in the averaged values, contributors named by ``who``; what it leaves out is added to ``left_out``."""
-        self.codec, self.merge, self.starts, self.who, self.left_out = codec, merge, starts, who, left_out
+        self.codec = codec
+        self.merge = merge
+        self.starts = starts
+        self.who = who
+        self.left_out = left_out
 
     def reset_accumulators(self) -> None:
         self.received: dict[int, torch.Tensor] = {}
@@ -67,7 +77,9 @@ class OrderedReducer(TensorPartReducer):
         self.num_parts_received[sender_index] += 1
         while part_index > self.current_part_index:
             finished = asyncio.create_task(self.finished.wait())
-            await asyncio.wait({self.current_part_future, finished}, return_when=asyncio.FIRST_COMPLETED)
+            await asyncio.wait(
+                {self.current_part_future, finished}, return_when=asyncio.FIRST_COMPLETED
+            )
             if self.finished.is_set():
                 raise AllreduceException("attempted to aggregate a part in a finalized reducer")
         if self.sender_failed_after[sender_index] != float("inf"):
@@ -100,28 +112,41 @@ class Runner(AllReduceRunner):
     """Records failures and writes every mean part straight into the averaged tensors (no final
     concatenation and copy); the exchange is ``block_runner.BlockRunner``'s."""
 
-    def __init__(self, *, codec: Codec, merge: Merge, faults: HivemindFaults, **kwargs: Any) -> None:
+    def __init__(
+        self, *, codec: Codec, merge: Merge, faults: HivemindFaults, **kwargs: Any
+    ) -> None:
         super().__init__(**kwargs)
-        self.wire = codec.elementwise_dtype  # parts of an element-wise payload are payloads of the parts
+        # parts of an element-wise payload are payloads of the parts
+        self.wire = codec.elementwise_dtype
         self.faults = faults
         self.failures: list[str] = []
         # the groupmates (peer ids) seen failing: a sender or a reducer (blame.py)
         self.blamed: set[Any] = set()
         self.short_relayed: set[Any] = set()  # the senders this peer relayed a short part to
         self.tensor_part_reducer.finished.set()  # replaced before use: keep its finalizer quiet
-        self.tensor_part_reducer = OrderedReducer(self.tensor_part_reducer.part_shapes, len(self.sender_peer_ids))
+        self.tensor_part_reducer = OrderedReducer(
+            self.tensor_part_reducer.part_shapes, len(self.sender_peer_ids)
+        )
         container = self.tensor_part_container
-        self.inputs = [[p for p, _ in parts] for parts in container._input_parts_by_peer]  # views of the tensors
+        self.inputs = [
+            [p for p, _ in parts] for parts in container._input_parts_by_peer
+        ]  # views of the tensors
         self.merge = merge
         self.who = [str(p) for p in self.ordered_peer_ids]
         self.left_out: list[LeftOut] = []  # what the merges of the parts this peer reduced left out
-        offsets = itertools.accumulate((p.numel() for parts in self.inputs for p in parts), initial=0)
+        offsets = itertools.accumulate(
+            (p.numel() for parts in self.inputs for p in parts), initial=0
+        )
         flat = iter(offsets)  # hivemind cuts the values into consecutive parts, peer after peer
         self.starts = [[next(flat) for _ in parts] for parts in self.inputs]
         mine = self.starts[self.ordered_peer_ids.index(self.peer_id)]
-        self.tensor_part_reducer.merge_with(codec=codec, merge=merge, starts=mine, who=self.who, left_out=self.left_out)
+        self.tensor_part_reducer.merge_with(
+            codec=codec, merge=merge, starts=mine, who=self.who, left_out=self.left_out
+        )
         self.part_sums: dict[tuple[int, int], int] = {}
-        self.bytes_sent = self.bytes_received = 0  # the values' payloads this peer sent and received
+        self.bytes_sent = self.bytes_received = (
+            0  # the values' payloads this peer sent and received
+        )
         container.iterate_output_tensors = self._outputs_in_place
 
     def _register(self, where: tuple[int, int], mean: torch.Tensor, sum_: int) -> None:
@@ -144,7 +169,9 @@ class Runner(AllReduceRunner):
                 container._output_part_available[i].clear()
                 await container._output_part_available[i].wait()
                 if container.finished.is_set():
-                    raise AllreduceException("all-reduce was terminated while waiting for its results")
+                    raise AllreduceException(
+                        "all-reduce was terminated while waiting for its results"
+                    )
         for t in container.local_tensors:
             yield t
 

@@ -241,8 +241,12 @@ class RelayChecks:
         """The check of a block runner's relays (see the module docstring): the round's error (a
         string), if any; whom this member blames is added to ``runner.blamed``."""
         parts = list(runner.tensor_part_container.num_parts_by_peer)
-        peer_ids, failed, until = runner.ordered_peer_ids, runner.blamed, deadline
-        me, claims, seen = runner.me, runner.claims, runner.seen
+        peer_ids = runner.ordered_peer_ids
+        failed = runner.blamed
+        until = deadline
+        me = runner.me
+        claims = runner.claims
+        seen = runner.seen
         mine = b"" if error else digests_message(parts, me, claims=claims, seen=seen)
         exchange = self._exchange_digests
         messages = await exchange(peer_ids, group, mine=mine, failed=failed, deadline=until)

@@ -2,7 +2,9 @@
 
 from types import ModuleType
 
-INSTALL_HINT = "the hivemind transport needs hivemind, which is not installed: pip install 'diloco[hivemind]'"
+INSTALL_HINT = (
+    "the hivemind transport needs hivemind, which is not installed: pip install 'diloco[hivemind]'"
+)
 
 
 class HivemindMissing(ImportError, ValueError):

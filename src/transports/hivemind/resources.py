@@ -56,7 +56,10 @@ class DHT(hivemind.DHT):
         # that failed to start (dead initial_peers) or that was killed with its orphaned DHT.
         daemons: list[str] = []
 
-        def remove_sockets(wait: float = 2.0) -> None:  # p2pd may still be exiting: a start that failed
+        # p2pd may still be exiting: a start that failed
+        def remove_sockets(
+            wait: float = 2.0,
+        ) -> None:
             for path in daemons:
                 remove_stale(path, wait=wait)  # once p2pd is gone
                 with contextlib.suppress(OSError):  # this process's own, and it is ending
@@ -64,10 +67,13 @@ class DHT(hivemind.DHT):
 
         leave_with_parent(cleanup=remove_sockets)  # a SIGKILLed trainer leaves no DHT or p2pd
         os.nice(self.niceness)
-        spawn = asyncio.subprocess.create_subprocess_exec  # patched in this (the DHT's) process only
+        # patched in this (the DHT's) process only
+        spawn = asyncio.subprocess.create_subprocess_exec
 
         async def spawn_in_own_group(*args: Any, **kwargs: Any) -> Any:
-            daemons.extend(str(a).split("/unix", 1)[1] for a in args if str(a).startswith("-listen=/unix/"))
+            daemons.extend(
+                str(a).split("/unix", 1)[1] for a in args if str(a).startswith("-listen=/unix/")
+            )
             return await spawn(*args, preexec_fn=os.setpgrp, **kwargs)
 
         asyncio.subprocess.create_subprocess_exec = spawn_in_own_group  # type: ignore[assignment]
@@ -95,10 +101,14 @@ class DHT(hivemind.DHT):
                 if held is None:
                     continue
                 if isinstance(held.value, DictionaryDHTValue):
-                    items = [(protocol.serializer.dumps(k), v, t) for k, (v, t) in held.value.items()]
+                    items = [
+                        (protocol.serializer.dumps(k), v, t) for k, (v, t) in held.value.items()
+                    ]
                 else:
                     items = [(DHTProtocol.IS_REGULAR_VALUE, held.value, held.expiration_time)]
-                if not all(protocol.record_validator.validate(DHTRecord(key, *item)) for item in items):
+                if not all(
+                    protocol.record_validator.validate(DHTRecord(key, *item)) for item in items
+                ):
                     del store[DHTID.from_bytes(key)]
 
 
@@ -106,7 +116,9 @@ def _wait_until_ready(process: Any, what: str, timeout: float = 60.0) -> None:
     try:
         process.wait_until_ready(timeout)
     except concurrent.futures.TimeoutError:
-        raise TransportError(f"hivemind: the {what} process did not start within {timeout:g}s") from None
+        raise TransportError(
+            f"hivemind: the {what} process did not start within {timeout:g}s"
+        ) from None
 
 
 @dataclass
@@ -126,6 +138,11 @@ class Resources:
     sockets: list[str] = field(default_factory=list)
     """The averagers' socket files, removed by ``close`` where a killed averager left them."""
     closed: bool = False
+
+    def __post_init__(self) -> None:
+        n = self.part_size_bytes
+        if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+            raise ValueError(f"part_size_bytes={n!r} is invalid: expected an integer >= 1")
 
     def start_dht(self) -> None:
         cfg = self.config

@@ -59,7 +59,9 @@ def _read_file(path: str) -> str:
     try:
         info = os.stat(path)
     except OSError as e:
-        raise ValueError(f"secret_file={path!r} is invalid: expected a readable file ({e.strerror})") from None
+        raise ValueError(
+            f"secret_file={path!r} is invalid: expected a readable file ({e.strerror})"
+        ) from None
     check_field("secret_file", path, ok=stat.S_ISREG(info.st_mode), valid="a regular file")
     mode = stat.S_IMODE(info.st_mode)
     check_field(
@@ -71,5 +73,7 @@ def _read_file(path: str) -> str:
     )
     with open(path, encoding="utf-8") as f:
         value = f.read().strip()
-    check_field("secret_file", path, ok=value != "", valid="a file holding the secret (it is empty)")
+    check_field(
+        "secret_file", path, ok=value != "", valid="a file holding the secret (it is empty)"
+    )
     return value

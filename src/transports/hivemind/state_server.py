@@ -32,13 +32,17 @@ def broadcast_values(downloaded: State, index: int, like: list[torch.Tensor]) ->
     meta, got = downloaded
     counts = meta["broadcasts"]
     if index >= len(counts) or counts[index] != len(like):
-        raise TransportError(f"hivemind broadcast #{index}: the peers' state holds no matching broadcast ({counts})")
+        raise TransportError(
+            f"hivemind broadcast #{index}: the peers' state holds no matching broadcast ({counts})"
+        )
     values = got[sum(counts[:index]) : sum(counts[: index + 1])]
     try:
         for t, v in zip(like, values):
             check_tensor(v, shape=t.shape, dtype=t.dtype, what=f"broadcast #{index}")
     except ValueError as e:
-        raise TransportError(f"hivemind broadcast #{index}: peers' values do not fit: {e}") from None
+        raise TransportError(
+            f"hivemind broadcast #{index}: peers' values do not fit: {e}"
+        ) from None
     return values
 
 
@@ -52,7 +56,14 @@ class StateServer:
     """Peers serve a snapshot taken at each broadcast and at the start of each all-reduce (a point between
     rounds), plus the run state ``attach`` was given; a joiner serves nothing until it holds the run's state."""
 
-    def __init__(self, *, joining: bool, resources: Resources, lock: threading.RLock, tags: Callable[[], dict]) -> None:
+    def __init__(
+        self,
+        *,
+        joining: bool,
+        resources: Resources,
+        lock: threading.RLock,
+        tags: Callable[[], dict],
+    ) -> None:
         """``tags()``: the state tags to serve (called under ``lock``, which guards the snapshot too)."""
         self.joining = joining
         self.shared: list[list[torch.Tensor]] = []  # the tensors of every broadcast, in call order
@@ -60,14 +71,18 @@ class StateServer:
         self.frozen: contextlib.AbstractContextManager[Any] = contextlib.nullcontext()
         """Held around a snapshot, before the lock: the run state changes no round meanwhile (``RunState.lock``)."""
         self.downloaded: State | None = None
-        self.averager: Any = None  # the 1-value averager that serves the snapshot (it never averages)
+        self.averager: Any = (
+            None  # the 1-value averager that serves the snapshot (it never averages)
+        )
         self._snapshot: State = ({"ready": False}, [])
         self._wanted: threading.Event | None = None  # a snapshot is asked for (``snapshot_soon``)
         self.claims: Callable[[], dict[bytes, int]] = dict
         """Per peer id, the rounds its presence record declares (``swarm.Swarm.others``; set by
         ``TrackedState``)."""
         self._named: set[tuple[bytes, str]] = set()  # refused donors already named, with why
-        self._res, self._lock, self._tags = resources, lock, tags
+        self._res = resources
+        self._lock = lock
+        self._tags = tags
 
     def take_snapshot(self) -> None:
         if self.joining and self.downloaded is None:
@@ -75,15 +90,24 @@ class StateServer:
         # Values, run state and tags from one moment: no round is applied (frozen) nor committed (lock) meanwhile.
         with self.frozen, self._lock:
             extra = self.extra_fn() if self.extra_fn is not None else ({}, [])
-            if extra is None:  # the run state cannot be served now (a reduce in flight): keep the last snapshot
+            # the run state cannot be served now (a reduce in flight): keep the last snapshot
+            if extra is None:
                 return
             extra_meta, extra = extra
-            tensors = [t.detach().clone() for group in self.shared for t in group] + [t.detach().clone() for t in extra]
+            tensors = [t.detach().clone() for group in self.shared for t in group] + [
+                t.detach().clone() for t in extra
+            ]
             counts = [len(g) for g in self.shared]
-            meta = {"ready": True, "broadcasts": counts, "extra": extra_meta, "num_tensors": len(tensors)}
+            meta = {
+                "ready": True,
+                "broadcasts": counts,
+                "extra": extra_meta,
+                "num_tensors": len(tensors),
+            }
             meta.update(self._tags())
             self._snapshot = (meta, tensors)
-            if rounds_of(self._snapshot) >= 0 and self.averager is not None:  # donors: the newest state first
+            # donors: the newest state first
+            if rounds_of(self._snapshot) >= 0 and self.averager is not None:
                 self.averager.state_sharing_priority = float(rounds_of(self._snapshot))
 
     def snapshot_soon(self) -> None:
@@ -199,8 +223,11 @@ class StateServer:
             deadline = time.monotonic() + timeout
             if self.downloaded is None:
                 self.downloaded = self.download(timeout)
-            while index >= len(self.downloaded[0]["broadcasts"]) and time.monotonic() + 1.0 < deadline:
-                time.sleep(1.0)  # the donor has not made this broadcast yet (it may still be starting)
+            while (
+                index >= len(self.downloaded[0]["broadcasts"]) and time.monotonic() + 1.0 < deadline
+            ):
+                # the donor has not made this broadcast yet (it may still be starting)
+                time.sleep(1.0)
                 self.downloaded = self.download(deadline - time.monotonic())
             torch._foreach_copy_(tensors, broadcast_values(self.downloaded, index, tensors))
             self.averager.allow_state_sharing = True
@@ -208,7 +235,11 @@ class StateServer:
         self.take_snapshot()
 
     def download_successor(
-        self, tag: Tag, timeout: float, stop: Callable[[], bool], ready: Callable[[], bool] | None = None
+        self,
+        tag: Tag,
+        timeout: float,
+        stop: Callable[[], bool],
+        ready: Callable[[], bool] | None = None,
     ) -> State | None:
         """The state the group commits next after the state tagged ``tag`` (its previous tag is
         ``tag``), waited for within ``timeout`` seconds; failing that, the state tagged ``tag``
@@ -233,7 +264,9 @@ class StateServer:
                     floor=want[0],
                 )
                 if got is not None:
-                    return got  # the round the group is finishing, or a later one (the swarm went on)
+                    return (
+                        got  # the round the group is finishing, or a later one (the swarm went on)
+                    )
             if time.monotonic() + 1.0 > deadline:
                 break
             time.sleep(1.0)

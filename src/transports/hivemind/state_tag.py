@@ -34,7 +34,12 @@ def valid_tag(tag: Any) -> bool:
     if not isinstance(tag, (list, tuple)) or len(tag) != 2:
         return False
     count, chain = tag
-    return isinstance(count, int) and count >= 0 and isinstance(chain, bytes) and len(chain) == TAG_BYTES
+    return (
+        isinstance(count, int)
+        and count >= 0
+        and isinstance(chain, bytes)
+        and len(chain) == TAG_BYTES
+    )
 
 
 def tag_or_none(tag: Any) -> Tag | None:

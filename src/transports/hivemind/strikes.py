@@ -47,7 +47,10 @@ class Strikes:
     ) -> None:
         if not 1 <= after <= window:
             raise ValueError(f"after={after!r}, window={window!r}: expected 1 <= after <= window")
-        self.after, self.window, self.seconds, self.clock = after, window, seconds, clock
+        self.after = after
+        self.window = window
+        self.seconds = seconds
+        self.clock = clock
         # per peer: its last rounds, True where it was struck
         self._history: dict[str, deque[bool]] = {}
         self._until: dict[str, float] = {}

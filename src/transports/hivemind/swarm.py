@@ -56,15 +56,23 @@ class Swarm:
 
     def __init__(self, *, resources: Resources, key: str) -> None:
         self._res, self._key = resources, key
-        self.averager: Any = None  # the state averager, which declares the presence (set once it runs)
+        self.averager: Any = (
+            None  # the state averager, which declares the presence (set once it runs)
+        )
         self._mine: dict = {"key": None, "busy": False, "round": None, "joining": False}
         self._mine.update(committed_at=None, period=None)
         self._counted: set[bytes] = set()  # the peers the last round expected
         self._missing: set[bytes] = set()  # peers counted before whose presence record is gone
         self._rounds_seen: list[Any] = []  # the rounds the others' presence said at the last read
-        self._alive = 1  # this peer and the others with a live record, not departed, at the last read
-        self._suspects: dict[bytes, int] = {}  # of those, the ones that missed a round: the first one they missed
-        self._departed: dict[bytes, float | None] = {}  # suspects whose presence went unrefreshed (its expiration
+        self._alive = (
+            1  # this peer and the others with a live record, not departed, at the last read
+        )
+        self._suspects: dict[
+            bytes, int
+        ] = {}  # of those, the ones that missed a round: the first one they missed
+        self._departed: dict[
+            bytes, float | None
+        ] = {}  # suspects whose presence went unrefreshed (its expiration
         # then) or expired (None): kept until it is refreshed again, so a configured target stays capped
         # peers blamed for a failed exchange: until when (monotonic)
         self._benched: dict[bytes, float] = {}
@@ -74,7 +82,8 @@ class Swarm:
 
     def declare(self, **fields: Any) -> None:
         if fields.get("busy"):
-            fields["since"] = get_dht_time()  # when its reduce began: a joiner reads how late in it it comes
+            # when its reduce began: a joiner reads how late in it it comes
+            fields["since"] = get_dht_time()
         self._mine.update(fields)
         if self.averager is not None and not self._res.closed:
             self.averager.declare_presence(dict(self._mine))
@@ -146,7 +155,8 @@ class Swarm:
         """Peers (this one included) that a round (``tracked``) should wait for: the live peers that run rounds,
         less those departed. None for any other reduce: not known (peers reduce key after key, in any order),
         so the configured ``target_group_size`` and ``matchmaking_time`` decide, as before."""
-        if not tracked:  # presence is declared by peers that serve a run state: others may be unseen here
+        # presence is declared by peers that serve a run state: others may be unseen here
+        if not tracked:
             return None
         others = self.others(timeout)
         running = {
@@ -156,9 +166,12 @@ class Swarm:
         }
         for p, missed in list(self._suspects.items()):
             seen = running.get(p)
-            if seen is not None and seen[0] >= missed:  # it has committed the round it missed, or a later one
+            # it has committed the round it missed, or a later one
+            if seen is not None and seen[0] >= missed:
                 del self._suspects[p]
-            elif seen is None or get_dht_time() - (seen[1] - self._ttl) > self._ttl / 3 + 1.0:  # a refresh missed
+            elif (
+                seen is None or get_dht_time() - (seen[1] - self._ttl) > self._ttl / 3 + 1.0
+            ):  # a refresh missed
                 del self._suspects[p]
                 self._departed[p] = None if seen is None else seen[1]
                 left = 1 + sum(q not in self._departed for q in running)
@@ -166,8 +179,13 @@ class Swarm:
                                "wait for %d peer(s)", p.hex()[-8:], missed, "expired" if seen is None else
                                "is no longer refreshed", left)  # fmt: skip
         for p, expires in list(self._departed.items()):
-            if p in running and running[p][1] != expires:  # refreshed again (a restart is a new peer id)
-                logger.info("peer %s is back in the swarm's rounds (at round %s)", p.hex()[-8:], running[p][0])
+            # refreshed again (a restart is a new peer id)
+            if p in running and running[p][1] != expires:
+                logger.info(
+                    "peer %s is back in the swarm's rounds (at round %s)",
+                    p.hex()[-8:],
+                    running[p][0],
+                )
                 del self._departed[p]
         # One counted before whose record is gone now (expired, or the DHT did not answer) is
         # missing: a suspect once a round commits without it, departed at the next read (else a
@@ -195,7 +213,9 @@ class Swarm:
         ``timeout``), or as ``expected`` last read it (None)."""
         if timeout is not None:
             self._rounds_seen = [
-                r.value.get("round") for r in self.others(timeout).values() if not r.value.get("joining")
+                r.value.get("round")
+                for r in self.others(timeout).values()
+                if not r.value.get("joining")
             ]
         return any(isinstance(r, int) and r > rounds for r in self._rounds_seen)
 
@@ -224,18 +244,31 @@ class Swarm:
         try:
             while not stop():
                 values = [r.value for r in self.others(2.0).values()]
-                running = [o for o in values if isinstance(o.get("round"), int) and not o.get("joining")]
+                running = [
+                    o for o in values if isinstance(o.get("round"), int) and not o.get("joining")
+                ]
                 if any(o["round"] > rounds for o in running):
                     return True
                 just = [o.get("committed_at") for o in running if o["round"] == rounds]
                 # In their first round's reduce for over matchmaking_time (alone, it ends at twice that): a joiner
                 # starting from the state before it would hardly matchmake in time, and would meet the next round
                 # a round behind. It waits for that round instead; earlier in it, it tries to make it.
-                late = [o for o in running if o["round"] == rounds and o.get("busy") and o.get("since") is not None]
-                late = [o for o in late if get_dht_time() - o["since"] > self._res.config.matchmaking_time]
-                if not running or (None in just and not late):  # nobody else, or peers that start with us
+                late = [
+                    o
+                    for o in running
+                    if o["round"] == rounds and o.get("busy") and o.get("since") is not None
+                ]
+                late = [
+                    o
+                    for o in late
+                    if get_dht_time() - o["since"] > self._res.config.matchmaking_time
+                ]
+                # nobody else, or peers that start with us
+                if not running or (None in just and not late):
                     return False
-                periods = [o["period"] for o in running if isinstance(o.get("period"), (int, float))]
+                periods = [
+                    o["period"] for o in running if isinstance(o.get("period"), (int, float))
+                ]
                 if time.monotonic() - start >= max([timeout, *(2 * p for p in periods)]):
                     return False
                 time.sleep(0.2)

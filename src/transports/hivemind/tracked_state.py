@@ -16,6 +16,7 @@ from diloco_core.transport import StateReplaced, TransportError
 
 from .deadlines import deadlines
 from .handle import Outcome
+from .hivemind_config import HivemindConfig
 from .resources import Resources
 from .state_server import State, StateServer, broadcast_values
 from .state_tag import INITIAL_TAG, Tag, next_tag, valid_tag
@@ -35,13 +36,18 @@ class TrackedState:
     """The state tag (rounds committed, hash chain of their results) and the one before the last commit.
     Read and changed under the transport's lock."""
 
-    def __init__(self, *, server: StateServer, resources: Resources, lock: threading.RLock, swarm: Swarm) -> None:
+    def __init__(
+        self, *, server: StateServer, resources: Resources, lock: threading.RLock, swarm: Swarm
+    ) -> None:
         """``swarm``: the others' presence, which says when a peer has committed the round a re-sync waits for."""
         self.keys: frozenset[str] = frozenset()  # the reduce keys whose results count
         self.tag: Tag = INITIAL_TAG
         self.prev_tag: Tag | None = None
         self.on_resync: Loader | None = None
-        self._server, self._res, self._lock, self._swarm = server, resources, lock, swarm
+        self._server = server
+        self._res = resources
+        self._lock = lock
+        self._swarm = swarm
         server.claims = self.claims  # a donor's claim is weighed against the swarm's (donor_choice)
 
     def claims(self) -> dict[bytes, int]:
@@ -80,11 +86,52 @@ class TrackedState:
             self.tag = (int(tag[0]), bytes(tag[1]))
             self.prev_tag = None if prev is None else (int(prev[0]), bytes(prev[1]))
 
+    def download(self, loader: Loader, *, config: HivemindConfig, timeout: float) -> bool:
+        """Download the run's state from the peers and load it with ``loader`` (a joiner: in phase with
+        the swarm's rounds, maybe its next round's state, ``swarm.py``); True if one was loaded (False on
+        the swarm's first peer, or where the peers shared none)."""
+        if self._server.joining:
+            self._server.load_state(timeout)
+            self._swarm.join_in_phase(self._server, config=config, stop=lambda: self._res.closed)
+        got = self._server.load_state(timeout)  # None on the swarm's first peer
+        if got is None:
+            return False
+        if not got[0]:
+            logger.warning(
+                "the peers shared no DiLoCo state (they broadcast without a DiLoCo): "
+                "keeping round and momentum"
+            )
+            return False
+        loader(*got)()
+        # Take the downloaded state's tag too: until now this peer served the initial tag, which no
+        # group holds, so nobody re-synced from its half-loaded state.
+        self.adopt(self._server.downloaded[0])
+        return True
+
     def adopt(self, meta: dict) -> None:
         """Take the tags of a state that was downloaded and loaded (if it has any)."""
         with self._lock:
             if meta.get("tag") is not None:
                 self.tag, self.prev_tag = _tag_of(meta, "tag"), _tag_of(meta, "prev_tag")
+
+    def catch_up(self, outcome: Outcome, *, timeout: float | None) -> None:
+        """If another peer has committed the round this peer is about to contribute to, take that round's
+        result (the state committed from the one this peer holds): ``StateReplaced``, in phase again."""
+        with self._lock:
+            tag = self.tag
+        if not self._swarm.ahead(tag[0], timeout=timeout):
+            return
+        logger.info(
+            "hivemind all_reduce: the swarm closed round %d without this peer; taking its result",
+            tag[0] + 1,
+        )
+        try:
+            self.resync(tag, outcome, timeout=self._res.config.matchmaking_time)
+        except StateReplaced:
+            raise
+        # my state is not the one the round began from: the group's check sees to it
+        except TransportError as e:
+            logger.info("hivemind all_reduce: %s; matchmaking as usual", e)
 
     def resync(self, group_tag: Tag, outcome: Outcome, *, timeout: float | None = None) -> NoReturn:
         """Replace this peer's state with its group's, then raise ``StateReplaced``. The group is retrying
@@ -93,7 +140,9 @@ class TrackedState:
         with any other history (a peer that is stale or diverged itself) is never taken. ``timeout``: how long
         to look for it (None: a reduce's retries)."""
         if self.on_resync is None:
-            raise TransportError("hivemind: this peer's state is older than its group's and nothing can reload it")
+            raise TransportError(
+                "hivemind: this peer's state is older than its group's and nothing can reload it"
+            )
         timeout = deadlines(self._res.config).retries if timeout is None else timeout
         best = self._server.download_successor(
             group_tag,
@@ -126,7 +175,9 @@ class TrackedState:
         def load() -> None:
             with self._server.frozen, self._lock:  # in the order snapshots take them
                 if self._res.closed:
-                    raise TransportError("hivemind: re-sync finished after the transport was closed")
+                    raise TransportError(
+                        "hivemind: re-sync finished after the transport was closed"
+                    )
                 for tensors, v in zip(shared, values):
                     torch._foreach_copy_(tensors, v)
                 load_extra()

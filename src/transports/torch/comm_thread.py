@@ -44,7 +44,8 @@ class Job:
 
     def run(self) -> None:
         try:
-            with torch.no_grad():  # grad mode is per thread: the caller's no_grad does not reach this one
+            # grad mode is per thread: the caller's no_grad does not reach this one
+            with torch.no_grad():
                 self._value = self._body(self)
         except BaseException as e:  # noqa: BLE001 - every failure is the caller's, raised by its wait
             self._error = e
@@ -123,7 +124,8 @@ class CommThread:
             job.cancel("transport is closed")
         if thread is not None:
             self._queue.put(None)
-            if thread is not threading.current_thread():  # a transport collected in this thread closes it too
+            # a transport collected in this thread closes it too
+            if thread is not threading.current_thread():
                 thread.join(timeout)
 
 

@@ -41,7 +41,8 @@ class TorchDistConfig:
     DILOCO_TORCH_SECRET environment variable (used when neither key is set): a ``--set`` value is in the
     command line, which every user of the machine can read. None: no secret, unless the variable is set."""
     secret_file: str | None = field(
-        default=None, metadata=rule(lambda v: v is None or (isinstance(v, str) and v != ""), "a path or none")
+        default=None,
+        metadata=rule(lambda v: v is None or (isinstance(v, str) and v != ""), "a path or none"),
     )
     """A file holding the run's secret (its content, stripped), readable by its owner only (chmod 600)."""
 
@@ -52,21 +53,28 @@ class TorchDistConfig:
 
     def __post_init__(self) -> None:
         check_fields(self)
-        ok = self.secret is None or (isinstance(self.secret, str) and self.secret != "")  # by hand: never shown
-        check_field("secret", "<hidden>" if ok else self.secret, ok=ok, valid="a non-empty string or none")
+        # by hand: never shown
+        ok = self.secret is None or (isinstance(self.secret, str) and self.secret != "")
+        check_field(
+            "secret", "<hidden>" if ok else self.secret, ok=ok, valid="a non-empty string or none"
+        )
 
 
 def init_process_group(config: TorchDistConfig) -> None:
     """Join the default process group as ``config`` says (torchrun's env:// unless told otherwise)."""
     if config.init_method == "env://":
-        missing = [v for v in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if v not in os.environ]
+        missing = [
+            v for v in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if v not in os.environ
+        ]
         if missing:
             raise ValueError(
                 f"transport kind 'torch' needs a process group: launch with torchrun (it sets {missing}) "
                 "or set [transport] init_method"
             )
     if config.backend == "nccl" and not torch.cuda.is_available():
-        raise ValueError("backend='nccl' needs CUDA, and torch.cuda.is_available() is False; use backend='gloo'")
+        raise ValueError(
+            "backend='nccl' needs CUDA, and torch.cuda.is_available() is False; use backend='gloo'"
+        )
     timeout = datetime.timedelta(seconds=config.timeout)
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
     if config.init_method == "env://" and attempt is not None:
@@ -83,6 +91,8 @@ def init_process_group(config: TorchDistConfig) -> None:
             timeout=timeout,
         )
         prefixed = dist.PrefixStore(f"diloco/attempt_{attempt}", store)
-        dist.init_process_group(config.backend, store=prefixed, rank=rank, world_size=world, timeout=timeout)
+        dist.init_process_group(
+            config.backend, store=prefixed, rank=rank, world_size=world, timeout=timeout
+        )
         return
     dist.init_process_group(config.backend, init_method=config.init_method, timeout=timeout)

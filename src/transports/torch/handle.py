@@ -44,9 +44,17 @@ class TorchReduce(ReduceHandle):
         identity: Identity,
         stream: torch.cuda.Stream | None,
     ) -> None:
-        self._start_buckets, self._start_header, self._check_header = start_buckets, start_header, check_header
-        self._tensors, self._flat, self._n, self._sent, self._start = tensors, flat, n, sent, start
-        self._release, self._identity, self._stream = release, identity, stream
+        self._start_buckets = start_buckets
+        self._start_header = start_header
+        self._check_header = check_header
+        self._tensors = tensors
+        self._flat = flat
+        self._n = n
+        self._sent = sent
+        self._start = start
+        self._release = release
+        self._identity = identity
+        self._stream = stream
         self._left_out = left_out  # filled by the buckets' merges as they run
         self.job = Job(self._run)
 
@@ -63,14 +71,18 @@ class TorchReduce(ReduceHandle):
                 job.await_work(work)
                 self._check_header(gathered)
                 job.stage = "payload"
-                for bucket in [_started(b) for b in self._start_buckets()]:  # every bucket's first collective
+                for bucket in [
+                    _started(b) for b in self._start_buckets()
+                ]:  # every bucket's first collective
                     for works in bucket:
                         for w in works:
                             job.await_work(w)
                 if self._flat.data_ptr() != self._tensors[0].data_ptr() or len(self._tensors) > 1:
                     _unflatten(self._flat, self._tensors)
             took = time.perf_counter() - self._start
-            return ReduceResult(self._n, self._sent, self._sent, took, left_out=combined(self._left_out))
+            return ReduceResult(
+                self._n, self._sent, self._sent, took, left_out=combined(self._left_out)
+            )
         except TransportError as e:
             self._mark_broken(e)
             raise
@@ -91,7 +103,9 @@ def finish(job: Job, timeout: float, *, what: str, identity: Identity) -> Any:
     and leaves the group unusable: its collectives may still be posted here or on other ranks."""
     if not job.done.wait(timeout):
         if job.stage == "header":
-            error = TransportError(f"torch.distributed {what} did not start within {timeout:g}s (no peer's header)")
+            error = TransportError(
+                f"torch.distributed {what} did not start within {timeout:g}s (no peer's header)"
+            )
         elif job.stage == "queued":
             error = TransportError(
                 f"torch.distributed {what} did not start within {timeout:g}s (an earlier collective still running)"
@@ -107,7 +121,9 @@ def finish(job: Job, timeout: float, *, what: str, identity: Identity) -> Any:
 
 def transport_error(what: str, e: RuntimeError) -> TransportError:
     if "timed out" in str(e).lower():
-        return TransportError(f"torch.distributed {what} did not finish within the process group's timeout: {e}")
+        return TransportError(
+            f"torch.distributed {what} did not finish within the process group's timeout: {e}"
+        )
     return TransportError(f"torch.distributed {what} failed (a peer died or left?): {e}")
 
 
@@ -116,4 +132,6 @@ def _started(bucket: Iterator[list]) -> Iterator[list]:
 
 
 def _unflatten(flat: torch.Tensor, tensors: list[torch.Tensor]) -> None:
-    torch._foreach_copy_(tensors, [f.view_as(t) for f, t in zip(flat.split([t.numel() for t in tensors]), tensors)])
+    torch._foreach_copy_(
+        tensors, [f.view_as(t) for f, t in zip(flat.split([t.numel() for t in tensors]), tensors)]
+    )

@@ -61,7 +61,9 @@ class Identity:
                 "--max-restarts restarts the workers and --resume continues from the last checkpoint)"
             )
 
-    def header(self, key: str, codec: Codec, numel: int, device: torch.device, *, path: Path) -> torch.Tensor:
+    def header(
+        self, key: str, codec: Codec, numel: int, device: torch.device, *, path: Path
+    ) -> torch.Tensor:
         """The next reduce of ``key``: [key, its number on this rank (1 for the first), values, codec identity
         and the ``path`` it takes]."""
         self._seq[key] += 1
@@ -72,7 +74,8 @@ class Identity:
 
     def _describe(self, row: list[int]) -> str:
         key, seq, numel, wire = row
-        name = repr(self._names[key]) if key in self._names else f"key {key:#x}"  # a key this rank never used
+        # a key this rank never used
+        name = repr(self._names[key]) if key in self._names else f"key {key:#x}"
         return f"{name} #{seq} ({numel} values, {self._names.get(wire, 'another wire')})"
 
     def check(self, gathered: torch.Tensor, rank: int) -> None:

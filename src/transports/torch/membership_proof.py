@@ -65,11 +65,15 @@ NOT_DILOCO = "is not a diloco member (its first message is not diloco's membersh
 NO_PROOF = "did not prove the run's secret (another secret, or not a member of this run)"
 
 
-def read_secret(*, secret: str | None, secret_file: str | None, environ: Mapping[str, str]) -> str | None:
+def read_secret(
+    *, secret: str | None, secret_file: str | None, environ: Mapping[str, str]
+) -> str | None:
     """The run's secret: ``secret``, else ``secret_file``'s content (a file only its owner may read), else the
     ``SECRET_ENV`` variable of ``environ``; None if there is none."""
     if secret is not None and secret_file is not None:
-        raise ValueError("[transport] secret and secret_file are both set: expected at most one of them")
+        raise ValueError(
+            "[transport] secret and secret_file are both set: expected at most one of them"
+        )
     if secret_file is not None:
         return _from_file(secret_file)
     if secret is None:
@@ -117,7 +121,9 @@ def membership_key(config: TorchDistConfig) -> bytes | None:
 
 def _proof(key: bytes, *, sender: int, receiver: int, nonces: tuple[bytes, bytes]) -> bytes:
     """The proof ``sender`` owes ``receiver``: ``nonces`` are (receiver's, sender's)."""
-    return hmac.new(key, struct.pack(">QQ", sender, receiver) + nonces[0] + nonces[1], hashlib.sha256).digest()
+    return hmac.new(
+        key, struct.pack(">QQ", sender, receiver) + nonces[0] + nonces[1], hashlib.sha256
+    ).digest()
 
 
 class _Exchange:
@@ -132,7 +138,11 @@ class _Exchange:
         self.deadline = time.monotonic() + timeout
         self.failed: dict[int, str] = {}
         backend = str(dist.get_backend(group))
-        self.device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
+        self.device = (
+            torch.device("cuda", torch.cuda.current_device())
+            if backend == "nccl"
+            else torch.device("cpu")
+        )
 
     def _global(self, r: int) -> int:
         return r if self.group is None else dist.get_global_rank(self.group, r)
@@ -149,12 +159,17 @@ class _Exchange:
             for r in self.peers if owner is None else [owner]:
                 self.failed.setdefault(r, why)
 
-    def round(self, messages: dict[int, bytes], *, size: int, check: Callable[[int, bytes], str | None]) -> None:
+    def round(
+        self, messages: dict[int, bytes], *, size: int, check: Callable[[int, bytes], str | None]
+    ) -> None:
         """Send ``messages[r]`` to each peer r and receive ``size`` bytes from each, which ``check(r, message)``
         judges (a reason, or None). A gloo send ends only once its peer posted the receive: sends are waited for
         (so that a refused member still gets this rank's message) except to a peer that sent nothing or
         something other than diloco's (a non-member may never take it: it is not waited for)."""
-        sends = {r: torch.tensor(list(m), dtype=torch.uint8, device=self.device) for r, m in messages.items()}
+        sends = {
+            r: torch.tensor(list(m), dtype=torch.uint8, device=self.device)
+            for r, m in messages.items()
+        }
         recvs = {r: torch.zeros(size, dtype=torch.uint8, device=self.device) for r in self.peers}
         ops = [dist.P2POp(dist.isend, t, self._global(r), self.group) for r, t in sends.items()]
         ops += [dist.P2POp(dist.irecv, t, self._global(r), self.group) for r, t in recvs.items()]
@@ -174,23 +189,35 @@ class _Exchange:
                     mute.add(r)
         for owner, work in sent:
             if owner not in mute:
-                self._wait(work, owner=owner, silent=f"took nothing from this rank within {self.timeout:g}s")
+                self._wait(
+                    work,
+                    owner=owner,
+                    silent=f"took nothing from this rank within {self.timeout:g}s",
+                )
 
 
-def prove_membership(key: bytes | None, *, timeout: float, group: dist.ProcessGroup | None = None) -> None:
+def prove_membership(
+    key: bytes | None, *, timeout: float, group: dist.ProcessGroup | None = None
+) -> None:
     """Check that every rank of ``group`` holds the key this rank holds (or that none holds one): a collective
     every rank must call once the group is formed, before any other. ``TransportError`` within ``timeout``
     seconds naming every rank that failed, on every rank."""
     exchange = _Exchange(group, timeout=timeout)
     if not exchange.peers:
         return
-    me, nonce, nonces = exchange.rank, secrets.token_bytes(NONCE), {}
+    me = exchange.rank
+    nonce = secrets.token_bytes(NONCE)
+    nonces = {}
 
     def hello(r: int, message: bytes) -> str | None:
         if not message.startswith(MAGIC):
             return NOT_DILOCO
         if bool(message[len(MAGIC)]) != (key is not None):
-            return "has no secret set" if key is not None else "has a secret set, and this rank has none"
+            return (
+                "has no secret set"
+                if key is not None
+                else "has a secret set, and this rank has none"
+            )
         nonces[r] = message[len(MAGIC) + 1 :]
         return None
 
@@ -200,12 +227,20 @@ def prove_membership(key: bytes | None, *, timeout: float, group: dist.ProcessGr
         ok = hmac.compare_digest(message, want)
         return None if ok else NO_PROOF
 
-    exchange.round(dict.fromkeys(exchange.peers, MAGIC + bytes([key is not None]) + nonce), size=_HELLO, check=hello)
+    exchange.round(
+        dict.fromkeys(exchange.peers, MAGIC + bytes([key is not None]) + nonce),
+        size=_HELLO,
+        check=hello,
+    )
     if key is not None and not exchange.failed:
-        proofs = {r: _proof(key, sender=me, receiver=r, nonces=(nonces[r], nonce)) for r in exchange.peers}
+        proofs = {
+            r: _proof(key, sender=me, receiver=r, nonces=(nonces[r], nonce)) for r in exchange.peers
+        }
         exchange.round(proofs, size=MAC, check=proof)
     if exchange.failed:
-        raise TransportError(_refusal(exchange.failed, rank=me, peers=len(exchange.peers), secret=key is not None))
+        raise TransportError(
+            _refusal(exchange.failed, rank=me, peers=len(exchange.peers), secret=key is not None)
+        )
 
 
 def _refusal(failed: dict[int, str], *, rank: int, peers: int, secret: bool) -> str:

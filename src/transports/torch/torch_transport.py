@@ -50,7 +50,8 @@ from .group import BACKEND_DEVICE, TorchDistConfig, init_process_group
 from .handle import TorchReduce, finish, transport_error
 from .identity import Identity
 from .membership_proof import membership_key, prove_membership
-from .wire_bytes import Path, bytes_out, path_of, shard_numel
+from .reduce_paths import ReducePaths
+from .wire_bytes import Path, bytes_out, path_of
 
 __all__ = ["TorchDistConfig", "TorchDistTransport"]
 
@@ -71,10 +72,12 @@ class TorchDistTransport(Transport):
 
     @classmethod
     def from_config(cls, config: TorchDistConfig) -> TorchDistTransport:
-        key = membership_key(config)  # before joining: a bad secret_file fails before any rank waits on this one
+        # before joining: a bad secret_file fails before any rank waits on this one
+        key = membership_key(config)
         if not dist.is_initialized():
             init_process_group(config)
-        prove_membership(key, timeout=config.timeout)  # every rank holds the run's secret, before any collective
+        # every rank holds the run's secret, before any collective
+        prove_membership(key, timeout=config.timeout)
         return cls(bucket_mb=config.bucket_mb, timeout=config.timeout, narrow=config.narrow)
 
     def __init__(
@@ -88,20 +91,27 @@ class TorchDistTransport(Transport):
         """``timeout``: the process group's own, if known (``from_config`` knows it), for ``own_timeout``;
         ``narrow``: the path of every codec but fp32 (``TorchDistConfig.path``), None: the fewest bytes."""
         if not dist.is_initialized():
-            raise ValueError("TorchDistTransport needs an initialized process group (dist.init_process_group)")
+            raise ValueError(
+                "TorchDistTransport needs an initialized process group (dist.init_process_group)"
+            )
         self._group = group
         self._backend = str(dist.get_backend(group))
         if self._backend not in BACKEND_DEVICE:
-            raise ValueError(f"process group backend {self._backend!r} is not supported: expected gloo or nccl")
+            raise ValueError(
+                f"process group backend {self._backend!r} is not supported: expected gloo or nccl"
+            )
         self._rank = dist.get_rank(group)
         self._size = dist.get_world_size(group)
+        self._paths = ReducePaths(group, rank=self._rank, size=self._size)
         self._bucket_numel = max(1, int(bucket_mb * 1e6 / 4))
         self._narrow = narrow
         self._closed = False
         self._buffers: dict[str, Buffers] = {}  # per reduce key
         self._identity = Identity()
-        self._comm = CommThread(f"diloco-torch-comm-{self._rank}")  # every collective, in call order
-        weakref.finalize(self, self._comm.close)  # a transport dropped without close() stops its thread too
+        # every collective, in call order
+        self._comm = CommThread(f"diloco-torch-comm-{self._rank}")
+        # a transport dropped without close() stops its thread too
+        weakref.finalize(self, self._comm.close)
         self.own_timeout = timeout
 
     @property
@@ -122,15 +132,21 @@ class TorchDistTransport(Transport):
             if t.device.type != want:
                 raise ValueError(
                     f"backend {self._backend!r} reduces {want} tensors, got one on {t.device}"
-                    + (' (set [diloco] global_device = "cuda")' if want == "cuda" else " (use backend='nccl')")
+                    + (
+                        ' (set [diloco] global_device = "cuda")'
+                        if want == "cuda"
+                        else " (use backend='nccl')"
+                    )
                 )
         return tensors
 
-    def _global_rank(self, group_rank: int) -> int:
-        return group_rank if self._group is None else dist.get_global_rank(self._group, group_rank)
-
     def all_reduce(
-        self, tensors: Sequence[torch.Tensor], *, codec: Codec = FP32, key: str = "default", merge: Merge = MEAN
+        self,
+        tensors: Sequence[torch.Tensor],
+        *,
+        codec: Codec = FP32,
+        key: str = "default",
+        merge: Merge = MEAN,
     ) -> ReduceHandle:
         start = time.perf_counter()
         tensors = self._check(reduce_inputs(tensors))
@@ -139,21 +155,25 @@ class TorchDistTransport(Transport):
         cached = self._buffers.get(key)
         if cached is None or cached.device != flat.device:
             cached = self._buffers[key] = Buffers(flat.device)
-        buffers = Buffers(flat.device) if cached.busy else cached  # same key still in flight: fresh ones
+        # same key still in flight: fresh ones
+        buffers = Buffers(flat.device) if cached.busy else cached
         w = self._size
         left_out: list[LeftOut] = []  # what the merges of this rank's buckets or shards left out
         path = path_of(codec, rule=merge.rule, world_size=w, narrow=self._narrow)  # ``wire_bytes``
         if path is Path.RING:
-            bucket_fn = self._ring  # a backend's sum: no payload seen, nothing to judge (fewer than 3: no majority)
+            # a backend's sum: no payload seen, nothing to judge (fewer than 3: no majority)
+            bucket_fn = self._paths.ring
         else:
-            gather = self._gather_all if path is Path.GATHER else self._scatter_gather
+            paths = self._paths
+            gather = paths.gather_all if path is Path.GATHER else paths.scatter_gather
             bucket_fn = functools.partial(gather, codec=codec, merge=merge, left_out=left_out)
         size = max(codec.block, self._bucket_numel // codec.block * codec.block)
         parts = flat.split(size)
         header = self._identity.header(key, codec, flat.numel(), flat.device, path=path)
         gathered = torch.empty(w * header.numel(), dtype=header.dtype, device=header.device)
         buffers.busy = True
-        sent = sum(bytes_out(b.numel(), codec, path=path, world_size=w) for b in parts)  # the header's 32 B aside
+        # the header's 32 B aside
+        sent = sum(bytes_out(b.numel(), codec, path=path, world_size=w) for b in parts)
         # Each hand-off to the communication thread is a named function (docs/architecture.md, "To Merge.of").
         handle = TorchReduce(
             functools.partial(_start_buckets, bucket_fn, parts, buffers=buffers, size=size),
@@ -176,80 +196,11 @@ class TorchDistTransport(Transport):
             raise
         return handle
 
-    def _start_header(self, gathered: torch.Tensor, header: torch.Tensor) -> tuple[Any, torch.Tensor]:
+    def _start_header(
+        self, gathered: torch.Tensor, header: torch.Tensor
+    ) -> tuple[Any, torch.Tensor]:
         """On the communication thread: every rank's identity header, gathered (the work and its buffer)."""
         return _ALL_GATHER(gathered, header, group=self._group, async_op=True), gathered
-
-    def _ring(self, bucket: torch.Tensor, *, buffers: Buffers, index: int, start: int) -> Iterator[list]:
-        yield [dist.all_reduce(bucket, group=self._group, async_op=True)]
-        bucket.div_(self._size)
-
-    def _exchange(self, sends: dict[int, torch.Tensor], recvs: dict[int, torch.Tensor]) -> list:
-        # One batch: NCCL would deadlock on unbatched sends that both peers post before their receives.
-        ops = [dist.P2POp(dist.isend, t, self._global_rank(r), self._group) for r, t in sends.items()]
-        ops += [dist.P2POp(dist.irecv, t, self._global_rank(r), self._group) for r, t in recvs.items()]
-        return dist.batch_isend_irecv(ops)
-
-    def _gather_all(
-        self,
-        bucket: torch.Tensor,
-        *,
-        codec: Codec,
-        merge: Merge,
-        left_out: list[LeftOut],
-        buffers: Buffers,
-        index: int,
-        start: int,
-    ) -> Iterator[list]:
-        me, peers, n = self._rank, [r for r in range(self._size) if r != self._rank], bucket.numel()
-        size, dtype = codec.payload_spec(n)
-        payloads = [buffers.get(("payload", index, r), size, dtype) for r in range(self._size)]
-        codec.encode(bucket, out=payloads[me])
-        yield self._exchange({r: payloads[me] for r in peers}, {r: payloads[r] for r in peers})
-        cast = codec.elementwise_dtype is not None  # a cast's mean widens into scratch; a block codec's needs none
-        scratch = buffers.get(("scratch", index), n, torch.float32) if cast else None
-        who = [f"rank {r}" for r in range(self._size)]
-        left_out += merge.of(payloads, codec=codec, out=bucket, scratch=scratch, start=start, who=who)
-
-    def _scatter_gather(
-        self,
-        bucket: torch.Tensor,
-        *,
-        codec: Codec,
-        merge: Merge,
-        left_out: list[LeftOut],
-        buffers: Buffers,
-        index: int,
-        start: int,
-    ) -> Iterator[list]:
-        me, w, n = self._rank, self._size, bucket.numel()
-        peers = [r for r in range(w) if r != me]
-        shard = shard_numel(n, w, codec.block)
-        size, dtype = codec.payload_spec(shard)
-        send = buffers.get(("send", index), size * w, dtype)
-        # each shard encoded on its own, at its own length: the last one(s) may be short or empty, their payload
-        # first in its slot (padding with zeros would change the sign codec's scale of a partial last block)
-        lengths = [max(0, min(n - r * shard, shard)) for r in range(w)]
-        for r in range(w):
-            used = codec.payload_spec(lengths[r])[0]
-            codec.encode(bucket[r * shard : r * shard + lengths[r]], out=send[r * size : r * size + used])
-        received = buffers.get(("received", index), size * w, dtype)
-        yield [dist.all_to_all_single(received, send, group=self._group, async_op=True)]
-        gathered = buffers.get(("gathered", index), shard * w, torch.float32)
-        shards = list(gathered.split(shard))
-        mine, used = lengths[me], codec.payload_spec(lengths[me])[0]
-        scratch = buffers.get(("scratch", index), shard, torch.float32) if codec.elementwise_dtype is not None else None
-        payloads = [p[:used] for p in received.split(size)]
-        left_out += merge.of(
-            payloads,
-            codec=codec,
-            out=shards[me][:mine],
-            scratch=None if scratch is None else scratch[:mine],
-            start=start + me * shard,
-            who=[f"rank {r}" for r in range(w)],
-        )
-        yield self._exchange({r: shards[me] for r in peers}, {r: shards[r] for r in peers})
-        bucket.copy_(gathered[:n])
 
     def broadcast(self, tensors: Sequence[torch.Tensor], *, src: int = 0, timeout: float) -> None:
         tensors = self._check(tensors)
@@ -264,7 +215,10 @@ class TorchDistTransport(Transport):
             try:
                 with on_stream(stream):
                     works = [
-                        dist.broadcast(t, self._global_rank(src), group=self._group, async_op=True) for t in tensors
+                        dist.broadcast(
+                            t, self._paths.global_rank(src), group=self._group, async_op=True
+                        )
+                        for t in tensors
                     ]
                     for work in works:
                         job.await_work(work)
@@ -293,8 +247,12 @@ def _caller_stream(t: torch.Tensor) -> torch.cuda.Stream | None:
 
 
 def _start_buckets(
-    bucket_fn: Callable[..., Iterator[list]], parts: Sequence[torch.Tensor], *, buffers: Buffers, size: int
+    bucket_fn: Callable[..., Iterator[list]],
+    parts: Sequence[torch.Tensor],
+    *,
+    buffers: Buffers,
+    size: int,
 ) -> list[Iterator[list]]:
-    """On the communication thread: each bucket's reduce (``_ring``, ``_gather_all`` or ``_scatter_gather``:
+    """On the communication thread: each bucket's reduce (``ReducePaths``' ``ring``, ``gather_all`` or ``scatter_gather``:
     the last two merge with ``Merge.of``), as a generator of the works it waits for."""
     return [bucket_fn(b, buffers=buffers, index=i, start=i * size) for i, b in enumerate(parts)]

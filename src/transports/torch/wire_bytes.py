@@ -37,7 +37,11 @@ def path_of(codec: Codec, *, rule: MergeRule, world_size: int, narrow: Path | No
     if narrow is not None and not fp32:
         return narrow
     probe = 2**10 * codec.block  # whole blocks: payload bytes per value without a partial block's
-    if not fp32 and world_size <= GATHER_RANKS and (world_size - 1) * codec.payload_bytes(probe) <= 4 * probe:
+    if (
+        not fp32
+        and world_size <= GATHER_RANKS
+        and (world_size - 1) * codec.payload_bytes(probe) <= 4 * probe
+    ):
         return Path.GATHER
     return Path.SCATTER_GATHER
 
