@@ -153,3 +153,10 @@ def test_a_peer_stalled_for_two_rounds_takes_the_newest_state_and_meets_the_next
     moves = [sum(_grad(r) for r in range(3)) / 3, (_grad(0) + _grad(1)) / 2]
     want = 1.0 - (2 * moves[0] + 2 * moves[1])
     torch.testing.assert_close(params[0].view(-1), want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("size", [0, -1, 1.5, True])
+def test_a_part_size_that_is_not_a_positive_integer_is_refused_naming_it(size: object) -> None:
+    keys, _ = run_keys("part-size", "secret", joining=False)
+    with pytest.raises(ValueError, match=r"part_size_bytes=.* is invalid: expected an integer >= 1"):
+        Resources(config=HivemindConfig(), faults=HivemindFaults(), part_size_bytes=size, keys=keys)
