@@ -18,6 +18,7 @@ import torch
 from diloco_core import MEAN, Codec, LeftOut, Merge
 from diloco_core.transport import TransportError
 
+from .payload_size import misfit
 from .quorum import Grace, Quorum
 
 if TYPE_CHECKING:
@@ -120,9 +121,9 @@ class InProcessGroup:
             ):  # closed without this late member: its contribution is dropped
                 pass
             elif tensors is not None:
-                first = next(iter(slot.contributions.values()), tensors)
-                if [t.shape for t in first] != [t.shape for t in tensors] or slot.numels != numels:
-                    slot.error = f"collective #{n} of key {key!r}: rank {rank} sent shapes that differ from the other ranks'"
+                refused = _refused(slot, rank, codec=codec, tensors=tensors, numels=numels)
+                if refused is not None and slot.error is None:
+                    slot.error = f"collective #{n} of key {key!r}: {refused}"
                 slot.contributions[rank] = tensors
                 if (
                     self._grace
@@ -244,3 +245,25 @@ class InProcessGroup:
         slot.consumed.add(rank)
         if self._members <= slot.consumed:
             self._slots.pop(op, None)
+
+
+def _refused(
+    slot: Slot, rank: int, *, codec: Codec, tensors: list[torch.Tensor], numels: list[int]
+) -> str | None:
+    """Why ``rank``'s contribution to ``slot`` is refused (None: it is not): values that differ from the
+    other ranks'; a payload whose size is not what its codec gives for the values (``payload_size``);
+    or a codec whose payloads are not the size of those of the codec the slot holds (the same identity,
+    other settings: the rank that joined first's, also named)."""
+    first = next(iter(slot.contributions), rank)
+    if slot.numels != numels:
+        return f"rank {rank} sent shapes that differ from the other ranks'"
+    if slot.kind != "all_reduce":
+        return None
+    numel = sum(numels)
+    wrong = misfit(tensors[0], codec=codec, numel=numel)
+    if wrong is None and codec.payload_spec(numel) != slot.codec.payload_spec(numel):
+        wrong = (
+            f"{codec.payload_bytes(numel)} bytes, expected {slot.codec.payload_bytes(numel)} (rank "
+            f"{first}'s {slot.codec.identity} payload of {numel} values: the same identity, other settings)"
+        )
+    return None if wrong is None else f"rank {rank}'s payload is refused: {wrong}"

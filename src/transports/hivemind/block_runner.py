@@ -39,7 +39,7 @@ from hivemind.utils.asyncio import aiter_with_timeout, amap_in_executor, as_aite
 from diloco_core import Codec
 
 from .blame import ShortRelay
-from .checks import check_tensor
+from .checks import check_payload, check_tensor
 from .reducer import Runner, part_sum
 from .relay_check import payload_digest
 
@@ -211,7 +211,7 @@ class BlockRunner(Runner):
         try:
             self.injected_failure()
             loop = asyncio.get_event_loop()
-            what = f"payload from sender {sender_index}"
+            sender = self.sender_peer_ids[sender_index]
 
             # in an executor thread: part, message
             def receive(
@@ -221,10 +221,8 @@ class BlockRunner(Runner):
                 if k >= len(numels):
                     raise AllreduceException("sender sent more parts than expected")
                 payload = deserialize_torch_tensor(msg.tensor_part)
-                shape = (self._payload_numel(numels[k]),)
-                dtype = self.payload_dtype
-                check_tensor(payload, shape=shape, dtype=dtype, what=what, finite=False)
-                self.codec.check(payload, numels[k])
+                what = f"payload of part {k} from {sender}"
+                check_payload(payload, codec=self.codec, numel=numels[k], what=what)
                 if self.checks:
                     self.seen[(self.me, k, sender_index)] = payload_digest(payload)
                 return payload
@@ -256,6 +254,10 @@ class BlockRunner(Runner):
                 yield averaging_pb2.AveragingData(
                     code=averaging_pb2.AVERAGED_PART, tensor_part=serialized
                 )
+        # a payload refused (its size, dtype, scales): why its sender is banned, in the round's report
+        except ValueError as e:
+            self.failures.append(str(e))
+            raise
         finally:
             if part_index != reducer.num_parts:
                 await self._ban_sender(self.sender_peer_ids[sender_index])

@@ -5,6 +5,9 @@ from typing import Any
 
 import torch
 
+from diloco_core import Codec
+
+from ..payload_size import misfit
 from .state_tag import valid_tag
 
 
@@ -29,6 +32,15 @@ def check_tensor(
         raise ValueError(f"{what}: got {t.dtype}{list(t.shape)}, expected {dtype}{list(shape)}")
     if finite:
         checked(t, what)
+
+
+def check_payload(t: torch.Tensor, *, codec: Codec, numel: int, what: str) -> None:
+    """Raise ``ValueError`` naming ``what`` unless ``t`` is ``codec``'s payload of ``numel`` values:
+    its size and dtype (``payload_size``: the bytes received and expected), then ``codec.check``."""
+    wrong = misfit(t, codec=codec, numel=numel)
+    if wrong is not None:
+        raise ValueError(f"{what}: {wrong}")
+    codec.check(t, numel)
 
 
 def valid_state(meta: Any, tensors: Any) -> bool:

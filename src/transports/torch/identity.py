@@ -4,8 +4,15 @@ torch.distributed pairs collectives by their order on each rank, nothing else. A
 reduce more or less than the others (a retry after a timeout, a straggler whose late call arrives after
 the others gave up) would pair every later reduce with the wrong one, and the means would be silently
 wrong from then on. So every reduce first all-gathers a small header, [key, its sequence number on this
-rank, values, the codec's identity and path], and starts its payload only once every rank's header matched; a mismatch is a clear
+rank, values, the codec's identity and path, the bytes it sends each peer], and starts its payload only once every rank's header matched; a mismatch is a clear
 ``TransportError`` naming both sides, raised within the header's exchange, not after a timeout.
+
+The bytes are what this rank's codec gives for the values (``payload_size``): a rank whose codec declares
+the same identity but ships payloads of another size (a setting its identity does not carry) is refused,
+named, before any payload moves. gloo cannot refuse the payload itself: a longer one than the receiver
+posted aborts the receiving process (gloo's ``op.preamble.length <= op.nbytes``), a shorter one completes
+and leaves the rest of the buffer as it was (both measured, ``tests/test_payload_sizes.py``); so a rank
+running altered transport code, which states one size and sends another, is out of its reach.
 
 A reduce that fails or times out leaves the group unusable: its collectives may still be posted on some
 ranks, so any later one could pair with them. Every later call raises at once, saying that the group must
@@ -27,7 +34,7 @@ from .wire_bytes import Path
 
 __all__ = ["Identity"]
 
-FIELDS = 4
+FIELDS = 5
 
 
 def _crc(text: str) -> int:
@@ -62,18 +69,18 @@ class Identity:
             )
 
     def header(
-        self, key: str, codec: Codec, numel: int, device: torch.device, *, path: Path
+        self, key: str, codec: Codec, numel: int, device: torch.device, *, path: Path, each: int
     ) -> torch.Tensor:
         """The next reduce of ``key``: [key, its number on this rank (1 for the first), values, codec identity
-        and the ``path`` it takes]."""
+        and the ``path`` it takes, the bytes ``each`` peer gets from this rank]."""
         self._seq[key] += 1
         wire = f"{codec.identity} by {path.value}"
         self._names[_crc(key)], self._names[_crc(wire)] = key, wire
-        fields = [_crc(key), self._seq[key], numel, _crc(wire)]
+        fields = [_crc(key), self._seq[key], numel, _crc(wire), each]
         return torch.tensor(fields, dtype=torch.int64, device=device)
 
     def _describe(self, row: list[int]) -> str:
-        key, seq, numel, wire = row
+        key, seq, numel, wire, _ = row  # its bytes: named where only they differ (``check``)
         # a key this rank never used
         name = repr(self._names[key]) if key in self._names else f"key {key:#x}"
         return f"{name} #{seq} ({numel} values, {self._names.get(wire, 'another wire')})"
@@ -83,6 +90,13 @@ class Identity:
         rows = gathered.view(-1, FIELDS).tolist()
         mine = rows[rank]
         other = next((r for r, row in enumerate(rows) if row != mine), None)
+        if other is not None and rows[other][:-1] == mine[:-1]:
+            self.broken = f"rank {other}'s payloads were not its codec's size"
+            raise TransportError(
+                f"rank {other}'s payload is refused: {rows[other][-1]} bytes to each peer, expected "
+                f"{mine[-1]} (this rank's, rank {rank}, at reduce {self._describe(mine)}): the same "
+                "codec identity with other settings; refused before any payload moved"
+            )
         if other is not None:
             self.broken = "a reduce met a different one on another rank"
             raise TransportError(

@@ -169,11 +169,12 @@ class TorchDistTransport(Transport):
             bucket_fn = functools.partial(gather, codec=codec, merge=merge, left_out=left_out)
         size = max(codec.block, self._bucket_numel // codec.block * codec.block)
         parts = flat.split(size)
-        header = self._identity.header(key, codec, flat.numel(), flat.device, path=path)
+        # the payload bytes (the header's 40 B aside); each peer's share goes in the header (``identity``)
+        sent = sum(bytes_out(b.numel(), codec, path=path, world_size=w) for b in parts)
+        each = sent // max(1, w - 1)
+        header = self._identity.header(key, codec, flat.numel(), flat.device, path=path, each=each)
         gathered = torch.empty(w * header.numel(), dtype=header.dtype, device=header.device)
         buffers.busy = True
-        # the header's 32 B aside
-        sent = sum(bytes_out(b.numel(), codec, path=path, world_size=w) for b in parts)
         # Each hand-off to the communication thread is a named function (docs/architecture.md, "To Merge.of").
         handle = TorchReduce(
             functools.partial(_start_buckets, bucket_fn, parts, buffers=buffers, size=size),

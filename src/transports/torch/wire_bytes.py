@@ -52,7 +52,7 @@ def shard_numel(numel: int, world_size: int, block: int) -> int:
 
 
 def bytes_out(numel: int, codec: Codec, *, path: Path, world_size: int) -> int:
-    """Payload bytes one rank sends to reduce ``numel`` values (the 32-byte identity header aside)."""
+    """Payload bytes one rank sends to reduce ``numel`` values (the 40-byte identity header aside)."""
     w = world_size
     if path is Path.RING:
         return 2 * (w - 1) * numel * 4 // w
