@@ -174,7 +174,8 @@ class _Indexed(ForwardingTransport):
 class HivemindWorld:
     """``world_size`` hivemind peers of one run (each with its own DHT daemon and averager processes,
     talking over 127.0.0.1), driven from threads; peer 0 starts the swarm and the others join it. Peers
-    are kept across runs; after a run that closed one (a crash) the next run starts a fresh swarm."""
+    are kept across runs; after a run that closed one (a crash), or one with other settings, the next run starts a
+    fresh swarm."""
 
     def __init__(self, world_size: int) -> None:
         from transports.hivemind import HivemindTransport
@@ -183,8 +184,9 @@ class HivemindWorld:
         self.capabilities = HivemindTransport.capabilities
         self._peers: list[Any] = []
         self._generation = 0
+        self._settings: dict = {}
 
-    def _start(self) -> None:
+    def _start(self, settings: dict) -> None:
         from transports.hivemind import HivemindConfig, HivemindTransport
 
         self._generation += 1
@@ -192,16 +194,22 @@ class HivemindWorld:
             "run_id": f"contract-{os.getpid()}-{self._generation}",
             "secret": "s",
             **FAST,
+            **settings,
             "target_group_size": self.world_size,  # the full group starts at once
         }
+        self._settings = settings
         self._peers = [HivemindTransport(HivemindConfig(**cfg))]
         for _ in range(self.world_size - 1):
             self._peers.append(HivemindTransport(HivemindConfig(**cfg, initial_peers=self._peers[0].join_addresses)))
 
-    def run(self, fn: Callable, *args: Any, timeout: float = 60, fresh: bool = False) -> list:
-        if fresh or not self._peers or any(p._closed for p in self._peers):
+    def run(
+        self, fn: Callable, *args: Any, timeout: float = 60, fresh: bool = False, settings: dict | None = None
+    ) -> list:
+        """``settings``: ``HivemindConfig`` fields that replace FAST's for this run's peers."""
+        settings = settings or {}
+        if fresh or settings != self._settings or not self._peers or any(p._closed for p in self._peers):
             self.close()
-            self._start()
+            self._start(settings)
         results: list = [RankError("Timeout", "peer did not finish")] * self.world_size
 
         def body(i: int) -> None:
