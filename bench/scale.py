@@ -464,7 +464,8 @@ def worker(spec: dict) -> int:
         if spec["transport"] == "torch":
             import torch.distributed as dist
 
-            dist.destroy_process_group()
+            if dist.is_initialized():  # the transport destroys the default group it made
+                dist.destroy_process_group()
     return 0
 
 

@@ -114,6 +114,12 @@ class CommThread:
                 self._jobs.discard(job)
             del job  # its tensors are the caller's handle's to keep, not this thread's
 
+    def stopped(self) -> bool:
+        """The thread has ended (or never started): no collective of this transport is under way."""
+        with self._lock:
+            thread = self._thread
+        return thread is None or not thread.is_alive()
+
     def close(self, timeout: float = 5.0) -> None:
         """Cancel every job not yet done and stop the thread (waiting at most ``timeout`` seconds for it: a
         job stuck in a point-to-point wait ends within the process group's timeout). Idempotent."""

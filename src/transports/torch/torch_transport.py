@@ -74,11 +74,21 @@ class TorchDistTransport(Transport):
     def from_config(cls, config: TorchDistConfig) -> TorchDistTransport:
         # before joining: a bad secret_file fails before any rank waits on this one
         key = membership_key(config)
-        if not dist.is_initialized():
+        created = not dist.is_initialized()
+        if created:
             init_process_group(config)
-        # every rank holds the run's secret, before any collective
-        prove_membership(key, timeout=config.timeout)
-        return cls(bucket_mb=config.bucket_mb, timeout=config.timeout, narrow=config.narrow)
+        try:
+            # every rank holds the run's secret, before any collective
+            prove_membership(key, timeout=config.timeout)
+        except BaseException:
+            if created:
+                dist.destroy_process_group()
+            raise
+        transport = cls(bucket_mb=config.bucket_mb, timeout=config.timeout, narrow=config.narrow)
+        # It made the default group, so it destroys it: a group left to the interpreter's exit
+        # sometimes aborted the process there ("terminate called without an active exception").
+        transport._owns_group = created
+        return transport
 
     def __init__(
         self,
@@ -106,6 +116,7 @@ class TorchDistTransport(Transport):
         self._bucket_numel = max(1, int(bucket_mb * 1e6 / 4))
         self._narrow = narrow
         self._closed = False
+        self._owns_group = False  # from_config made the default group
         self._buffers: dict[str, Buffers] = {}  # per reduce key
         self._identity = Identity()
         # every collective, in call order
@@ -236,10 +247,14 @@ class TorchDistTransport(Transport):
         finish(job, timeout, what="broadcast", identity=self._identity)
 
     def close(self) -> None:
-        """Mark the transport closed and stop its communication thread (a reduce in flight is cancelled); the
-        process group stays its creator's to destroy."""
+        """Mark the transport closed and stop its communication thread (a reduce in flight is cancelled). The
+        default group ``from_config`` made is destroyed once that thread has stopped; a group given to the
+        constructor stays its creator's to destroy."""
         self._closed = True
         self._comm.close()
+        if self._owns_group and self._comm.stopped() and dist.is_initialized():
+            dist.destroy_process_group()
+            self._owns_group = False
 
 
 def _caller_stream(t: torch.Tensor) -> torch.cuda.Stream | None:
