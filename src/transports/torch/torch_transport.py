@@ -84,11 +84,14 @@ class TorchDistTransport(Transport):
             if created:
                 dist.destroy_process_group()
             raise
-        transport = cls(bucket_mb=config.bucket_mb, timeout=config.timeout, narrow=config.narrow)
         # It made the default group, so it destroys it: a group left to the interpreter's exit
         # sometimes aborted the process there ("terminate called without an active exception").
-        transport._owns_group = created
-        return transport
+        return cls(
+            bucket_mb=config.bucket_mb,
+            timeout=config.timeout,
+            narrow=config.narrow,
+            owns_group=created,
+        )
 
     def __init__(
         self,
@@ -97,9 +100,11 @@ class TorchDistTransport(Transport):
         bucket_mb: float = 8.0,
         timeout: float | None = None,
         narrow: Path | None = None,
+        owns_group: bool = False,
     ) -> None:
         """``timeout``: the process group's own, if known (``from_config`` knows it), for ``own_timeout``;
-        ``narrow``: the path of every codec but fp32 (``TorchDistConfig.path``), None: the fewest bytes."""
+        ``narrow``: the path of every codec but fp32 (``TorchDistConfig.path``), None: the fewest bytes;
+        ``owns_group``: the default group is this transport's (made by ``from_config``), destroyed by ``close``."""
         if not dist.is_initialized():
             raise ValueError(
                 "TorchDistTransport needs an initialized process group (dist.init_process_group)"
@@ -116,7 +121,7 @@ class TorchDistTransport(Transport):
         self._bucket_numel = max(1, int(bucket_mb * 1e6 / 4))
         self._narrow = narrow
         self._closed = False
-        self._owns_group = False  # from_config made the default group
+        self._owns_group = owns_group
         self._buffers: dict[str, Buffers] = {}  # per reduce key
         self._identity = Identity()
         # every collective, in call order
