@@ -172,7 +172,11 @@ def test_the_group_blames_whom_most_reports_blame_and_a_peer_that_saw_everyone_f
     a, b, c, x = 0, 1, 2, 3
     # everyone failed it: its own report is void
     assert culprits(3, {a: {2}, b: {2}, 2: {a, b}}) == {2}
-    assert culprits(3, {2: {a, b}}) == {2}  # the failing peer knows it alone
+    # its own view alone convicts nobody: a survivor beside a peer that died, whose exchange with the other
+    # survivor failed in its wake, sees everyone fail too (it benched itself and averaged alone: the survivors
+    # diverged); the failing peer waits for the others' reports, which blame it
+    assert culprits(3, {2: {a, b}}) == set()
+    assert culprits(3, {a: {b, 2}, b: {2}}) == set()  # a survivor (a) beside a dead peer (2): nobody to blame
     assert culprits(2, {a: {1}, 1: {a}}) == set()  # two peers see alike: nobody to blame
     # a late honest part (a loaded machine) blamed by one report: only the failing peer is to blame
     assert culprits(4, {a: {x}, b: {x}, c: {x, a}, x: {a, b, c}}) == {x}

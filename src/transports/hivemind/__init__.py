@@ -31,8 +31,8 @@ One all-reduce (``HivemindTransport.all_reduce``) runs in phases:
    a failed attempt a peer never falls back to averaging alone (the others may regroup or give
    up). A peer that failed sends, instead of its digest, the groupmates it saw fail; a peer most
    reports blame (``blame``) is benched and not waited for: the retry and the rounds after go on
-   without it, one line names it; a peer that saw every groupmate fail blames itself and averages
-   alone while benched;
+   without it, one line names it; a peer that saw every groupmate fail waits for their reports and,
+   where most of them blame it, averages alone while benched;
 5. on commit the mean is copied into the caller's tensors and the state tag advances; otherwise they
    are untouched and ``TransportError`` is raised, so DiLoCo keeps its state and the caller may retry.
 

@@ -36,7 +36,8 @@ class _Wait:
     others: list[Any]
     """The groupmates (this peer left out): only their confirmations count."""
     waited: list[Any]
-    """Those waited for where the round failed: the others less those seen failing."""
+    """Those waited for where the round failed: the others less those seen failing (all of them where
+    every one was seen failing: ``blame``)."""
     digest: bytes
     deadline: float
     error: str | None
@@ -133,7 +134,9 @@ class Confirmations:
         others = [p for p in peer_ids if p != self.peer_id]
         if error is not None:
             digest = report(peer_ids, failed)
-        waited = [p for p in others if p not in failed]  # one seen failing may never answer
+        # one seen failing may never answer; but one that saw all fail waits for every report (blame.py)
+        void = len(others) >= 2 and all(p in failed for p in others)
+        waited = others if void else [p for p in others if p not in failed]
         msg = self._confirmation(group_id, error=error, digest=digest)
         left = max(0.1, deadline - time.monotonic())
         wait = _Wait(
