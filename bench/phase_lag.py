@@ -3,7 +3,9 @@ honest founder out, and do the strikes bench it?
 
 Not part of the test run. Three hivemind peers of the trainer's default model, each a process on 127.0.0.1 (its
 own shard): the founder starts alone and runs ``--lone-rounds`` rounds by itself; then two joiners start from
-its state, their warm-up (``train.warmup_steps``, counted from each peer's own step 0) behind the founder's.
+its state. Before issue 45 (item 7) each joiner counted steps from its own 0, so its warm-up
+(``train.warmup_steps``) and schedule lagged the founder's; now it takes the run's step from that state, so
+the three share one ``train.steps`` and schedule, and the bench measures the swarm without that lag.
 Every peer then runs ``--rounds`` more rounds. Reported from every peer's metrics and log: rounds it committed,
 each peer's left-outs (the most in any 10 rounds in a row), the bench lines of the strikes.
 
@@ -85,7 +87,8 @@ def main(argv: list[str] | None = None) -> int:
                 raise RuntimeError(f"the founder exited ({procs[0].returncode}) in its lone rounds")
             time.sleep(0.2)
         for i in (1, 2):
-            procs.append(_peer(out, names[i], steps=args.rounds * h, sets=[*sets, f"train.shard={i}", joined]))
+            # train.steps is the run's length: a joiner starts at the founder's step and ends with it
+            procs.append(_peer(out, names[i], steps=founder_steps, sets=[*sets, f"train.shard={i}", joined]))
         codes = [proc.wait(timeout=3600) for proc in procs]
     finally:
         for proc in procs:

@@ -124,21 +124,31 @@ def _rounds(metrics: Path) -> list[dict]:
     return [r for r in map(json.loads, lines) if r["type"] == "round"]
 
 
+def _step_records(metrics: Path) -> list[int]:
+    lines = metrics.read_text().splitlines() if metrics.is_file() else []
+    return [r["step"] for r in map(json.loads, lines) if r["type"] == "step"]
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_a_peer_started_a_minute_later_averages_with_the_swarm_from_its_first_round(tmp_path: Path) -> None:
     """Before: the joiner's start-up check waited 2 x matchmaking_time alone, its rounds and the swarm's
-    were out of phase, and every round of both averaged alone (1 contributor)."""
+    were out of phase, and every round of both averaged alone (1 contributor). And (issue 45, item 7) it
+    counted steps from its own 0, so one round was at different steps in the two peers' logs."""
     gap = float(os.environ.get("DILOCO_JOIN_GAP", "45"))  # 100 for the issue's figure (docs/wan.md)
-    mm = ["transport.matchmaking_time=5.0", "diloco.inner_steps=10"]
+    mm = ["transport.matchmaking_time=5.0", "diloco.inner_steps=10", "train.steps=100000"]  # the run's length
     first_err, late_err = tmp_path / "first.err", tmp_path / "late.err"
-    first = _start(_peer_args(tmp_path, "first", "train.steps=100000", *mm), tmp_path, first_err)
+    first = _start(_peer_args(tmp_path, "first", *mm), tmp_path, first_err)
     late = None
     try:
         _wait_for("join command", lambda: _join_addresses(first_err) is not None, 120, first)
         addresses = _join_addresses(first_err)
         time.sleep(gap)  # the first peer trains alone meanwhile
-        join = [f"transport.initial_peers={json.dumps(addresses)}", "train.shard=1", "train.steps=40"]
+        was_at = max(_step_records(tmp_path / "first" / "metrics.jsonl"), default=0)
+        # The joiner takes the run's step from the swarm's state, past was_at by the rounds of its start-up
+        # (8 to 11 here: lone rounds are short), and stops 60 rounds after was_at: many rounds with the swarm.
+        stop = (was_at // 10 + 60) * 10
+        join = [f"transport.initial_peers={json.dumps(addresses)}", "train.shard=1", f"train.stop_after={stop}"]
         late = _start(_peer_args(tmp_path, "late", *mm, *join), tmp_path, late_err)
         assert late.wait(400) == 0, late_err.read_text()[-3000:]
     finally:
@@ -146,5 +156,13 @@ def test_a_peer_started_a_minute_later_averages_with_the_swarm_from_its_first_ro
             if proc is not None:
                 procs.kill_session(proc)
     rounds = _rounds(tmp_path / "late" / "metrics.jsonl")
-    assert [r["num_contributors"] for r in rounds] == [2, 2, 2, 2], rounds
-    print(f"joined {gap:g}s later: round times {[round(r['comm_s'], 2) for r in rounds]} s")
+    steps = _step_records(tmp_path / "late" / "metrics.jsonl")
+    assert len(rounds) >= 4 and [r["num_contributors"] for r in rounds] == [2] * len(rounds), rounds
+    joined = steps[0] - 1  # the swarm's step at the join: a round's end
+    assert was_at < joined and joined % 10 == 0 and steps == list(range(joined + 1, stop + 1)), steps
+    swarm = {r["round"]: r["step"] for r in _rounds(tmp_path / "first" / "metrics.jsonl")}
+    assert [(r["round"], r["step"]) for r in rounds] == [(r["round"], swarm[r["round"]]) for r in rounds]
+    print(
+        f"joined {gap:g}s later at step {joined} (the first peer at {was_at} when it started), "
+        f"{len(rounds)} rounds, round times {sorted(round(r['comm_s'], 2) for r in rounds)[-5:]} s at most"
+    )

@@ -35,5 +35,5 @@ class Loop:
     end: int
     step: int
     saved: int
-    """The step of this worker's newest checkpoint here (the resumed one, or none: 0)."""
+    """The step of this worker's newest checkpoint here (the resumed one; none: the step it started at)."""
     last_eval: float = math.nan

@@ -52,8 +52,8 @@ class Comm:
 
 
 class Sync:
-    """One worker's side of its mode. Built at step 0, where DDP (and a warm start) broadcasts rank 0's
-    weights and DiLoCo starts (a joiner takes the run's outer state there)."""
+    """One worker's side of its mode. Built at the worker's first step (``start_step``), where DDP (and a
+    warm start) broadcasts rank 0's weights and DiLoCo starts (a joiner takes the run's outer state there)."""
 
     def __init__(
         self,
@@ -102,6 +102,16 @@ class Sync:
             self.feedback = ErrorFeedback(
                 self.wire, self.grads.flat, fed=n, on=config.train.ddp_error_feedback
             )
+        d = self.diloco
+        self._start_step = self.warm + d.inner_step if d is not None and d.joined else 0
+
+    @property
+    def start_step(self) -> int:
+        """The run's step this worker starts at, before any resume: 0, or where it joined a run already going
+        (its transport loaded the peers' DiLoCo state as DiLoCo was built) that state's step: the warm start's
+        steps and DiLoCo's inner steps (with rounds by time ``inner_steps`` per round done, as ``advanced``
+        counts). ``train.steps`` is the run's length: a joiner trains from here to there."""
+        return self._start_step
 
     @property
     def round(self) -> int:

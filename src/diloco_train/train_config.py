@@ -44,7 +44,8 @@ class TrainConfig:
     workers: int = field(default=4, metadata=integer(low=1))
     """Workers as threads of this process (in-process transport). Other transports: one worker per process."""
     steps: int = field(default=600, metadata=integer(low=1))
-    """Inner steps per worker in total; the learning-rate schedule spans them."""
+    """The run's length in inner steps per worker, the same on every peer; the learning-rate schedule
+    spans them. A peer that joins a run already going starts at the run's step (``Sync.start_step``)."""
     batch_size: int = field(default=32, metadata=integer(low=1))
     """Sequences per step per worker. DiLoCo needs enough of them per worker step: with 64-byte windows it
     ended 8.6% above DDP at 8, 6.4% at 16 (docs/results.md, which also has this default's figure)."""

@@ -88,8 +88,13 @@ class Worker:
         sync = Sync(
             config=c, model=model, optimizer=optimizer, transport=between, device=self.device
         )
-        step = self._resume(sync, sampler) if job.resume else 0
+        resumed = self._resume(sync, sampler) if job.resume else 0
+        # not resumed: 0, or on a joiner the run's step of the state it took; it trains to train.steps
+        step = resumed or sync.start_step
         end = min(t.stop_after, t.steps) if t.stop_after else t.steps
+        if not resumed and step:
+            log = logger.warning if step >= end else logger.info
+            log("joined the run at step %d; this peer ends at step %d", step, end)
         loop = Loop(
             model=model,
             optimizer=optimizer,
@@ -106,10 +111,11 @@ class Worker:
             step=step,
             saved=step,
         )
-        if loop.evaluating and step == 0:
+        # before the loop's clock starts; a joiner's: the swarm's weights it took
+        if loop.evaluating and not resumed:
             loss = self._evaluate(sync)
             if loop.reporter is not None:
-                loop.reporter.eval(0, loss, seconds=0.0)  # before the training loop's clock starts
+                loop.reporter.eval(step, loss, seconds=0.0)
         if loop.reporter is not None:
             loop.reporter.start_clock()
         model.train()
