@@ -68,6 +68,8 @@ class StateServer:
         self.joining = joining
         self.shared: list[list[torch.Tensor]] = []  # the tensors of every broadcast, in call order
         self.extra_fn: Callable[[], State | None] | None = None
+        """The run state to serve beside the broadcasts (``RunState.snapshot``: tensors that are the
+        server's to keep); None from it: keep serving the last snapshot."""
         self.frozen: contextlib.AbstractContextManager[Any] = contextlib.nullcontext()
         """Held around a snapshot, before the lock: the run state changes no round meanwhile (``RunState.lock``)."""
         self.downloaded: State | None = None
@@ -94,9 +96,11 @@ class StateServer:
             if extra is None:
                 return
             extra_meta, extra = extra
-            tensors = [t.detach().clone() for group in self.shared for t in group] + [
-                t.detach().clone() for t in extra
-            ]
+            # the last snapshot's copies go before the new ones are made (a download that holds them
+            # keeps its own reference): one copy of the state at a time, not two
+            self._snapshot = ({"ready": False}, [])
+            # the run state's tensors are already copies of their own (``RunState.snapshot``)
+            tensors = [t.detach().clone() for group in self.shared for t in group] + list(extra)
             counts = [len(g) for g in self.shared]
             meta = {
                 "ready": True,
