@@ -484,3 +484,19 @@ def test_the_trainer_resumes_an_overlapped_run_from_a_checkpoint_with_a_reduce_i
     assert main(["train", "--name", "split", "--resume", "--set", f"train.runs_dir={tmp_path!s}", "-q"]) == 0
     whole, split = losses(tmp_path / "whole"), losses(tmp_path / "split")
     assert len(whole) == 12 and split == whole
+
+
+def test_a_streaming_state_taken_before_every_fragment_synced_loads_on_a_joiner():
+    """A streaming peer's state holds momentum only for the fragments that have had a round. Before, a joiner
+    refused it ("holds 1 momentum buffers for 2 outer parameter(s)"): one joining a streaming swarm in its first
+    round could not take the state."""
+    config = DiLoCoConfig(inner_steps=4, overlap="streaming", fragments=2, outer_momentum=0.9)
+    source = _train(InProcessGroup(1).transport(0), config, range(2))[-1]  # fragment 0's round, not 1's
+    meta, tensors = source.run_state.snapshot()
+    assert (meta["round"], meta["num_momentum"]) == (1, 1)
+    joiner = _train(InProcessGroup(1).transport(0), config, range(0))[-1]
+    torch._foreach_copy_(joiner.global_params, source.global_params)  # what the broadcast does on a joiner
+    joiner.run_state.loader(meta, tensors)()
+    got_meta, got = joiner.run_state.snapshot()
+    del got_meta["ended_at"], meta["ended_at"]  # the wall clock of the source's last round, not loaded
+    assert got_meta == meta and all(torch.equal(a, b) for a, b in zip(got, tensors, strict=True))

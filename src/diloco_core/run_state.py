@@ -132,7 +132,7 @@ class RunState:
             raise ValueError(f"a peer's DiLoCo state does not fit: {meta!r} with {len(tensors)} tensor(s)")
         if ("inner_step" in meta) != self.means_in_flight:
             raise ValueError("a peer's DiLoCo state was made with other overlap settings than this peer's")
-        if n not in (0, len(frags)):  # one outer parameter per fragment
+        if n > len(frags):  # one outer parameter per fragment (streaming: none yet for those not synced)
             raise ValueError(f"a peer's DiLoCo state holds {n} momentum buffers for {len(frags)} outer parameter(s)")
         for t, f in zip(tensors[:n], frags):
             _check(t, f.param, "outer momentum")
