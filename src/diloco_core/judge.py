@@ -84,13 +84,18 @@ def judge(gram: torch.Tensor, *, ratio: float) -> Verdict:
 
 def _pair(gram: torch.Tensor, nonzero: torch.Tensor, *, ratio: float) -> Verdict:
     """Two contributions (a group of two, a swarm's first round): with no majority nothing is left out, but the
-    larger norm is clipped to ``ratio`` times the smaller, so one insider moves the result by at most ``ratio``
-    honest steps (it wrecked the swarm's start before: x-1e6 beside the founder). The weights are the pair's
-    mean with that clip (they sum to less than 1 where it clips); None where the norms are within ``ratio``."""
+    larger norm is clipped to ``ratio`` times the smaller, less where the two point apart (as ``judge``'s radius:
+    ``ratio`` x (1 + cosine), never below the smaller's norm), so one insider moves the result by at most
+    ``ratio`` honest steps, and a flipped one cancels the other instead of reversing it (it wrecked the swarm's
+    start before: x-1e6 beside the founder; then, clipped to 3x, it stepped the founder back a step a round).
+    The weights are the pair's mean with that clip (they sum to less than 1 where it clips); None where the
+    norms are within the bound."""
     norms = gram.diagonal()[nonzero].sqrt()
     small, large = norms.min(), norms.max()
-    if large <= ratio * small:
+    cos = float(gram[nonzero[0], nonzero[1]] / (small * large))
+    bound = max(1.0, ratio * (1 + min(cos, 0.0)))
+    if large <= bound * small:
         return Verdict({}, None, 2)
     weights = torch.zeros(gram.shape[0], dtype=torch.float64)
-    weights[nonzero] = torch.where(norms == large, ratio * small / large, 1.0) / 2
+    weights[nonzero] = torch.where(norms == large, bound * small / large, 1.0) / 2
     return Verdict({}, weights, 2)
