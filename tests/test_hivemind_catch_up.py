@@ -118,6 +118,22 @@ def test_donors_are_ranked_by_the_rounds_of_the_state_they_serve():
     assert untracked.state_sharing_priority == 0.0  # no rounds: hivemind's default
 
 
+def test_a_loaded_state_keeps_its_meta_and_drops_its_tensors():
+    """Before, a joiner held the state it downloaded, and a peer that re-synced the state it took, for the
+    rest of its run: a copy of the global params and momentum (issue 47's account: 4 B/param)."""
+    keys, _ = run_keys("catch-up", "secret", joining=True)
+    res = Resources(config=HivemindConfig(), faults=HivemindFaults(), part_size_bytes=2**16, keys=keys)
+    server = StateServer(joining=True, resources=res, lock=threading.RLock(), tags=dict)
+    server.averager = donors = ScriptedDonors([_state(2)])
+    values = [torch.zeros(3)]
+    server.broadcast(values, timeout=5.0)
+    assert torch.equal(values[0], torch.full((3,), 2.0)) and donors.calls == 1
+    server.loaded(server.downloaded[0])
+    assert server.downloaded == (_state(2)[0], [])  # the joiner still serves: it holds the run's state
+    assert server.load_state(timeout=5.0) == ({}, [])  # a later load downloads again
+    assert donors.calls == 2 and len(server.downloaded[1]) == 1
+
+
 N = 40
 MATCHMAKING = 20.0
 STALL = 8.0

@@ -73,6 +73,8 @@ class StateServer:
         self.frozen: contextlib.AbstractContextManager[Any] = contextlib.nullcontext()
         """Held around a snapshot, before the lock: the run state changes no round meanwhile (``RunState.lock``)."""
         self.downloaded: State | None = None
+        # ``downloaded`` was loaded: its meta kept, its tensors dropped (``loaded``)
+        self._in_place = False
         self.averager: Any = (
             None  # the 1-value averager that serves the snapshot (it never averages)
         )
@@ -210,13 +212,25 @@ class StateServer:
                 name = peer.hex()[-8:]
                 logger.warning("hivemind: refused the state peer %s serves: %s", name, why)
 
+    def loaded(self, meta: dict) -> None:
+        """The downloaded state whose meta is ``meta`` is in place (a joiner's, or a re-sync's): keep the
+        meta, drop the tensors (a copy of the global params and momentum, held for nothing until now);
+        a broadcast or load after this downloads again."""
+        self.downloaded = (meta, [])
+        self._in_place = True
+
+    def _held(self, timeout: float) -> State:
+        """The downloaded state, downloaded now if there is none or only its meta is left."""
+        if self.downloaded is None or self._in_place:
+            self.downloaded = self.download(timeout)
+            self._in_place = False
+        return self.downloaded
+
     def load_state(self, timeout: float) -> State | None:
         """The run state a peer served (downloaded on joining); None on the swarm's first peer."""
         if not self.joining:
             return None
-        if self.downloaded is None:
-            self.downloaded = self.download(timeout)
-        meta, tensors = self.downloaded
+        meta, tensors = self._held(timeout)
         skip = sum(meta["broadcasts"])
         return meta["extra"], tensors[skip:]
 
@@ -225,8 +239,7 @@ class StateServer:
         index = len(self.shared)
         if self.joining:
             deadline = time.monotonic() + timeout
-            if self.downloaded is None:
-                self.downloaded = self.download(timeout)
+            self._held(timeout)
             while (
                 index >= len(self.downloaded[0]["broadcasts"]) and time.monotonic() + 1.0 < deadline
             ):

@@ -106,6 +106,7 @@ class TrackedState:
         # Take the downloaded state's tag too: until now this peer served the initial tag, which no
         # group holds, so nobody re-synced from its half-loaded state.
         self.adopt(self._server.downloaded[0])
+        self._server.loaded(self._server.downloaded[0])
         return True
 
     def adopt(self, meta: dict) -> None:
@@ -182,7 +183,7 @@ class TrackedState:
                     torch._foreach_copy_(tensors, v)
                 load_extra()
                 self.tag, self.prev_tag = _tag_of(meta, "tag"), _tag_of(meta, "prev_tag")
-                self._server.downloaded = best
+                self._server.loaded(meta)
             self._server.take_snapshot()
             logger.warning("hivemind: %s", replaced)
 
