@@ -16,13 +16,20 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 
 class PeerProcess:
     def __init__(
-        self, name: int, transport: dict, log: str, die_flag: str | None = None, diloco: dict | None = None
+        self,
+        name: int,
+        transport: dict,
+        log: str,
+        die_flag: str | None = None,
+        diloco: dict | None = None,
+        wrap: list[str] | None = None,
     ) -> None:
+        """``wrap``: words before the command (e.g. ``netns.Network.wrap``: in a network namespace)."""
         args = json.dumps({"name": name, "transport": transport, "die_flag": die_flag, "diloco": diloco or {}})
         env = {**os.environ, "PYTHONPATH": os.pathsep.join([HERE, os.path.join(os.path.dirname(HERE), "src")])}
         with open(log, "a") as stderr:  # the peer holds its own copy of the file
             self.proc = subprocess.Popen(
-                [sys.executable, os.path.join(HERE, "hivemind_peer.py"), args],
+                [*(wrap or []), sys.executable, os.path.join(HERE, "hivemind_peer.py"), args],
                 stdin=subprocess.PIPE,
                 stdout=subprocess.PIPE,
                 stderr=stderr,

@@ -3,7 +3,7 @@
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from diloco_core.rules import check_field, check_fields, integer, number, rule, string
+from diloco_core.rules import check_field, check_fields, choice, integer, number, rule, string
 
 from ..quorum import Quorum
 from .secret import check_sources
@@ -36,6 +36,12 @@ class HivemindConfig:
     /ip4/127.0.0.1/tcp/0 for a single machine."""
     announce_maddrs: Sequence[str] = field(default=(), metadata=_MADDRS)
     """Addresses to announce to others instead of the listened ones: the public address behind NAT."""
+    reachability: str = field(default="auto", metadata=choice(("auto", "public", "client")))
+    """Whether others can connect to this peer. "public": it accepts connections (listens on a reachable
+    address, or announces one forwarded to it). "client": it cannot (behind NAT, in a container without a
+    forwarded port): it reserves a slot on its ``initial_peers``' relays and others reach it through them
+    (``reachability.py``). "auto": asks an ``initial_peers`` peer to connect back to it, and is a client
+    where that fails; the first peer of a swarm is public. One log line says which."""
     matchmaking_time: float = field(default=15.0, metadata=number(gt=0, noun="a number of seconds"))
     """Seconds a peer waits for groupmates before each all-reduce (OpenDiLoCo's 15)."""
     averaging_timeout: float = field(

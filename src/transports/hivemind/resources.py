@@ -28,6 +28,7 @@ from .faults import HivemindFaults
 from .hivemind_config import HivemindConfig
 from .orphan import leave_with_parent
 from .presence import presence_period
+from .reachability import decide, relay_settings, relayed
 from .socket_files import bound_by, remove_stale
 
 logger = logging.getLogger(__name__)
@@ -37,6 +38,9 @@ logger = logging.getLogger(__name__)
 # copies that pipe into a second child, and the first child's join() then waits out hivemind's 5 s
 # shutdown grace period for a child that has long exited (several transports in one process: tests).
 _FORK_LOCK = threading.Lock()
+
+RELAY_WAIT = 10.0
+"""Seconds a client waits for its relayed address before it goes on without one."""
 
 
 class DHT(hivemind.DHT):
@@ -138,6 +142,8 @@ class Resources:
     sockets: list[str] = field(default_factory=list)
     """The averagers' socket files, removed by ``close`` where a killed averager left them."""
     closed: bool = False
+    reachability: str | None = None
+    """"public" or "client" once the DHT runs (``reachability.decide``)."""
 
     def __post_init__(self) -> None:
         n = self.part_size_bytes
@@ -146,12 +152,17 @@ class Resources:
 
     def start_dht(self) -> None:
         cfg = self.config
+        peers = cfg.initial_peers
+        mode, why = decide(
+            cfg.reachability, initial_peers=peers, announce_maddrs=cfg.announce_maddrs
+        )
         with _FORK_LOCK:
             self.dht = DHT(
                 initial_peers=list(cfg.initial_peers),
                 start=False,
                 host_maddrs=list(cfg.host_maddrs),
                 announce_maddrs=list(cfg.announce_maddrs) or None,
+                **relay_settings(mode, initial_peers=peers),
                 record_validators=[self.keys.record_validator([self.keys.presence_key])],
                 authorizer=self.keys.dht_authorizer(),  # members only (dht_auth.py)
             )
@@ -166,9 +177,30 @@ class Resources:
                 f"hivemind: none of initial_peers={list(cfg.initial_peers)} answered as a peer of this run: are the "
                 "addresses right, is a peer there still running, and do all peers use the same run_id and secret?"
             ) from None
+        self.reachability = mode
+        relays = self._await_relay() if mode == "client" else []
+        logger.info(
+            "reachability: %s (%s)%s",
+            mode,
+            why,
+            f"; others reach it at {relays[0]}" if relays else "",
+        )
         # hivemind's (private) query of the daemon's address, as its replicate_p2p does
         maddr = self.dht.run_coroutine(hivemind.DHT._get_p2p_daemon_listen_maddr)
         self.p2pd_socket = maddr.value_for_protocol("unix") if "/unix/" in str(maddr) else None
+
+    def _await_relay(self) -> list[str]:
+        """A client's relayed addresses, once its daemon has reserved a slot ([] after ``RELAY_WAIT``)."""
+        deadline = time.monotonic() + RELAY_WAIT
+        while True:
+            found = relayed(self.dht.get_visible_maddrs(latest=True))
+            if found or time.monotonic() >= deadline:
+                break
+            time.sleep(0.2)
+        if not found:
+            logger.warning("no relay of initial_peers=%s took this client within %.0f s: peers that "
+                           "cannot reach it leave it out", list(self.config.initial_peers), RELAY_WAIT)  # fmt: skip
+        return found
 
     def start_averager(
         self,
