@@ -8,6 +8,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 import netns
 import pytest
@@ -56,6 +57,34 @@ def _decide_in(net: netns.Network, k: int, initial: str) -> str:
     return json.loads(out.stdout)[0]
 
 
+def _doctor(*sets: str, wrap: list[str] | None = None) -> tuple[int, str, float]:
+    """``diloco doctor`` with these settings: its exit status, its lines, its seconds."""
+    env = {**os.environ, "PYTHONPATH": os.path.join(os.path.dirname(HERE), "src")}
+    words = [a for s in ("transport.kind=hivemind", f"transport.secret={json.dumps(SECRET)}",
+                         "transport.run_id='nat'", *sets)
+             for a in ("--set", s)]  # fmt: skip
+    start = time.monotonic()
+    out = subprocess.run(
+        [*(wrap or []), sys.executable, "-m", "diloco_train.cli", "doctor", *words],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=env,
+    )
+    return out.returncode, out.stdout + out.stderr, time.monotonic() - start
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(60)
+def test_doctor_names_a_dead_initial_peer_in_seconds_and_fails():
+    dead = "/ip4/127.0.0.1/tcp/1/p2p/12D3KooWBWyo2Vpfyh9Yh5Z91w6wmadQr9BHECxTUqRf6Zc4r3xo"
+    code, out, seconds = _doctor(f"transport.initial_peers={json.dumps([dead])}")
+    assert code == 1 and seconds < 10
+    assert f"FAIL initial peer {dead}: no TCP connection (Connection refused)" in out
+    assert "no initial peer answered" in out
+
+
 def _rounds(peers: list[PeerProcess], n: int) -> list[list[dict]]:
     out = []
     for _ in range(n):
@@ -83,6 +112,18 @@ def test_private_peers_behind_one_public_peer_average_with_everyone_and_a_privat
                 assert "addr" in peers[k].next(60)
             for p in peers:
                 assert p.next(120)["ready"]
+            # the doctor, where the late joiner will run: a client, relayed, the founder a member
+            code, out, seconds = _doctor(f"transport.initial_peers={json.dumps(addr)}", wrap=net.wrap(3))
+            assert code == 0 and seconds < 10, out
+            assert "ok   this peer: client (its address 10.77.0.4 toward 11.77.0.1 is private" in out
+            assert f"ok   initial peer {addr[0]}: a peer of this run; round trip" in out
+            assert "ok   relay: others reach this peer at /ip4/11.77.0.1/" in out
+            wrong = _doctor(
+                f"transport.initial_peers={json.dumps(addr)}",
+                "transport.run_id='other'",
+                wrap=net.wrap(3),
+            )
+            assert wrong[0] == 1 and "answered as a peer of this run" in wrong[1], wrong
             rounds = _rounds(peers, 4)
             for results in rounds:  # before: a private peer averaged alone or with the public one only
                 assert [r.get("contributors") for r in results] == [3, 3, 3], results

@@ -8,7 +8,14 @@ torch.distributed's nor hivemind's import cost (or absence) touches the other tr
 
 from typing import Any
 
-from .factory import DEFAULT_KIND, TRANSPORT_KINDS, TransportSpec, create_transport, transport_spec
+from .factory import (
+    DEFAULT_KIND,
+    TRANSPORT_KINDS,
+    TransportSpec,
+    create_transport,
+    diagnose,
+    transport_spec,
+)
 from .forwarding import ForwardingTransport
 from .inprocess import InProcessConfig, InProcessGroup, InProcessTransport
 
@@ -25,6 +32,7 @@ __all__ = [
     "TorchDistTransport",
     "TransportSpec",
     "create_transport",
+    "diagnose",
     "transport_spec",
 ]
 

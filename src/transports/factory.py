@@ -19,7 +19,14 @@ from .inprocess import InProcessConfig, InProcessGroup, InProcessTransport
 from .quorum import QUORUM_KEYS, quorum_from
 from .simulated_link import LINK_KEYS, LinkConfig, SimulatedLink, link_from_section
 
-__all__ = ["DEFAULT_KIND", "TRANSPORT_KINDS", "TransportSpec", "create_transport", "transport_spec"]
+__all__ = [
+    "DEFAULT_KIND",
+    "TRANSPORT_KINDS",
+    "TransportSpec",
+    "create_transport",
+    "diagnose",
+    "transport_spec",
+]
 
 DEFAULT_KIND = "inprocess"
 """The kind of a section that names none."""
@@ -36,6 +43,8 @@ class _Kind:
     link's) to a ``TransportSpec``."""
     derived_timeout: str | None = None
     """The config field that defaults to the core's reduce timeout when the section leaves it unset."""
+    diagnose: Callable[[Mapping[str, Any]], list] | None = None
+    """``diloco doctor``: checks of the section's network before a run, each with ``.ok`` and ``.line``."""
 
 
 def _inprocess(section: Mapping[str, Any]) -> Transport:
@@ -82,6 +91,13 @@ def _hivemind(section: Mapping[str, Any]) -> Transport:
     return HivemindTransport(from_mapping(HivemindConfig, section, "transport"))
 
 
+def _hivemind_diagnose(section: Mapping[str, Any]) -> list:
+    from .hivemind import HivemindConfig
+    from .hivemind.doctor import diagnose
+
+    return diagnose(from_mapping(HivemindConfig, section, "transport"))
+
+
 def _hivemind_spec(
     *, kind: str, section: dict[str, Any], own: Mapping[str, Any], link: LinkConfig | None
 ) -> TransportSpec:
@@ -102,7 +118,7 @@ def _hivemind_spec(
 TRANSPORT_KINDS: dict[str, _Kind] = {
     "inprocess": _Kind(create=_inprocess, spec=_inprocess_spec),
     "torch": _Kind(create=_torch, spec=_torch_spec, derived_timeout="timeout"),
-    "hivemind": _Kind(create=_hivemind, spec=_hivemind_spec),
+    "hivemind": _Kind(create=_hivemind, spec=_hivemind_spec, diagnose=_hivemind_diagnose),
 }
 """One entry per transport kind: how to build it, how its workers launch, which timeout it derives."""
 
@@ -114,6 +130,15 @@ def _kind_of(section: Mapping[str, Any]) -> str:
             f"[transport] kind={kind!r} is invalid: expected one of {sorted(TRANSPORT_KINDS)}"
         )
     return kind
+
+
+def diagnose(section: Mapping[str, Any]) -> list | None:
+    """``diloco doctor``'s findings for a ``[transport]`` section (None: its kind has nothing to check)."""
+    kind = _kind_of(section)
+    _, section = link_from_section(section)  # a simulated link has no network to check
+    section.pop("kind", None)
+    check = TRANSPORT_KINDS[kind].diagnose
+    return None if check is None else check(section)
 
 
 def _behind(link: LinkConfig | None, transport: Transport) -> Transport:

@@ -19,6 +19,7 @@ from diloco_core import TransportError
 from ..interrupts import INTERRUPTS
 from ..report.log_tag import configure_logging
 from ..runs.run_folder import RunFolder
+from .doctor_cli import DOCTOR_EXAMPLE, doctor_main
 from .export_cli import EXPORT_EXAMPLE, configure_export_parser, export_main
 from .plan_cli import PLAN_EXAMPLE, configure_plan_parser, plan_main
 from .plot_cli import configure_plot_parser, plot_main
@@ -45,7 +46,7 @@ def _parser() -> argparse.ArgumentParser:
         prog="diloco", description="Train a language model with DiLoCo (or DDP, or one worker)."
     )
     p.add_argument("--version", action="version", version=f"diloco {_version()}")
-    sub = p.add_subparsers(dest="command", metavar="{train,plot,plan,export,torchrun}")
+    sub = p.add_subparsers(dest="command", metavar="{train,plot,plan,export,torchrun,doctor}")
     configure_train_parser(
         sub.add_parser(
             "train",
@@ -77,6 +78,14 @@ def _parser() -> argparse.ArgumentParser:
             "export",
             help="write a run's global model as safetensors and a Hugging Face folder",
             epilog=EXPORT_EXAMPLE,
+        )
+    )
+    configure_train_parser(  # the same options: a join command with doctor for train
+        sub.add_parser(
+            "doctor",
+            help="check a run's network before it starts (addresses, secret, reachability, clocks)",
+            epilog=DOCTOR_EXAMPLE,
+            formatter_class=argparse.RawDescriptionHelpFormatter,
         )
     )
     return p
@@ -235,6 +244,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return plan_main(args)
         if args.command == "export":
             return export_main(args)
+        if args.command == "doctor":
+            return doctor_main(args)
         return plot_main(args)
     except (ValueError, TransportError, OSError) as e:
         # One write, line and newline together: stderr writes through, and print's two writes from two ranks of a

@@ -175,7 +175,8 @@ class Resources:
                 raise
             raise TransportError(
                 f"hivemind: none of initial_peers={list(cfg.initial_peers)} answered as a peer of this run: are the "
-                "addresses right, is a peer there still running, and do all peers use the same run_id and secret?"
+                "addresses right, is a peer there still running, and do all peers use the same run_id and secret? "
+                "(`diloco doctor` with the same options checks each address)"
             ) from None
         self.reachability = mode
         relays = self._await_relay() if mode == "client" else []

@@ -1,0 +1,140 @@
+"""Peers that cannot accept connections, over links with latency: the trainer on hivemind in network namespaces.
+
+Not part of the test run; root only. Four peers (``diloco train``, hivemind, one process each, 1 torch
+thread), each in a network namespace of its own behind its own ``tc tbf`` link (``--rate``, both
+directions) with ``--delay`` seconds of one-way delay (``tests/netns.py``; netem is absent here). Two
+swarms on the same links, same seeds:
+
+- ``public``: every peer accepts connections;
+- ``nat``: only peer 0 does; peers 1-3 have private addresses and listen on their own loopback only (nobody
+  can connect to them, nor they to each other). ``transport.reachability`` is left at ``auto``: they find
+  they are behind NAT and reach the others through peer 0's relay.
+
+Delay: every connection is accepted by a public peer, which listens on its loopback behind a delaying relay
+(``tests/delay_proxy.py``) holding each byte 2 x ``--delay`` in each direction: one direction of a
+connection crosses two links (the dialer's and the acceptor's), each with ``--delay``; a relayed connection
+between two private peers crosses the relay twice (4 x ``--delay``), as it crosses four links.
+
+Per swarm: each peer's share of rounds it contributed to (``num_contributors`` = 4 on its records), its
+goodput (the trainer's summary: busy seconds over the loop's wall), its final eval loss (the peers'
+replicas are the same where these are bit-identical), the mean round time.
+
+    PYTHONPATH=src python bench/reachability.py --out runs/reach         # 2 swarms x 300 steps
+    PYTHONPATH=src python bench/reachability.py --out runs/reach --quick # 60 steps
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent / "tests"))
+import netns
+from insider import first_addresses  # bench/, this script's folder
+
+PORT, PROXY_PORT = 4000, 4001
+SECRET = "reachability-bench-secret-0123456789"
+
+
+def _peer_cmd(*, out: Path, k: int, workers: int, args: argparse.Namespace, sets: list[str]) -> list[str]:
+    base = [
+        "train.mode=diloco",
+        f"train.steps={args.steps}",
+        f"train.num_shards={workers}",
+        f"train.shard={k}",
+        "train.checkpoint_every=0",
+        "train.ddp_warm_start=0",
+        "train.threads=1",
+        f"train.runs_dir={json.dumps(str(out))}",
+        "transport.kind=hivemind",
+        f"transport.secret={json.dumps(SECRET)}",
+        f"transport.target_group_size={workers}",
+        "transport.matchmaking_time=15.0",
+        *sets,
+    ]
+    return [
+        sys.executable,
+        "-m",
+        "diloco_train.cli",
+        "train",
+        "--name",
+        f"p{k}",
+        *[a for s in base for a in ("--set", s)],
+    ]
+
+
+def swarm(name: str, *, private: set[int], args: argparse.Namespace, workers: int = 4) -> None:
+    out = Path(args.out) / name
+    out.mkdir(parents=True, exist_ok=True)
+    with netns.Network(peers=workers, rate=args.rate, private=private) as net:
+        procs = []
+        joined: list[str] = []
+        for k in range(workers):
+            if k in private:
+                sets = ['transport.host_maddrs=["/ip4/127.0.0.1/tcp/0"]']
+            else:
+                proxy = [sys.executable, str(HERE.parent / "tests" / "delay_proxy.py")]
+                proxy += ["--listen", f"{net.address(k)}:{PROXY_PORT}", "--to", f"127.0.0.1:{PORT}"]
+                proxy += ["--delay", str(2 * args.delay)]
+                net.popen(k, proxy, stdout=subprocess.DEVNULL)
+                sets = [f'transport.host_maddrs=["/ip4/127.0.0.1/tcp/{PORT}"]']
+                sets.append(f'transport.announce_maddrs=["/ip4/{net.address(k)}/tcp/{PROXY_PORT}"]')
+            err = out / f"p{k}.err"
+            cmd = _peer_cmd(out=out, k=k, workers=workers, args=args, sets=[*sets, *joined])
+            with open(err, "w") as f:
+                procs.append(net.popen(k, cmd, stderr=f, stdout=subprocess.DEVNULL))
+            if k == 0:
+                joined = [f"transport.initial_peers={first_addresses(err, procs[0])}"]
+        for k, p in enumerate(procs):
+            if p.wait(timeout=3600) != 0:
+                raise RuntimeError(f"{name}: peer {k} exited with {p.returncode} (see {out}/p{k}.err)")
+
+
+def summarize(name: str, args: argparse.Namespace, workers: int = 4) -> dict:
+    rows = []
+    for k in range(workers):
+        lines = (Path(args.out) / name / f"p{k}" / "metrics.jsonl").read_text().splitlines()
+        records = [json.loads(line) for line in lines]
+        rounds = [r for r in records if r["type"] == "round"]
+        summary = next(r for r in records if r["type"] == "summary")
+        full = sum(r["num_contributors"] == workers for r in rounds)
+        rows.append({"peer": k, "rounds": len(rounds), "with_all": full, "goodput": summary["goodput"],
+                     "eval_after": summary["eval_after"], "wall_s": summary["wall_s"],
+                     "round_s": statistics.mean(r["round_s"] for r in rounds)})  # fmt: skip
+    return {"name": name, "peers": rows}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", required=True)
+    p.add_argument("--steps", type=int, default=300)
+    p.add_argument("--rate", default="100mbit")
+    p.add_argument("--delay", type=float, default=0.05, help="one-way seconds per link")
+    p.add_argument("--quick", action="store_true", help="60 steps")
+    p.add_argument("--swarms", default="nat,public")
+    args = p.parse_args(argv)
+    if (why := netns.available()) is not None:
+        p.error(why)
+    if args.quick:
+        args.steps = 60
+    results = []
+    for name in args.swarms.split(","):
+        if not (Path(args.out) / name / "p0" / "metrics.jsonl").is_file():
+            swarm(name, private={1, 2, 3} if name == "nat" else set(), args=args)
+        results.append(summarize(name, args))
+    for r in results:
+        for row in r["peers"]:
+            print(f"{r['name']:7s} peer {row['peer']}: {row['with_all']}/{row['rounds']} rounds with all 4, "
+                  f"goodput {row['goodput']:.3f}, eval {row['eval_after']!r}, wall {row['wall_s']:.1f} s, "
+                  f"round {row['round_s']:.2f} s")  # fmt: skip
+    (Path(args.out) / "summary.json").write_text(json.dumps(results, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
