@@ -23,10 +23,12 @@ def doctor_main(args: argparse.Namespace) -> int:
         print(f"transport.kind={kind!r}: no network to check")
         return 0
     for f in findings:
-        print(f"{'ok  ' if f.ok else 'FAIL'} {f.line}")
+        print(f"{'FAIL' if not f.ok else 'warn' if f.warn else 'ok  '} {f.line}")
     failed = sum(not f.ok for f in findings)
     verdict = (
         "a run would start" if not failed else f"{failed} check(s) failed: a run would not work"
     )
+    if not failed and any(f.warn for f in findings):
+        verdict += " (fix the warnings: a peer joining later may need them)"
     print(f"diloco doctor: {verdict}", file=sys.stderr)
     return 0 if not failed else 1

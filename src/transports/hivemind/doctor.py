@@ -37,6 +37,8 @@ TCP_TIMEOUT = 3.0
 class Finding:
     ok: bool
     line: str
+    warn: bool = False
+    """Worth fixing, but a run would work (a dead initial peer beside a live one)."""
 
 
 def _parts(maddr: str) -> tuple[str | None, int | None, str | None]:
@@ -109,6 +111,8 @@ def diagnose(config: HivemindConfig) -> list[Finding]:
     alive = [m for m, f in zip(peers, probes) if f.ok]
     if not alive:
         return [*found, Finding(False, "no initial peer answered: a run would stop at its start")]
+    # a dead one beside a live one: a joiner needs only one
+    found = [f if f.ok else replace(f, ok=True, warn=True) for f in found]
     keys, _ = run_keys(config.run_id, read_secret(config), joining=True)
     res = Resources(
         config=replace(config, initial_peers=tuple(alive), host_maddrs=("/ip4/0.0.0.0/tcp/0",)),

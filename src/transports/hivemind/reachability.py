@@ -74,11 +74,16 @@ def decide(
     return "public", "its initial peers are on a private network with it"
 
 
-def relay_settings(mode: str, *, initial_peers: Sequence[str]) -> dict[str, Any]:
-    """hivemind ``DHT``/``P2P`` settings for a ``"public"`` or ``"client"`` peer."""
+def relay_settings(
+    mode: str, *, initial_peers: Sequence[str], addresses: Sequence[str]
+) -> dict[str, Any]:
+    """hivemind ``DHT``/``P2P`` settings for a ``"public"`` or ``"client"`` peer that listens on or
+    announces ``addresses``."""
     if mode == "client":
         relays = list(initial_peers)
         return {"use_auto_relay": True, "force_reachability": _CLIENT, "trusted_relays": relays}
+    if all((ip := _ip(a)) is not None and ip.is_loopback for a in addresses):
+        return {}  # one machine: nobody to relay, libp2p as before
     return {"force_reachability": "public"}  # its relay service runs at once
 
 

@@ -162,7 +162,9 @@ class Resources:
                 start=False,
                 host_maddrs=list(cfg.host_maddrs),
                 announce_maddrs=list(cfg.announce_maddrs) or None,
-                **relay_settings(mode, initial_peers=peers),
+                **relay_settings(
+                    mode, initial_peers=peers, addresses=[*cfg.host_maddrs, *cfg.announce_maddrs]
+                ),
                 record_validators=[self.keys.record_validator([self.keys.presence_key])],
                 authorizer=self.keys.dht_authorizer(),  # members only (dht_auth.py)
             )
