@@ -142,8 +142,6 @@ class Resources:
     sockets: list[str] = field(default_factory=list)
     """The averagers' socket files, removed by ``close`` where a killed averager left them."""
     closed: bool = False
-    reachability: str | None = None
-    """"public" or "client" once the DHT runs (``reachability.decide``)."""
 
     def __post_init__(self) -> None:
         n = self.part_size_bytes
@@ -180,9 +178,10 @@ class Resources:
                 "addresses right, is a peer there still running, and do all peers use the same run_id and secret? "
                 "(`diloco doctor` with the same options checks each address)"
             ) from None
-        self.reachability = mode
         relays = self._await_relay() if mode == "client" else []
-        logger.info(
+        # a client's rounds are slower (through a relay): said where a run's warnings are
+        logger.log(
+            logging.WARNING if mode == "client" else logging.INFO,
             "reachability: %s (%s)%s",
             mode,
             why,
