@@ -1,5 +1,6 @@
-"""``diloco doctor``: a run's network checked before the run, from the same options as ``diloco train``
-(a join command with ``doctor`` for ``train``). One line per check; exit status 0 only if every one passed."""
+"""``diloco doctor``: a run's network checked before the run, from the same options as
+``diloco train`` (a join command with ``doctor`` for ``train``). One line per check; exit status 0
+only if a run would work."""
 
 from __future__ import annotations
 

@@ -1,10 +1,11 @@
 """What would stop a hivemind peer from joining its run, found before the run: ``diloco doctor``.
 
-Within about 10 seconds, one line each: whether this peer is public or a client (``reachability.decide``),
-which initial peers answer a TCP connection (address, round trip, or the error), which of them answer as
-peers of this run (the run's DHT, with its secret: a wrong ``run_id`` or secret fails here), the round
-trip and clock offset to each (hivemind refuses a peer more than 3 s off), and for a client whether a
-relay took it. Bandwidth is not measured: that needs a peer to send data, which only members' rounds do.
+Within about 10 seconds, one line each: whether this peer is public or a client
+(``reachability.decide``), which initial peers answer a TCP connection (address, round trip, or the
+error), which of them answer as peers of this run (the run's DHT, with its secret: a wrong
+``run_id`` or secret fails here), the round trip and clock offset to each (hivemind refuses a peer
+more than 3 s off), and for a client whether a relay took it. Bandwidth is not measured: that needs
+a peer to send data, which only members' rounds do.
 """
 
 import concurrent.futures
@@ -60,8 +61,8 @@ def _tcp(maddr: str) -> Finding:
             ms = 1000 * (time.monotonic() - start)
     except OSError as e:
         why = "no answer" if isinstance(e, TimeoutError) else (e.strerror or repr(e))
-        return Finding(False, f"initial peer {maddr}: no TCP connection ({why}): is the address right "
-                              "(the first peer prints it) and is that peer running?")  # fmt: skip
+        advice = "is the address right (the first peer prints it) and is that peer running?"
+        return Finding(False, f"initial peer {maddr}: no TCP connection ({why}): {advice}")
     return Finding(True, f"initial peer {maddr}: TCP connection in {ms:.0f} ms")
 
 
@@ -89,7 +90,8 @@ def _member(res: Resources, maddr: str) -> Finding:
     if got is None:
         return Finding(False, f"initial peer {maddr}: does not answer as a peer of this run")
     rtt, offset = got
-    line = f"initial peer {maddr}: a peer of this run; round trip {1000 * rtt:.0f} ms, clock {offset:+.2f} s"
+    line = f"initial peer {maddr}: a peer of this run; round trip {1000 * rtt:.0f} ms"
+    line += f", clock {offset:+.2f} s"
     if abs(offset) > MAX_DHT_TIME_DISCREPANCY_SECONDS:
         return Finding(False, f"{line}: more than {MAX_DHT_TIME_DISCREPANCY_SECONDS} s apart, "
                               "hivemind refuses it: sync this machine's clock (NTP)")  # fmt: skip
@@ -128,8 +130,9 @@ def diagnose(config: HivemindConfig) -> list[Finding]:
         found += [_member(res, m) for m in alive]
         if mode == "client":
             relays = relayed(res.dht.get_visible_maddrs(latest=True))
-            line = f"relay: others reach this peer at {relays[0]}" if relays else (
-                "relay: no initial peer relays this peer: list a public peer in initial_peers")  # fmt: skip
+            line = "relay: no initial peer relays this peer: list a public peer in initial_peers"
+            if relays:
+                line = f"relay: others reach this peer at {relays[0]}"
             found.append(Finding(bool(relays), line))
     finally:
         res.close()

@@ -1,17 +1,17 @@
 """Whether others can connect to this peer, and how they reach it where they cannot.
 
-A *public* peer accepts connections, and its p2p daemon serves as a relay for clients (libp2p circuit
-relay v2). A *client* cannot accept them (NAT, a container without a forwarded port): its daemon reserves
-a slot on its ``initial_peers``' relays as it starts and announces the relayed address
-(``/p2p/<relay>/p2p-circuit/p2p/<client>``), so that every peer, clients included, still opens streams
-to it: a client owns parts, serves state and answers every call of a round like any other member; its
-traffic with other clients crosses the relay's link twice.
+A *public* peer accepts connections, and its p2p daemon serves as a relay for clients (libp2p
+circuit relay v2). A *client* cannot accept them (NAT, a container without a forwarded port): its
+daemon reserves a slot on its ``initial_peers``' relays as it starts and announces the relayed
+address (``/p2p/<relay>/p2p-circuit/p2p/<client>``), so that every peer, clients included, still
+opens streams to it: a client owns parts, serves state and answers every call of a round like any
+other member; its traffic with other clients crosses the relay's link twice.
 
-``"auto"`` decides before the daemon starts: the swarm's first peer is public; a joiner that announces a
-public address is public; a joiner whose own address toward a public initial peer is private (what the
-kernel would send from; nothing is sent) is behind NAT: a client; anything else (a LAN, one machine) is
-public. libp2p announces a relayed address only through a relay with a public address, so clients need
-a public peer among their ``initial_peers``.
+``"auto"`` decides before the daemon starts: the swarm's first peer is public; a joiner that
+announces a public address is public; a joiner whose own address toward a public initial peer is
+private (what the kernel would send from; nothing is sent) is behind NAT: a client; anything else (a
+LAN, one machine) is public. libp2p announces a relayed address only through a relay with a public
+address, so clients need a public peer among their ``initial_peers``.
 """
 
 import ipaddress
@@ -27,9 +27,9 @@ logger = logging.getLogger(__name__)
 __all__ = ["decide", "relay_settings"]
 
 _CLIENT = "diloco-client"
-# p2pd's flags for a client: private at once (it does not wait for AutoNAT's verdict), and its initial
-# peers as static relays, reserved as it starts (with relay discovery, libp2p waits up to 3 minutes
-# for 4 candidates first). An entry of hivemind's public table of reachability flags.
+# p2pd's flags for a client: private at once (it does not wait for AutoNAT's verdict), and its
+# initial peers as static relays, reserved as it starts (with relay discovery, libp2p waits up to
+# 3 minutes for 4 candidates first). An entry of hivemind's public table of reachability flags.
 P2P.FORCE_REACHABILITY_MAPPING.setdefault(
     _CLIENT, {"forceReachabilityPrivate": 1, "relayDiscovery": 0}
 )

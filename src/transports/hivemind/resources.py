@@ -192,7 +192,8 @@ class Resources:
         self.p2pd_socket = maddr.value_for_protocol("unix") if "/unix/" in str(maddr) else None
 
     def _await_relay(self) -> list[str]:
-        """A client's relayed addresses, once its daemon has reserved a slot ([] after ``RELAY_WAIT``)."""
+        """A client's relayed addresses, once its daemon has reserved a slot ([] after
+        ``RELAY_WAIT``)."""
         deadline = time.monotonic() + RELAY_WAIT
         while True:
             found = relayed(self.dht.get_visible_maddrs(latest=True))
@@ -200,8 +201,12 @@ class Resources:
                 break
             time.sleep(0.2)
         if not found:
-            logger.warning("no relay of initial_peers=%s took this client within %.0f s: peers that "
-                           "cannot reach it leave it out", list(self.config.initial_peers), RELAY_WAIT)  # fmt: skip
+            logger.warning(
+                "no relay of initial_peers=%s took this client within %.0f s: peers that cannot "
+                "reach it leave it out",
+                list(self.config.initial_peers),
+                RELAY_WAIT,
+            )
         return found
 
     def start_averager(
