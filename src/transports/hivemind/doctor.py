@@ -25,7 +25,7 @@ from diloco_core.transport import TransportError
 from .auth import run_keys
 from .faults import HivemindFaults
 from .hivemind_config import HivemindConfig
-from .reachability import decide, relayed
+from .reachability import decide, maddr_parts, relayed
 from .resources import Resources
 from .secret import read_secret
 
@@ -42,17 +42,8 @@ class Finding:
     """Worth fixing, but a run would work (a dead initial peer beside a live one)."""
 
 
-def _parts(maddr: str) -> tuple[str | None, int | None, str | None]:
-    """Host, TCP port and peer id of a multiaddr (None where it has none)."""
-    words = maddr.split("/")
-    pairs = dict(zip(words[1::2], words[2::2]))
-    host = next((pairs[p] for p in ("ip4", "ip6", "dns", "dns4", "dns6") if p in pairs), None)
-    port = int(pairs["tcp"]) if pairs.get("tcp", "").isdigit() else None
-    return host, port, pairs.get("p2p")
-
-
 def _tcp(maddr: str) -> Finding:
-    host, port, _ = _parts(maddr)
+    host, port, _ = maddr_parts(maddr)
     if host is None or port is None or "/p2p-circuit" in maddr:
         return Finding(True, f"initial peer {maddr}: not a direct TCP address; not probed")
     start = time.monotonic()
@@ -83,7 +74,7 @@ async def _ping(dht: Any, node: Any, *, peer: str) -> tuple[float, float] | None
 
 
 def _member(res: Resources, maddr: str) -> Finding:
-    peer = _parts(maddr)[2]
+    peer = maddr_parts(maddr)[2]
     if peer is None:
         return Finding(False, f"initial peer {maddr}: no /p2p/<peer id>: copy the whole address")
     got = res.dht.run_coroutine(partial(_ping, peer=peer))

@@ -40,8 +40,9 @@ class HivemindConfig:
     """Whether others can connect to this peer. "public": it accepts connections (listens on a reachable
     address, or announces one forwarded to it). "client": it cannot (behind NAT, in a container without a
     forwarded port): it reserves a slot on its ``initial_peers``' relays and others reach it through them
-    (``reachability.py``). "auto": asks an ``initial_peers`` peer to connect back to it, and is a client
-    where that fails; the first peer of a swarm is public. One log line says which."""
+    (``reachability.py``). "auto": the swarm's first peer and a peer announcing a public address are
+    public; a joiner whose own address toward a public initial peer is private (behind NAT) is a client;
+    a LAN is public. It does not test inbound connections. One log line says which and why."""
     matchmaking_time: float = field(default=15.0, metadata=number(gt=0, noun="a number of seconds"))
     """Seconds a peer waits for groupmates before each all-reduce (OpenDiLoCo's 15)."""
     averaging_timeout: float = field(

@@ -15,16 +15,13 @@ address, so clients need a public peer among their ``initial_peers``.
 """
 
 import ipaddress
-import logging
 import socket
 from collections.abc import Sequence
 from typing import Any
 
 from hivemind.p2p import P2P
 
-logger = logging.getLogger(__name__)
-
-__all__ = ["decide", "relay_settings"]
+__all__ = ["decide", "maddr_parts", "relay_settings", "relayed"]
 
 _CLIENT = "diloco-client"
 # p2pd's flags for a client: private at once (it does not wait for AutoNAT's verdict), and its
@@ -35,11 +32,22 @@ P2P.FORCE_REACHABILITY_MAPPING.setdefault(
 )
 
 
+def maddr_parts(maddr: str) -> tuple[str | None, int | None, str | None]:
+    """Host, TCP port and peer id of a multiaddr (None where it has none)."""
+    words = maddr.split("/")
+    pairs = dict(zip(words[1::2], words[2::2]))
+    host = next((pairs[p] for p in ("ip4", "ip6", "dns", "dns4", "dns6") if p in pairs), None)
+    port = int(pairs["tcp"]) if pairs.get("tcp", "").isdigit() else None
+    return host, port, pairs.get("p2p")
+
+
 def _ip(maddr: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:
-    parts = maddr.split("/")
-    if len(parts) > 2 and parts[1] in ("ip4", "ip6"):
-        return ipaddress.ip_address(parts[2])
-    return None
+    """The IP address of a multiaddr (None: it has none, or a DNS name)."""
+    host = maddr_parts(maddr)[0]
+    try:
+        return None if host is None else ipaddress.ip_address(host)
+    except ValueError:
+        return None
 
 
 def _source_toward(ip: Any) -> Any:
