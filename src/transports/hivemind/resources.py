@@ -160,6 +160,8 @@ class Resources:
                 start=False,
                 host_maddrs=list(cfg.host_maddrs),
                 announce_maddrs=list(cfg.announce_maddrs) or None,
+                # nobody dials a client's DHT node (before its relay slot, a dial backs the address off)
+                client_mode=mode == "client",
                 **relay_settings(
                     mode, initial_peers=peers, addresses=[*cfg.host_maddrs, *cfg.announce_maddrs]
                 ),
@@ -235,6 +237,7 @@ class Resources:
             faults=self.faults,
             keys=self.keys,
             presence_key=presence_key,
+            client_mode=False,  # a full member, a client's too (through its relay)
             min_group_size=cfg.min_group_size,
             target_group_size=cfg.target_group_size,
             min_matchmaking_time=cfg.matchmaking_time,
