@@ -102,6 +102,7 @@ def main() -> None:
                     digest=digest(diloco),
                     finite=all(bool(torch.isfinite(p).all()) for p in diloco.global_params),
                     comm_seconds=report.comm_seconds,
+                    bytes_sent=report.bytes_sent,
                 )
             except TransportError as e:
                 inner.zero_grad()

@@ -128,6 +128,10 @@ def test_private_peers_behind_one_public_peer_average_with_everyone_and_a_privat
             for results in rounds:  # before: a private peer averaged alone or with the public one only
                 assert [r.get("contributors") for r in results] == [3, 3, 3], results
                 assert len({r["digest"] for r in results}) == 1
+                # clients own no parts (no payload crosses a relay): each sends the public peer its
+                # payload P, which sends each client the 2 others' (4P)
+                sent = [r["bytes_sent"] for r in results]
+                assert sent[1] == sent[2] and sent[0] == 4 * sent[1] > 0, sent
             late = PeerProcess(3, joiner, str(tmp_path / "3.log"), wrap=net.wrap(3))
             peers.append(late)
             late.next(60)  # its addresses
@@ -137,6 +141,8 @@ def test_private_peers_behind_one_public_peer_average_with_everyone_and_a_privat
             for results in _rounds(peers, 6)[4:]:
                 assert [r.get("contributors") for r in results] == [4, 4, 4, 4], results
                 assert len({r["digest"] for r in results}) == 1
+                sent = [r["bytes_sent"] for r in results]
+                assert len(set(sent[1:])) == 1 and sent[0] == 9 * sent[1] > 0, sent
             assert exit_all(peers)
         finally:
             for p in peers:

@@ -71,10 +71,15 @@ class Averager(Admission, Presence, Donors, Confirmations, RelayChecks, Decentra
         faults: HivemindFaults,
         keys: RunKeys,
         presence_key: str | None = None,
+        client: bool = False,
         **kwargs: Any,
     ) -> None:
         """``presence_key``: declare this peer alive in the DHT under that key (``swarm.Swarm`` reads it).
-        ``keys``: the run's (``auth``): joins, confirmations and state downloads are checked with them."""
+        ``keys``: the run's (``auth``): joins, confirmations and state downloads are checked with them.
+        ``client``: this peer cannot accept connections (``reachability``): it owns no parts (hivemind's
+        bandwidth 0) and serves no state, so that no payload and no state ever crosses a relay (hivemind's
+        p2pd relays at most 128 KiB per connection, ``docs/wan.md``); it still leads groups, confirms
+        and checks relays (small messages, relayed to it)."""
         self.codec = codec
         self.merge = merge
         self.faults = faults
@@ -86,10 +91,20 @@ class Averager(Admission, Presence, Donors, Confirmations, RelayChecks, Decentra
         self._relay_digests: OrderedDict[bytes, dict] = OrderedDict()
         self._groups: dict[bytes, dict] = {}  # per group id: its deadline, then its result's digest
         self.init_admission()
-        super().__init__(**kwargs)
+        # a full member all the same (its handlers served through its relay): not hivemind's client_mode
+        super().__init__(client_mode=False, bandwidth=0.0 if client else None, **kwargs)
         bench = BENCH_MATCHMAKINGS * self.matchmaking_kwargs["min_matchmaking_time"]
         self.strikes = Strikes(seconds=bench)
         self.apart_seconds = 2 * self.matchmaking_kwargs["min_matchmaking_time"]
+
+    @property
+    def allow_state_sharing(self) -> bool:
+        return DecentralizedAverager.allow_state_sharing.fget(self)
+
+    @allow_state_sharing.setter
+    def allow_state_sharing(self, value: bool) -> None:
+        """Never for a client (``__init__``): a joiner would download the state through a relay."""
+        DecentralizedAverager.allow_state_sharing.fset(self, value and self.bandwidth != 0)
 
     def run(self) -> None:
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl+C is the parent's: it closes us cleanly

@@ -135,6 +135,8 @@ class Resources:
     keys: RunKeys
     """The run's keys (``auth``): the run's DHT records are MACed with them, others' rejected."""
     dht: Any = None
+    client: bool = False
+    """This peer cannot accept connections (set by ``start_dht``): its averagers own no parts."""
     averagers: list = field(default_factory=list)
     pool: concurrent.futures.ThreadPoolExecutor | None = None
     p2pd_socket: str | None = None
@@ -180,7 +182,8 @@ class Resources:
                 "addresses right, is a peer there still running, and do all peers use the same run_id and secret? "
                 "(`diloco doctor` with the same options checks each address)"
             ) from None
-        relays = self._await_relay() if mode == "client" else []
+        self.client = mode == "client"
+        relays = self._await_relay() if self.client else []
         # a client's rounds are slower (through a relay): said where a run's warnings are
         logger.log(
             logging.WARNING if mode == "client" else logging.INFO,
@@ -237,7 +240,7 @@ class Resources:
             faults=self.faults,
             keys=self.keys,
             presence_key=presence_key,
-            client_mode=False,  # a full member, a client's too (through its relay)
+            client=self.client,
             min_group_size=cfg.min_group_size,
             target_group_size=cfg.target_group_size,
             min_matchmaking_time=cfg.matchmaking_time,
@@ -245,7 +248,7 @@ class Resources:
             allreduce_timeout=cfg.averaging_timeout,
             next_chunk_timeout=cfg.averaging_timeout / 4,
             part_size_bytes=self.part_size_bytes,
-            allow_state_sharing=share,
+            allow_state_sharing=share and not self.client,
             declare_state_period=presence_period(cfg.matchmaking_time),
         )
         # Started by hand: hivemind's run_in_background would make *this* process ignore Ctrl+C
