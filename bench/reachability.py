@@ -1,13 +1,13 @@
 """Peers that cannot accept connections, over links with latency: the trainer on hivemind in network namespaces.
 
-Not part of the test run; root only. Four peers (``diloco train``, hivemind, one process each, 1 torch
-thread), each in a network namespace of its own behind its own ``tc tbf`` link (``--rate``, both
+Not part of the test run; root only. ``--peers`` peers (default 4; ``diloco train``, hivemind, one process
+each, 1 torch thread), each in a network namespace of its own behind its own ``tc tbf`` link (``--rate``, both
 directions) with ``--delay`` seconds of one-way delay (``tests/netns.py``; netem is absent here). Two
 swarms on the same links, same seeds:
 
 - ``public``: every peer accepts connections;
-- ``nat``: only peer 0 does; peers 1-3 have private addresses and listen on their own loopback only (nobody
-  can connect to them, nor they to each other). ``transport.reachability`` is left at ``auto``: they find
+- ``nat``: only the first ``--public`` peers do (default 1); the others have private addresses and listen on
+  their own loopback only (nobody can connect to them, nor they to each other). ``transport.reachability`` is left at ``auto``: they find
   they are behind NAT and reach the others through peer 0's relay.
 
 Delay: every connection is accepted by a public peer, which listens on its loopback behind a delaying relay
@@ -17,10 +17,12 @@ between two private peers crosses the relay twice (4 x ``--delay``), as it cross
 
 Per swarm: each peer's share of rounds it contributed to (``num_contributors`` = 4 on its records), its
 goodput (the trainer's summary: busy seconds over the loop's wall), its final eval loss (the peers'
-replicas are the same where these are bit-identical), the mean round time.
+replicas are the same where these are bit-identical), the mean round time; per swarm, the rounds whose
+mean pseudo-gradient norm is bit-identical on every peer (the same mean everywhere, round by round).
 
     PYTHONPATH=src python bench/reachability.py --out runs/reach         # 2 swarms x 300 steps
     PYTHONPATH=src python bench/reachability.py --out runs/reach --quick # 60 steps
+    PYTHONPATH=src python bench/reachability.py --out runs/reach8 --peers 8 --public 2 --swarms nat
 """
 
 from __future__ import annotations
@@ -68,12 +70,13 @@ def _peer_cmd(*, out: Path, k: int, workers: int, args: argparse.Namespace, sets
     ]
 
 
-def swarm(name: str, *, private: set[int], args: argparse.Namespace, workers: int = 4) -> None:
+def swarm(name: str, *, private: set[int], args: argparse.Namespace) -> None:
     out = Path(args.out) / name
     out.mkdir(parents=True, exist_ok=True)
+    workers = args.peers
     with netns.Network(peers=workers, rate=args.rate, private=private) as net:
         procs = []
-        joined: list[str] = []
+        public: list[str] = []  # the public peers' addresses so far: a client's relays
         for k in range(workers):
             if k in private:
                 sets = ['transport.host_maddrs=["/ip4/127.0.0.1/tcp/0"]']
@@ -84,29 +87,35 @@ def swarm(name: str, *, private: set[int], args: argparse.Namespace, workers: in
                 net.popen(k, proxy, stdout=subprocess.DEVNULL)
                 sets = [f'transport.host_maddrs=["/ip4/127.0.0.1/tcp/{PORT}"]']
                 sets.append(f'transport.announce_maddrs=["/ip4/{net.address(k)}/tcp/{PROXY_PORT}"]')
+            if public:
+                sets.append(f"transport.initial_peers={json.dumps(public)}")
             err = out / f"p{k}.err"
-            cmd = _peer_cmd(out=out, k=k, workers=workers, args=args, sets=[*sets, *joined])
+            cmd = _peer_cmd(out=out, k=k, workers=workers, args=args, sets=sets)
             with open(err, "w") as f:
                 procs.append(net.popen(k, cmd, stderr=f, stdout=subprocess.DEVNULL))
-            if k == 0:
-                joined = [f"transport.initial_peers={first_addresses(err, procs[0])}"]
+            if k not in private:
+                public += json.loads(first_addresses(err, procs[k]))
         for k, p in enumerate(procs):
             if p.wait(timeout=3600) != 0:
                 raise RuntimeError(f"{name}: peer {k} exited with {p.returncode} (see {out}/p{k}.err)")
 
 
-def summarize(name: str, args: argparse.Namespace, workers: int = 4) -> dict:
+def summarize(name: str, args: argparse.Namespace) -> dict:
     rows = []
-    for k in range(workers):
+    norms: dict[int, set[float]] = {}  # each round's mean pseudo-gradient norm, on every peer
+    for k in range(args.peers):
         lines = (Path(args.out) / name / f"p{k}" / "metrics.jsonl").read_text().splitlines()
         records = [json.loads(line) for line in lines]
         rounds = [r for r in records if r["type"] == "round"]
+        for r in rounds:
+            norms.setdefault(r["round"], set()).add(r["mean_pseudo_grad_norm"])
         summary = next(r for r in records if r["type"] == "summary")
-        full = sum(r["num_contributors"] == workers for r in rounds)
+        full = sum(r["num_contributors"] == args.peers for r in rounds)
         rows.append({"peer": k, "rounds": len(rounds), "with_all": full, "goodput": summary["goodput"],
                      "eval_after": summary["eval_after"], "wall_s": summary["wall_s"],
                      "round_s": statistics.mean(r["round_s"] for r in rounds)})  # fmt: skip
-    return {"name": name, "peers": rows}
+    same = sum(len(v) == 1 for v in norms.values())
+    return {"name": name, "peers": rows, "rounds_with_one_mean": same, "rounds_seen": len(norms)}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -117,6 +126,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--delay", type=float, default=0.05, help="one-way seconds per link")
     p.add_argument("--quick", action="store_true", help="60 steps")
     p.add_argument("--swarms", default="nat,public")
+    p.add_argument("--peers", type=int, default=4)
+    p.add_argument("--public", type=int, default=1, help="peers that accept connections (nat swarm)")
     args = p.parse_args(argv)
     if (why := netns.available()) is not None:
         p.error(why)
@@ -125,13 +136,16 @@ def main(argv: list[str] | None = None) -> int:
     results = []
     for name in args.swarms.split(","):
         if not (Path(args.out) / name / "p0" / "metrics.jsonl").is_file():
-            swarm(name, private={1, 2, 3} if name == "nat" else set(), args=args)
+            private = set(range(args.public, args.peers)) if name == "nat" else set()
+            swarm(name, private=private, args=args)
         results.append(summarize(name, args))
     for r in results:
         for row in r["peers"]:
-            print(f"{r['name']:7s} peer {row['peer']}: {row['with_all']}/{row['rounds']} rounds with all 4, "
+            print(f"{r['name']:7s} peer {row['peer']}: {row['with_all']}/{row['rounds']} rounds with all, "
                   f"goodput {row['goodput']:.3f}, eval {row['eval_after']!r}, wall {row['wall_s']:.1f} s, "
                   f"round {row['round_s']:.2f} s")  # fmt: skip
+        print(f"{r['name']:7s}: the mean's norm equal on every peer in {r['rounds_with_one_mean']} of "
+              f"{r['rounds_seen']} rounds")  # fmt: skip
     (Path(args.out) / "summary.json").write_text(json.dumps(results, indent=1))
     return 0
 
