@@ -112,6 +112,7 @@ def diagnose(config: HivemindConfig) -> list[Finding]:
         faults=HivemindFaults(),
         part_size_bytes=2**19,
         keys=keys,
+        probe=True,
     )
     try:
         res.start_dht()

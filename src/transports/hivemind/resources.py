@@ -134,6 +134,8 @@ class Resources:
     part_size_bytes: int
     keys: RunKeys
     """The run's keys (``auth``): the run's DHT records are MACed with them, others' rejected."""
+    probe: bool = False
+    """A peer that leaves at once (``diloco doctor``): a DHT client, in nobody's routing table."""
     dht: Any = None
     client: bool = False
     """This peer cannot accept connections (set by ``start_dht``): its averagers own no parts."""
@@ -163,7 +165,7 @@ class Resources:
                 host_maddrs=list(cfg.host_maddrs),
                 announce_maddrs=list(cfg.announce_maddrs) or None,
                 # nobody dials a client's DHT node (before its relay slot, a dial backs the address off)
-                client_mode=mode == "client",
+                client_mode=mode == "client" or self.probe,
                 **relay_settings(
                     mode, initial_peers=peers, addresses=[*cfg.host_maddrs, *cfg.announce_maddrs]
                 ),
