@@ -78,8 +78,8 @@ class Averager(Admission, Presence, Donors, Confirmations, RelayChecks, Decentra
         ``keys``: the run's (``auth``): joins, confirmations and state downloads are checked with them.
         ``client``: this peer cannot accept connections (``reachability``): it owns no parts (hivemind's
         bandwidth 0) and serves no state, so that no payload and no state ever crosses a relay (hivemind's
-        p2pd relays at most 128 KiB per connection, ``docs/wan.md``); it still leads groups, confirms
-        and checks relays (small messages, relayed to it)."""
+        p2pd relays 128 KiB per connection in most of its starts, ``docs/wan.md``); it still leads groups,
+        confirms and checks relays (small messages, relayed to it)."""
         self.codec = codec
         self.merge = merge
         self.faults = faults
