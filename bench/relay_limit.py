@@ -41,7 +41,14 @@ async def _public(address: str) -> None:
         **relay_settings("public", initial_peers=[], addresses=announce),
     )
     print(json.dumps([str(m) for m in await p2p.get_visible_maddrs()]), flush=True)
-    await asyncio.sleep(3600)
+    await _until_stdin_closes(p2p)
+
+
+async def _until_stdin_closes(p2p: P2P) -> None:
+    """Serve until the parent closes our stdin, then shut down cleanly (hivemind removes its socket files
+    on a clean shutdown only)."""
+    await asyncio.get_running_loop().run_in_executor(None, sys.stdin.read)
+    await p2p.shutdown()
 
 
 async def _client(initial: list[str]) -> P2P:
@@ -66,7 +73,7 @@ async def _receiver(initial: list[str]) -> None:
 
     await p2p.add_protobuf_handler("big", answer, runtime_pb2.Tensor)
     print(json.dumps(p2p.peer_id.to_base58()), flush=True)
-    await asyncio.sleep(3600)
+    await _until_stdin_closes(p2p)
 
 
 async def _sender(initial: list[str], *, to: str, sends: int) -> None:
@@ -95,13 +102,16 @@ def _line(proc: subprocess.Popen, timeout: float = 60) -> str:
 def _start(sends: int) -> int:
     """Messages of ``sends`` that went through in one start."""
     me = [sys.executable, __file__, "--role"]
+    pipes = {"stdin": subprocess.PIPE, "stdout": subprocess.PIPE, "text": True}
     with netns.Network(peers=3, private=(1, 2)) as net:
-        public = net.popen(0, [*me, "public", net.address(0)], stdout=subprocess.PIPE, text=True)
+        public = net.popen(0, [*me, "public", net.address(0)], **pipes)
         initial = json.dumps([m for m in json.loads(_line(public)) if net.address(0) in m])
-        receiver = net.popen(1, [*me, "receiver", initial], stdout=subprocess.PIPE, text=True)
+        receiver = net.popen(1, [*me, "receiver", initial], **pipes)
         to = json.loads(_line(receiver))
         sender = net.popen(2, [*me, "sender", initial, to, str(sends)], stdout=subprocess.PIPE, text=True)
         out = sender.communicate(timeout=60 + 40 * sends)[0]
+        for server in (receiver, public):  # a clean shutdown: no socket file left in /tmp
+            server.communicate(timeout=30)
         return json.loads(out.strip().splitlines()[-1])["through"]
 
 
