@@ -8,7 +8,7 @@ swarms on the same links, same seeds:
 - ``public``: every peer accepts connections;
 - ``nat``: only the first ``--public`` peers do (default 1); the others have private addresses and listen on
   their own loopback only (nobody can connect to them, nor they to each other). ``transport.reachability`` is left at ``auto``: they find
-  they are behind NAT and reach the others through peer 0's relay.
+  they are behind NAT and reach the others through the public peers' relays.
 
 Delay: every connection is accepted by a public peer, which listens on its loopback behind a delaying relay
 (``tests/delay_proxy.py``) holding each byte 2 x ``--delay`` in each direction: one direction of a
@@ -102,20 +102,25 @@ def swarm(name: str, *, private: set[int], args: argparse.Namespace) -> None:
 
 def summarize(name: str, args: argparse.Namespace) -> dict:
     rows = []
-    norms: dict[int, set[float]] = {}  # each round's mean pseudo-gradient norm, on every peer
+    # per round: its mean pseudo-gradient norms, and the peers that recorded it
+    norms: dict[int, tuple[set[float], set[int]]] = {}
     for k in range(args.peers):
         lines = (Path(args.out) / name / f"p{k}" / "metrics.jsonl").read_text().splitlines()
         records = [json.loads(line) for line in lines]
         rounds = [r for r in records if r["type"] == "round"]
         for r in rounds:
-            norms.setdefault(r["round"], set()).add(r["mean_pseudo_grad_norm"])
+            seen = norms.setdefault(r["round"], (set(), set()))
+            seen[0].add(r["mean_pseudo_grad_norm"])
+            seen[1].add(k)
         summary = next(r for r in records if r["type"] == "summary")
         full = sum(r["num_contributors"] == args.peers for r in rounds)
         rows.append({"peer": k, "rounds": len(rounds), "with_all": full, "goodput": summary["goodput"],
                      "eval_after": summary["eval_after"], "wall_s": summary["wall_s"],
                      "round_s": statistics.mean(r["round_s"] for r in rounds)})  # fmt: skip
-    same = sum(len(v) == 1 for v in norms.values())
-    return {"name": name, "peers": rows, "rounds_with_one_mean": same, "rounds_seen": len(norms)}
+    # the rounds every peer recorded (a round one peer averaged alone proves nothing)
+    everyone = [v for v in norms.values() if len(v[1]) == args.peers]
+    same = sum(len(v[0]) == 1 for v in everyone)
+    return {"name": name, "peers": rows, "rounds_with_one_mean": same, "rounds_seen": len(everyone)}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -145,7 +150,7 @@ def main(argv: list[str] | None = None) -> int:
                   f"goodput {row['goodput']:.3f}, eval {row['eval_after']!r}, wall {row['wall_s']:.1f} s, "
                   f"round {row['round_s']:.2f} s")  # fmt: skip
         print(f"{r['name']:7s}: the mean's norm equal on every peer in {r['rounds_with_one_mean']} of "
-              f"{r['rounds_seen']} rounds")  # fmt: skip
+              f"the {r['rounds_seen']} rounds every peer recorded")  # fmt: skip
     (Path(args.out) / "summary.json").write_text(json.dumps(results, indent=1))
     return 0
 

@@ -96,6 +96,8 @@ def _line(proc: subprocess.Popen, timeout: float = 60) -> str:
         line = proc.stdout.readline()
         if line.strip():
             return line.strip()
+        if not line and proc.poll() is not None:
+            raise RuntimeError(f"a peer exited ({proc.returncode}) before its first line")
     raise RuntimeError("no line from a peer within 60 s")
 
 

@@ -184,6 +184,20 @@ def test_the_group_blames_whom_most_reports_blame_and_a_peer_that_saw_everyone_f
     assert culprits(4, {a: {x}, b: set(), c: set()}) == set()  # one view alone blames nobody
 
 
+def test_a_client_is_judged_by_the_owners_it_exchanges_with():
+    p, c1, c2, c3 = 0, 1, 2, 3  # one public peer owns every part; the clients own none
+    # the owner saw client c3 fail; the other clients exchanged with the owner only and saw nothing
+    assert culprits(4, {p: {c3}, c1: set(), c2: set(), c3: {p}}, owners=[p]) == {c3}
+    # before: one report of four, short of 2: the failing client was never benched
+    assert culprits(4, {p: {c3}, c1: set(), c2: set(), c3: {p}}) == set()
+    # the owner failing every client: blamed by them, its own view convicts nobody
+    assert culprits(4, {p: set(), c1: {p}, c2: {p}, c3: {p}}, owners=[p]) == {p}
+    # two owners: a client needs both to blame it, one view alone does not convict
+    q = 4
+    assert culprits(5, {p: {c3}, q: {c3}, c1: set(), c2: set()}, owners=[p, q]) == {c3}
+    assert culprits(5, {p: {c3}, q: set(), c1: set(), c2: set()}, owners=[p, q]) == set()
+
+
 def test_a_report_is_read_only_as_indices_of_the_group():
     assert read_report(report(["a", "b", "x"], {"x"}), size=3, sender=0) == {2}
     assert read_report(bytes([5]), size=3, sender=0) == set()  # out of the group

@@ -74,12 +74,12 @@ class Averager(Admission, Presence, Donors, Confirmations, RelayChecks, Decentra
         client: bool = False,
         **kwargs: Any,
     ) -> None:
-        """``presence_key``: declare this peer alive in the DHT under that key (``swarm.Swarm`` reads it).
-        ``keys``: the run's (``auth``): joins, confirmations and state downloads are checked with them.
-        ``client``: this peer cannot accept connections (``reachability``): it owns no parts (hivemind's
-        bandwidth 0) and serves no state, so that no payload and no state ever crosses a relay (hivemind's
-        p2pd relays 128 KiB per connection in most of its starts, ``docs/wan.md``); it still leads groups,
-        confirms and checks relays (small messages, relayed to it)."""
+        """``presence_key``: declare this peer alive in the DHT under that key (``swarm.Swarm``
+        reads it). ``keys``: the run's (``auth``): joins, confirmations and state downloads are
+        checked with them. ``client``: this peer cannot accept connections (``reachability``): it
+        owns no parts (hivemind's bandwidth 0) and serves no state, so that no payload and no state
+        ever crosses a relay (hivemind's p2pd relays 128 KiB per connection in most of its starts,
+        ``docs/wan.md``); it still leads groups, confirms and checks relays (small messages)."""
         self.codec = codec
         self.merge = merge
         self.faults = faults
@@ -91,7 +91,7 @@ class Averager(Admission, Presence, Donors, Confirmations, RelayChecks, Decentra
         self._relay_digests: OrderedDict[bytes, dict] = OrderedDict()
         self._groups: dict[bytes, dict] = {}  # per group id: its deadline, then its result's digest
         self.init_admission()
-        # a full member all the same (its handlers served through its relay): not hivemind's client_mode
+        # a full member all the same (served through its relay): not hivemind's client_mode
         super().__init__(client_mode=False, bandwidth=0.0 if client else None, **kwargs)
         bench = BENCH_MATCHMAKINGS * self.matchmaking_kwargs["min_matchmaking_time"]
         self.strikes = Strikes(seconds=bench)
@@ -282,6 +282,7 @@ class Averager(Admission, Presence, Donors, Confirmations, RelayChecks, Decentra
             digest=digest,
             deadline=deadline,
             failed=runner.blamed,
+            owners=runner.owners(),
         )
         left_out = [
             dataclasses.astuple(o) for o in combined(runner.left_out)

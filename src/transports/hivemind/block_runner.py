@@ -48,9 +48,10 @@ _NONE = runtime_pb2.CompressionType.NONE
 
 def values_per_part(codec: Codec, part_size_bytes: int, *, values: int, members: int) -> int:
     """Values per butterfly part: whole blocks whose payload fits ``part_size_bytes`` (one block at
-    least), and no more than a ``members``' share of the ``values``, so that every member owns a part
-    where the values allow: the blame (``blame.py``) needs every pair of members to exchange (with one
-    owner, a failing sender and that owner blame each other and nobody else sees a thing)."""
+    least), and no more than a ``members``' share of the ``values``, so that every member that may own
+    parts (not a client) owns one where the values allow: the blame (``blame.py``) needs every pair of
+    them to exchange (with one owner, a failing sender and that owner blame each other and nobody else
+    sees a thing; a client is judged by the owners alone)."""
     fits = max(1, part_size_bytes // codec.payload_bytes(codec.block))
     share = max(1, values // members // codec.block)
     return min(fits, share) * codec.block

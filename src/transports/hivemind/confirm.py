@@ -126,11 +126,13 @@ class Confirmations:
         digest: bytes,
         deadline: float,
         failed: Collection[Any] = (),
+        owners: Collection[int] | None = None,
     ) -> None:
         """Send every groupmate (ok, ``digest``) and wait for theirs until ``deadline`` (monotonic); raise
         ``AllreduceException`` unless every one of them reported ok with this very digest:
         ``ExchangeFailed`` where the group blames some of its members (``blame``). ``failed``: the
-        groupmates this peer's runner saw fail (reported instead of the digest, where it failed)."""
+        groupmates this peer's runner saw fail (reported instead of the digest, where it failed);
+        ``owners``: the members that own parts (``blame.culprits``)."""
         others = [p for p in peer_ids if p != self.peer_id]
         if error is not None:
             digest = report(peer_ids, failed)
@@ -168,6 +170,7 @@ class Confirmations:
                 failed=failed,
                 got=wait.got,
                 abstained=abstained,
+                owners=owners,
             )
 
     def _confirmation(
@@ -232,6 +235,7 @@ class Confirmations:
         failed: Collection[Any],
         got: dict[Any, tuple[bool, bytes]],
         abstained: set[int],
+        owners: Collection[int] | None,
     ) -> NoReturn:
         """Raise the round's failure: ``ExchangeFailed`` naming whom the group's reports blame
         (``blame``; a groupmate that abstained is not at fault), else ``AllreduceException``."""
@@ -240,7 +244,7 @@ class Confirmations:
         for p, (ok, d) in got.items():  # a groupmate that confirmed blames nobody
             i = peer_ids.index(p)
             reports[i] = frozenset() if ok else read_report(d, size=size, sender=i)
-        guilty = culprits(size, reports) - abstained  # withheld on purpose: no fault
+        guilty = culprits(size, reports, owners) - abstained  # withheld on purpose: no fault
         if guilty:
             blamed = tuple(peer_ids[i].to_bytes() for i in sorted(guilty))
             raise ExchangeFailed(blamed, f"round not committed: {error}")

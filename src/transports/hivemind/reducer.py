@@ -175,6 +175,10 @@ class Runner(AllReduceRunner):
         for t in container.local_tensors:
             yield t
 
+    def owners(self) -> list[int]:
+        """The members (group indices) that own parts: all but those of fraction 0 (clients)."""
+        return [i for i, n in enumerate(self.tensor_part_container.num_parts_by_peer) if n]
+
     def digest(self) -> bytes:
         """A fingerprint of the exact bits of the result, from every part's sum in result order: a changed
         value changes its part's sum, a part in the wrong place changes the order. It is computed as the

@@ -164,7 +164,7 @@ class Resources:
                 start=False,
                 host_maddrs=list(cfg.host_maddrs),
                 announce_maddrs=list(cfg.announce_maddrs) or None,
-                # nobody dials a client's DHT node (before its relay slot, a dial backs the address off)
+                # nobody dials a client's DHT node (a dial before its relay slot backs it off)
                 client_mode=mode == "client" or self.probe,
                 **relay_settings(
                     mode, initial_peers=peers, addresses=[*cfg.host_maddrs, *cfg.announce_maddrs]
