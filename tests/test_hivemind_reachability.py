@@ -4,6 +4,7 @@ and listens on its own loopback only, so nobody can connect to it, and two of th
 
 from __future__ import annotations
 
+import glob
 import json
 import os
 import subprocess
@@ -11,6 +12,7 @@ import sys
 import time
 
 import netns
+import procs
 import pytest
 from peer_process import PeerProcess, exit_all
 
@@ -98,6 +100,7 @@ def _rounds(peers: list[PeerProcess], n: int) -> list[list[dict]]:
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_private_peers_behind_one_public_peer_average_with_everyone_and_a_private_joiner_joins(tmp_path):
+    sockets_before = set(glob.glob("/tmp/hivemind-*.sock"))
     with netns.Network(peers=4, private=(1, 2, 3)) as net:
         public = f"/ip4/{net.address(0)}/tcp/4000/p2p/12D3KooWExample"
         assert _decide_in(net, 1, public) == "client"  # auto: its own address toward it is private
@@ -149,3 +152,5 @@ def test_private_peers_behind_one_public_peer_average_with_everyone_and_a_privat
                 p.kill()
         names = [net.name(k) for k in range(4)]
     assert not set(names) & set(netns.namespaces())
+    # the doctor whose bootstrap failed (wrong run id) left its daemon's socket file in /tmp
+    assert procs.stale_sockets(set(glob.glob("/tmp/hivemind-*.sock")) - sockets_before) == set()

@@ -29,7 +29,7 @@ from .hivemind_config import HivemindConfig
 from .orphan import leave_with_parent
 from .presence import presence_period
 from .reachability import decide, relay_settings, relayed
-from .socket_files import bound_by, remove_stale
+from .socket_files import bound_by, daemon_sockets, remove_stale
 
 logger = logging.getLogger(__name__)
 
@@ -158,6 +158,7 @@ class Resources:
         mode, why = decide(
             cfg.reachability, initial_peers=peers, announce_maddrs=cfg.announce_maddrs
         )
+        before = daemon_sockets()
         with _FORK_LOCK:
             self.dht = DHT(
                 initial_peers=list(cfg.initial_peers),
@@ -177,6 +178,8 @@ class Resources:
         try:
             _wait_until_ready(self.dht, "DHT")
         except Exception as e:  # hivemind's RuntimeError, or p2pd's P2PDaemonError: the same cause
+            for path in daemon_sockets() - before:  # the failed daemon's, left in /tmp
+                remove_stale(path, wait=0.5)
             if "bootstrap" not in str(e):
                 raise
             raise TransportError(
@@ -199,12 +202,10 @@ class Resources:
         self.p2pd_socket = maddr.value_for_protocol("unix") if "/unix/" in str(maddr) else None
 
     def _await_relay(self) -> list[str]:
-        """A client's relayed addresses, once its daemon has reserved a slot ([] after
-        ``RELAY_WAIT``)."""
+        """A client's relayed addresses once its daemon has a relay slot ([] after ``RELAY_WAIT``)."""
         deadline = time.monotonic() + RELAY_WAIT
-        while True:
-            found = relayed(self.dht.get_visible_maddrs(latest=True))
-            if found or time.monotonic() >= deadline:
+        while not (found := relayed(self.dht.get_visible_maddrs(latest=True))):
+            if time.monotonic() >= deadline:
                 break
             time.sleep(0.2)
         if not found:

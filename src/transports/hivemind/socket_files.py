@@ -9,11 +9,20 @@ parent records each averager's files once it is up (``bound_by``: from /proc, Li
 from __future__ import annotations
 
 import contextlib
+import glob
 import os
 import time
 from pathlib import Path
 
-__all__ = ["bound_by", "remove_stale"]
+__all__ = ["bound_by", "daemon_sockets", "remove_stale"]
+
+DAEMON_SOCKETS = "/tmp/hivemind-p2pd-*.sock"
+
+
+def daemon_sockets() -> set[str]:
+    """The p2p daemons' socket files in /tmp now (any process's): a daemon that failed to start leaves
+    its file behind, unnamed to us; the files that appeared meanwhile and nothing binds are its."""
+    return set(glob.glob(DAEMON_SOCKETS))
 
 
 def _bound() -> dict[str, str]:
