@@ -29,7 +29,7 @@ from .hivemind_config import HivemindConfig
 from .orphan import leave_with_parent
 from .presence import presence_period
 from .reachability import decide, relay_settings, relayed
-from .socket_files import bound_by, daemon_sockets, remove_stale
+from .socket_files import bound_by, daemon_sockets, remove_new_stale, remove_stale
 
 logger = logging.getLogger(__name__)
 
@@ -178,8 +178,7 @@ class Resources:
         try:
             _wait_until_ready(self.dht, "DHT")
         except Exception as e:  # hivemind's RuntimeError, or p2pd's P2PDaemonError: the same cause
-            for path in daemon_sockets() - before:  # the failed daemon's, left in /tmp
-                remove_stale(path, wait=0.5)
+            remove_new_stale(before)  # the failed daemon's, left in /tmp
             if "bootstrap" not in str(e):
                 raise
             raise TransportError(

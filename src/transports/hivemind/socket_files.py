@@ -14,7 +14,7 @@ import os
 import time
 from pathlib import Path
 
-__all__ = ["bound_by", "daemon_sockets", "remove_stale"]
+__all__ = ["bound_by", "daemon_sockets", "remove_new_stale", "remove_stale"]
 
 DAEMON_SOCKETS = "/tmp/hivemind-p2pd-*.sock"
 
@@ -23,6 +23,13 @@ def daemon_sockets() -> set[str]:
     """The p2p daemons' socket files in /tmp now (any process's): a daemon that failed to start leaves
     its file behind, unnamed to us; the files that appeared meanwhile and nothing binds are its."""
     return set(glob.glob(DAEMON_SOCKETS))
+
+
+def remove_new_stale(before: set[str]) -> None:
+    """Remove the daemon socket files that appeared since ``before`` (``daemon_sockets()``) and that
+    nothing binds."""
+    for path in daemon_sockets() - before:
+        remove_stale(path, wait=0.5)
 
 
 def _bound() -> dict[str, str]:
