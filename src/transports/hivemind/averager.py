@@ -92,6 +92,9 @@ class Averager(Admission, Presence, Donors, Confirmations, RelayChecks, Decentra
         self._groups: dict[bytes, dict] = {}  # per group id: its deadline, then its result's digest
         self.init_admission()
         # a full member all the same (served through its relay): not hivemind's client_mode
+        kwargs["allow_state_sharing"] = (
+            kwargs.get("allow_state_sharing") is not False and not client
+        )
         super().__init__(client_mode=False, bandwidth=0.0 if client else None, **kwargs)
         bench = BENCH_MATCHMAKINGS * self.matchmaking_kwargs["min_matchmaking_time"]
         self.strikes = Strikes(seconds=bench)

@@ -158,6 +158,7 @@ class Resources:
         mode, why = decide(
             cfg.reachability, initial_peers=peers, announce_maddrs=cfg.announce_maddrs
         )
+        self.client = mode == "client"
         before = daemon_sockets()
         with _FORK_LOCK:
             self.dht = DHT(
@@ -166,7 +167,7 @@ class Resources:
                 host_maddrs=list(cfg.host_maddrs),
                 announce_maddrs=list(cfg.announce_maddrs) or None,
                 # nobody dials a client's DHT node (a dial before its relay slot backs it off)
-                client_mode=mode == "client" or self.probe,
+                client_mode=self.client or self.probe,
                 **relay_settings(
                     mode, initial_peers=peers, addresses=[*cfg.host_maddrs, *cfg.announce_maddrs]
                 ),
@@ -186,11 +187,10 @@ class Resources:
                 "addresses right, is a peer there still running, and do all peers use the same run_id and secret? "
                 "(`diloco doctor` with the same options checks each address)"
             ) from None
-        self.client = mode == "client"
         relays = self._await_relay() if self.client else []
         # a client's rounds are slower (through a relay): said where a run's warnings are
         logger.log(
-            logging.WARNING if mode == "client" else logging.INFO,
+            logging.WARNING if self.client else logging.INFO,
             "reachability: %s (%s)%s",
             mode,
             why,
@@ -250,7 +250,7 @@ class Resources:
             allreduce_timeout=cfg.averaging_timeout,
             next_chunk_timeout=cfg.averaging_timeout / 4,
             part_size_bytes=self.part_size_bytes,
-            allow_state_sharing=share and not self.client,
+            allow_state_sharing=share,
             declare_state_period=presence_period(cfg.matchmaking_time),
         )
         # Started by hand: hivemind's run_in_background would make *this* process ignore Ctrl+C
