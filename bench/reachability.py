@@ -18,7 +18,10 @@ between two private peers crosses the relay twice (4 x ``--delay``), as it cross
 Per swarm: each peer's share of rounds it contributed to (``num_contributors`` = 4 on its records), its
 goodput (the trainer's summary: busy seconds over the loop's wall), its final eval loss (the peers'
 replicas are the same where these are bit-identical), the mean round time; per swarm, the rounds whose
-mean pseudo-gradient norm is bit-identical on every peer (the same mean everywhere, round by round).
+mean pseudo-gradient norm is bit-identical on every peer (the same mean everywhere, round by round), and
+a round's time (H steps' compute and the sync, medians over every peer's rounds from the third on with
+every peer in) against ``diloco plan``'s prediction for the same link and the measured step time: a peer
+to peer one-way latency of 2 x ``--delay`` (``diloco_train.plan``, ``routes``).
 
     PYTHONPATH=src python bench/reachability.py --out runs/reach         # 2 swarms x 300 steps
     PYTHONPATH=src python bench/reachability.py --out runs/reach --quick # 60 steps
@@ -39,13 +42,19 @@ sys.path.insert(0, str(HERE.parent / "tests"))
 import netns
 from insider import first_addresses  # bench/, this script's folder
 
+from diloco_train.model import ModelConfig, count_parameters
+from diloco_train.plan import Link, Method, seconds_per_round
+from diloco_train.routes import route
+
 PORT, PROXY_PORT = 4000, 4001
+H = 10  # the trainer's inner steps (its default)
 SECRET = "reachability-bench-secret-0123456789"
 
 
 def _peer_cmd(*, out: Path, k: int, workers: int, args: argparse.Namespace, sets: list[str]) -> list[str]:
     base = [
         "train.mode=diloco",
+        f"diloco.inner_steps={H}",
         f"train.steps={args.steps}",
         f"train.num_shards={workers}",
         f"train.shard={k}",
@@ -120,7 +129,27 @@ def summarize(name: str, args: argparse.Namespace) -> dict:
     # the rounds every peer recorded (a round one peer averaged alone proves nothing)
     everyone = [v for v in norms.values() if len(v[1]) == args.peers]
     same = sum(len(v[0]) == 1 for v in everyone)
-    return {"name": name, "peers": rows, "rounds_with_one_mean": same, "rounds_seen": len(everyone)}
+    return {"name": name, "peers": rows, "rounds_with_one_mean": same, "rounds_seen": len(everyone),
+            "plan": against_plan(name, args)}  # fmt: skip
+
+
+def against_plan(name: str, args: argparse.Namespace) -> dict:
+    """A round's measured time (H steps and the sync) and ``diloco plan``'s for the same link."""
+    steps, syncs = [], []
+    for k in range(args.peers):
+        lines = (Path(args.out) / name / f"p{k}" / "metrics.jsonl").read_text().splitlines()
+        records = [json.loads(line) for line in lines]
+        steps += [r["compute_s"] for r in records if r["type"] == "step" and r["step"] > 2 * H]
+        syncs += [r["comm_s"] for r in records if r["type"] == "round" and r["round"] >= 3
+                  and r["num_contributors"] == args.peers]  # fmt: skip
+    step_s = statistics.median(steps)
+    sync = route(count_parameters(ModelConfig()), "int4", transport="hivemind", workers=args.peers)
+    link = Link(mbit=float(args.rate.removesuffix("mbit")), latency_ms=2e3 * args.delay)
+    planned = seconds_per_round(step_s=step_s, round_bytes=sync.bytes_out, link=link,
+                                workers=args.peers, method=Method("blocking", H), latencies=sync.latencies)  # fmt: skip
+    measured = H * step_s + statistics.median(syncs)
+    return {"step_s": step_s, "sync_s": statistics.median(syncs), "round_s": measured,
+            "planned_round_s": planned, "planned_sync_s": planned - H * step_s, "rounds": len(syncs)}  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -151,6 +180,10 @@ def main(argv: list[str] | None = None) -> int:
                   f"round {row['round_s']:.2f} s")  # fmt: skip
         print(f"{r['name']:7s}: the mean's norm equal on every peer in {r['rounds_with_one_mean']} of "
               f"the {r['rounds_seen']} rounds every peer recorded")  # fmt: skip
+        q = r["plan"]
+        print(f"{r['name']:7s}: a round {q['round_s']:.3f} s ({H} steps of {q['step_s']:.4f} s, sync "
+              f"{q['sync_s']:.3f} s; {q['rounds']} rounds), diloco plan {q['planned_round_s']:.3f} s (sync "
+              f"{q['planned_sync_s']:.3f} s): {100 * (q['planned_round_s'] / q['round_s'] - 1):+.1f}%")  # fmt: skip
     (Path(args.out) / "summary.json").write_text(json.dumps(results, indent=1))
     return 0
 

@@ -12,6 +12,7 @@ import pytest
 from diloco_core import MergeRule, codec_for
 from diloco_train.cli import main
 from diloco_train.plan import Link, Method, ddp_seconds, seconds_per_round, sync_bytes
+from diloco_train.routes import HIVEMIND_PHASES, route
 from transports.torch.wire_bytes import GATHER_RANKS
 
 TINY = 918_656  # the trainer's tiny model: the benchmark's (bench/time_to_loss.py)
@@ -65,6 +66,38 @@ def test_each_mode_waits_for_what_its_compute_does_not_hide() -> None:
     assert ddp_seconds(step_s=0.1, grad_bytes=1e6, link=link, workers=2) == pytest.approx(0.1 + t)
     with pytest.raises(ValueError, match=r"mode='lazy' is invalid"):
         Method("lazy", 10)
+
+
+def test_a_sync_waits_for_the_one_way_latencies_its_transport_makes_one_after_another() -> None:
+    # torch: the header's all-gather (a ring: W - 1 hops), then the payload path's own
+    assert route(TINY, "fp32", transport="torch", workers=4, rule=MergeRule.MEAN).latencies == 3 + 6  # a ring
+    assert route(TINY, "int4", transport="torch", workers=4).latencies == 3 + 1  # pairwise exchange
+    assert route(TINY, "int4", transport="torch", workers=9).latencies == 8 + 1 + 8  # all-to-all, all-gather
+    # hivemind: its round's phases; every member's payload to every other member, through the parts' owners
+    hm = route(TINY, "int4", transport="hivemind", workers=4)
+    assert hm.latencies == sum(n for _, n in HIVEMIND_PHASES) == 19
+    # the transport's own count in a 4-peer run (bench/reachability.py): 1,422,696 bytes out of each peer
+    assert hm.bytes_out == 3 * codec_for("int4").payload_bytes(TINY) == pytest.approx(1_422_696, rel=2e-3)
+    assert sync_bytes(TINY, "int4", workers=4, transport="hivemind") == hm.bytes_out
+    assert route(TINY, "int4", transport="hivemind", workers=1) == route(TINY, "int4", transport="torch", workers=1)
+    with pytest.raises(ValueError, match=r"transport='gloo' is invalid: expected one of \['torch', 'hivemind'\]"):
+        route(TINY, "int4", transport="gloo", workers=4)
+    link = Link(mbit=100, latency_ms=100)
+    assert link.seconds(1.25e6, workers=4, latencies=19) == pytest.approx(1.9 + 0.1)
+    kw = {"step_s": 0.4, "round_bytes": 1.25e6, "link": link, "workers": 4, "method": Method("blocking", 10)}
+    assert seconds_per_round(**kw, latencies=19) == pytest.approx(4.0 + 2.0)
+    assert ddp_seconds(step_s=0.1, grad_bytes=1.25e6, link=link, workers=4) == pytest.approx(0.1 + 0.6 + 0.1)  # 6 hops
+
+
+@pytest.mark.timeout(60)
+def test_plan_on_hivemind_charges_its_rounds_bytes_and_latencies(capsys: pytest.CaptureFixture) -> None:
+    # bench/reachability.py's links: 100 Mbit/s each, 50 ms one-way each, so 100 ms from peer to peer
+    argv = ["plan", "--params", str(TINY), "--step-s", "0.385", "--link-mbit", "100", "--latency-ms", "100"]
+    assert main([*argv, "--workers", "4", "--transport", "hivemind", "--inner-steps", "10"]) == 0
+    out = capsys.readouterr().out
+    sync = 19 * 0.1 + 3 * codec_for("int4").payload_bytes(TINY) / 12.5e6
+    assert "waits for 19 one-way latencies" in out and f": {sync:.3f} s on the link" in out
+    assert _row(out, 10)[1:3] == [f"{100 * 3.85 / (3.85 + sync):.1f}%", f"{100 * (3.85 + sync):,.0f}"]
 
 
 def _row(out: str, h: int) -> list[str]:

@@ -4,8 +4,9 @@
 The model, per worker (every worker alike):
 
 - a step computes for ``step_s`` seconds (forward, backward, optimizer: measured, not modelled);
-- a sync moves ``bytes_out`` bytes out of each worker (the torch transport's paths: ``wire_bytes``) over the
-  link in ``latency + bytes x 8 / rate`` seconds; a ``shared`` link (one queue for every worker, as the
+- a sync moves ``bytes_out`` bytes out of each worker over the link in ``n x latency + bytes x 8 / rate``
+  seconds, its bytes and its ``n`` one-way latencies as the transport carries it (``routes``: the torch
+  transport's paths and gloo's rings, hivemind's round phases; DDP: a ring, 2(W - 1)); a ``shared`` link (one queue for every worker, as the
   benchmark's ``tc`` loopback is) carries every worker's bytes in turn; a token-bucket link (``tc tbf``'s
   ``burst``) lets up to ``burst_bytes`` through at once after the compute before the sync refilled them;
 - what the link time is hidden behind: nothing for DDP's gradients and blocking rounds; the next ``H`` steps
@@ -13,8 +14,8 @@ The model, per worker (every worker alike):
 
 Not modelled: the round's own arithmetic outside the reduce (pseudo-gradient, encode and decode, outer step:
 ``bench/time_to_loss.py`` adds what each blocking round measured; ``diloco plan`` takes it as part of the step
-time it is given), stragglers, TCP's ramp-up, one latency per hop (a sync pays one: a ring of W workers pays
-about 2(W-1)), and the warm start (DDP steps: ``ddp_seconds``).
+time it is given), stragglers, TCP's ramp-up and flow-control windows beyond the first, and the warm start
+(DDP steps: ``ddp_seconds``).
 """
 
 from __future__ import annotations
@@ -22,8 +23,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from diloco_core import Codec, MergeRule, codec_for
-from transports.torch.wire_bytes import bytes_out, path_of
+from diloco_core import Codec, MergeRule
+
+from .routes import route
 
 __all__ = [
     "MODES",
@@ -42,9 +44,9 @@ MODES = ("blocking", "streaming", "eager")
 
 @dataclass(frozen=True)
 class Link:
-    """Each worker's link: ``mbit`` (10^6 bit/s; 0: no limit), a ``latency_ms`` per sync, whether every worker's
-    traffic shares it (``shared``) or each worker has its own full-duplex link, and a token bucket's depth
-    (``burst_bytes``: tc tbf's ``burst``; 0 for a plain link)."""
+    """Each worker's link: ``mbit`` (10^6 bit/s; 0: no limit), the one-way ``latency_ms`` from one worker to
+    another, whether every worker's traffic shares it (``shared``) or each worker has its own full-duplex
+    link, and a token bucket's depth (``burst_bytes``: tc tbf's ``burst``; 0 for a plain link)."""
 
     mbit: float
     latency_ms: float = 0.0
@@ -61,16 +63,20 @@ class Link:
         if not self.burst_bytes >= 0:
             raise ValueError(f"link burst_bytes={self.burst_bytes!r} is invalid: expected >= 0")
 
-    def seconds(self, nbytes: float, *, workers: int, idle_s: float = 0.0) -> float:
-        """Seconds until a sync that sends ``nbytes`` out of each of ``workers`` workers is through, the link
-        idle for ``idle_s`` before it (a token bucket refills meanwhile, up to ``burst_bytes``)."""
+    def seconds(
+        self, nbytes: float, *, workers: int, idle_s: float = 0.0, latencies: int = 1
+    ) -> float:
+        """Seconds until a sync that sends ``nbytes`` out of each of ``workers`` workers and waits for
+        ``latencies`` one-way latencies is through, the link idle for ``idle_s`` before it (a token bucket
+        refills meanwhile, up to ``burst_bytes``)."""
+        waits = latencies * self.latency_ms / 1e3
         if not self.mbit:
-            return self.latency_ms / 1e3
+            return waits
         rate = self.mbit * 1e6 / 8  # bytes per second
         on_link = max(
             0.0, nbytes * (workers if self.shared else 1) - min(self.burst_bytes, idle_s * rate)
         )
-        return self.latency_ms / 1e3 + on_link / rate
+        return waits + on_link / rate
 
 
 @dataclass(frozen=True)
@@ -110,13 +116,15 @@ class Method:
 
 
 def sync_bytes(
-    params: int, codec: str | Codec, *, workers: int, rule: MergeRule = MergeRule.ROBUST
+    params: int,
+    codec: str | Codec,
+    *,
+    workers: int,
+    rule: MergeRule = MergeRule.ROBUST,
+    transport: str = "torch",
 ) -> int:
-    """Bytes each worker sends to reduce ``params`` values on ``codec`` (the torch transport's paths)."""
-    c = codec_for(codec)
-    if workers < 2:
-        return 0
-    return bytes_out(params, c, path=path_of(c, rule=rule, world_size=workers), world_size=workers)
+    """Bytes each worker sends to reduce ``params`` values on ``codec`` (``routes``)."""
+    return route(params, codec, transport=transport, workers=workers, rule=rule).bytes_out
 
 
 def exposed(link_s: float, *, hidden_s: float) -> float:
@@ -125,20 +133,28 @@ def exposed(link_s: float, *, hidden_s: float) -> float:
 
 
 def seconds_per_round(
-    *, step_s: float, round_bytes: float, link: Link, workers: int, method: Method
+    *,
+    step_s: float,
+    round_bytes: float,
+    link: Link,
+    workers: int,
+    method: Method,
+    latencies: int = 1,
 ) -> float:
-    """Wall seconds of one round of ``method.inner_steps`` steps whose syncs send ``round_bytes`` per worker."""
+    """Wall seconds of one round of ``method.inner_steps`` steps whose syncs send ``round_bytes`` per worker,
+    each waiting for ``latencies`` one-way latencies."""
     syncs = method.fragments if method.mode == "streaming" else 1
     idle_s = method.steps_between_syncs() * step_s
-    link_s = link.seconds(round_bytes / syncs, workers=workers, idle_s=idle_s)
+    link_s = link.seconds(round_bytes / syncs, workers=workers, idle_s=idle_s, latencies=latencies)
     return method.inner_steps * step_s + syncs * exposed(
         link_s, hidden_s=method.hidden_steps() * step_s
     )
 
 
 def ddp_seconds(*, step_s: float, grad_bytes: float, link: Link, workers: int) -> float:
-    """Wall seconds of one DDP step (its gradient reduce after the backward, nothing hidden)."""
-    return step_s + link.seconds(grad_bytes, workers=workers, idle_s=step_s)
+    """Wall seconds of one DDP step (its gradient reduce, a ring, after the backward, nothing hidden)."""
+    ring = 2 * (workers - 1)
+    return step_s + link.seconds(grad_bytes, workers=workers, idle_s=step_s, latencies=ring)
 
 
 @dataclass(frozen=True)
@@ -162,8 +178,9 @@ def plan(
     inner_steps: tuple[int, ...],
     fragments: int,
     overlap_steps: int,
+    transport: str = "torch",
 ) -> list[Row]:
-    """Utilization and seconds per 1,000 steps of each mode at each H."""
+    """Utilization and seconds per 1,000 steps of each mode at each H on ``transport`` (``routes``)."""
     for name, value, ok, valid in (
         ("params", params, params >= 1, ">= 1"),
         ("step_s", step_s, step_s > 0, "> 0"),
@@ -171,7 +188,7 @@ def plan(
     ):
         if not ok:
             raise ValueError(f"{name}={value!r} is invalid: expected {valid}")
-    round_bytes = sync_bytes(params, codec, workers=workers)
+    sync = route(params, codec, transport=transport, workers=workers)
     rows = []
     for h in inner_steps:
         for mode in MODES:
@@ -188,7 +205,12 @@ def plan(
                 overlap_steps=overlap_steps if streaming else 0,
             )
             per_round = seconds_per_round(
-                step_s=step_s, round_bytes=round_bytes, link=link, workers=workers, method=method
+                step_s=step_s,
+                round_bytes=sync.bytes_out,
+                link=link,
+                workers=workers,
+                method=method,
+                latencies=sync.latencies,
             )
             rows.append(
                 Row(

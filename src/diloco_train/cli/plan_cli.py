@@ -11,6 +11,7 @@ from diloco_core import CODECS, Codec, DiLoCoConfig, MergeRule, codec_for
 from diloco_core.codecs.names import codec_of
 
 from ..plan import MODES, Link, Row, ddp_seconds, plan, sync_bytes
+from ..routes import TRANSPORTS, route
 
 __all__ = ["PLAN_EXAMPLE", "configure_plan_parser", "plan_main"]
 
@@ -62,7 +63,18 @@ def configure_plan_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--link-mbit", type=float, required=True, help="each worker's link rate in Mbit/s"
     )
-    p.add_argument("--latency-ms", type=float, default=0.0, help="latency per sync (default 0)")
+    p.add_argument(
+        "--latency-ms",
+        type=float,
+        default=0.0,
+        help="one-way latency from one worker to another in ms (default 0)",
+    )
+    p.add_argument(
+        "--transport",
+        default="torch",
+        choices=TRANSPORTS,
+        help="how a sync travels: its bytes and round trips (default torch)",
+    )
     p.add_argument(
         "--shared",
         action="store_true",
@@ -174,8 +186,9 @@ def plan_main(args: argparse.Namespace) -> int:
         inner_steps=args.inner_steps,
         fragments=args.fragments,
         overlap_steps=args.overlap_steps,
+        transport=args.transport,
     )
-    nbytes = sync_bytes(args.params, codec, workers=args.workers)
+    sync = route(args.params, codec, transport=args.transport, workers=args.workers)
     grad = sync_bytes(args.params, "fp32", workers=args.workers, rule=MergeRule.MEAN)
     ddp = ddp_seconds(step_s=args.step_s, grad_bytes=grad, link=link, workers=args.workers)
     # non-default
@@ -186,8 +199,10 @@ def plan_main(args: argparse.Namespace) -> int:
     rate = f"{args.link_mbit:g} Mbit/s" if args.link_mbit else "no rate limit"
     print(
         f"diloco plan (predicted, not measured): {args.params:,} parameters, {args.step_s:g} s per step, "
-        f"{rate} ({where}), latency {args.latency_ms:g} ms, {args.workers} workers, {wire} pseudo-gradients\n"
-        f"a round sends {nbytes / 1e6:,.2f} MB out of each worker: {link.seconds(nbytes, workers=args.workers):.3f} s"
+        f"{rate} ({where}), latency {args.latency_ms:g} ms, {args.workers} workers, {wire} pseudo-gradients "
+        f"on {args.transport}\n"
+        f"a round sends {sync.bytes_out / 1e6:,.2f} MB out of each worker and waits for {sync.latencies} "
+        f"one-way latencies: {link.seconds(sync.bytes_out, workers=args.workers, latencies=sync.latencies):.3f} s"
         f" on the link; DDP (fp32 gradients every step, {grad / 1e6:,.1f} MB): {1000 * ddp:,.0f} s per 1,000 "
         f"steps, utilization {100 * args.step_s / ddp:.1f}%\n"
     )
@@ -213,8 +228,8 @@ def plan_main(args: argparse.Namespace) -> int:
     print(
         f"\nassumptions: streaming in {args.fragments} fragments (at most H), each hidden behind "
         f"{args.overlap_steps} step(s) (at most H / fragments; n/a: overlap_steps >= H, which the trainer refuses); "
-        "eager hides a round behind the next H steps; bytes as the torch transport sends them (fp32 rounds of 3+ "
-        "workers all-gathered for the robust merge); one latency per sync. Not modelled: the round's arithmetic "
+        "eager hides a round behind the next H steps; bytes and one-way latencies as the transport carries a sync "
+        "(diloco_train.routes; DDP: a ring). Not modelled: the round's arithmetic "
         "outside the reduce (add it to --step-s / H), stragglers, TCP ramp-up, a DDP warm start. Loss per step is "
         "not predicted: larger H costs loss (docs/trainer.md)."
     )
