@@ -17,7 +17,7 @@ from world import FAST
 from diloco_core import DiLoCo, DiLoCoConfig, TransportError
 from transports.hivemind import HivemindConfig, HivemindFaults, HivemindTransport
 from transports.hivemind.blame import ExchangeFailed, culprits, read_report, report
-from transports.hivemind.strikes import BENCH_MATCHMAKINGS
+from transports.hivemind.strikes import BENCH_MATCHMAKINGS, FIRST_BENCH_SHARE
 
 pytest.importorskip("hivemind")
 
@@ -136,7 +136,8 @@ def test_the_others_retry_without_a_failing_peer_bench_it_and_go_on(n, codec, tm
     benched = [m for m in lines if "failed its part exchange" in m]
     assert len(benched) == n - 1, benched  # one line on each survivor, naming the same peer
     assert all(m.split()[1] == faulty for m in benched), benched
-    assert f"{BENCH_MATCHMAKINGS * MATCHMAKING:.0f} s" in benched[0]
+    # its first failed exchange: a tenth of a bench (strikes.FailedExchanges)
+    assert f"{FIRST_BENCH_SHARE * BENCH_MATCHMAKINGS * MATCHMAKING:.0f} s" in benched[0]
 
 
 @pytest.mark.timeout(120)

@@ -10,7 +10,7 @@ import torch
 from world import HivemindWorld
 
 from diloco_core import Merge, MergeRule, codec_for
-from transports.hivemind.strikes import Strikes
+from transports.hivemind.strikes import FailedExchanges, Strikes
 
 pytest.importorskip("hivemind")
 
@@ -48,6 +48,32 @@ def test_a_failed_exchange_benches_at_once_and_counts_as_a_strike():
     assert not strikes.benched("y")
     with pytest.raises(ValueError, match="after=4, window=3"):
         Strikes(after=4, window=3, seconds=1.0)
+
+
+def test_failed_exchanges_bench_briefly_first_and_twice_as_long_at_each_failure_after():
+    """An honest peer whose matchmaking timed out as its group formed (its groupmates blame it) is back two
+    matchmaking windows later; a peer that keeps failing is benched twice as long each time, up to the
+    longest bench; a peer without a failure for twice that starts from the first again."""
+    now = [0.0]
+    failures = FailedExchanges(longest=300.0, clock=lambda: now[0])
+    assert [failures.bench_seconds("x") for _ in range(6)] == [30.0, 60.0, 120.0, 240.0, 300.0, 300.0]
+    assert failures.bench_seconds("y") == 30.0  # per peer
+    now[0] = 599.0
+    assert failures.bench_seconds("x") == 300.0
+    now[0] = 599.0 + 600.0
+    assert failures.bench_seconds("x") == 30.0
+    strikes = Strikes(after=3, window=10, seconds=100.0, clock=lambda: now[0])
+    start = now[0]
+    strikes.failed(["x"], reason="sender x failed")
+    now[0] = start + 9.9
+    assert strikes.benched("x")
+    now[0] = start + 10.0
+    assert not strikes.benched("x")
+    strikes.failed(["x"], reason="sender x failed")  # the second in a row: twice as long
+    now[0] = start + 29.9
+    assert strikes.benched("x")
+    now[0] = start + 30.0
+    assert not strikes.benched("x")
 
 
 def test_a_peer_absent_from_a_round_keeps_its_count():

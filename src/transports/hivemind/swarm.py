@@ -41,7 +41,7 @@ from .presence import presence_period
 from .resources import Resources
 from .state_server import StateServer, broadcast_values, rounds_of
 from .state_tag import valid_tag
-from .strikes import BENCH_MATCHMAKINGS
+from .strikes import BENCH_MATCHMAKINGS, FailedExchanges
 
 logger = logging.getLogger(__name__)
 
@@ -56,26 +56,26 @@ class Swarm:
 
     def __init__(self, *, resources: Resources, key: str) -> None:
         self._res, self._key = resources, key
-        self.averager: Any = (
-            None  # the state averager, which declares the presence (set once it runs)
-        )
+        # the state averager, which declares the presence (set once it runs)
+        self.averager: Any = None
         self._mine: dict = {"key": None, "busy": False, "round": None, "joining": False}
         self._mine.update(committed_at=None, period=None)
         self._counted: set[bytes] = set()  # the peers the last round expected
         self._missing: set[bytes] = set()  # peers counted before whose presence record is gone
         self._rounds_seen: list[Any] = []  # the rounds the others' presence said at the last read
-        self._alive = (
-            1  # this peer and the others with a live record, not departed, at the last read
-        )
-        self._suspects: dict[
-            bytes, int
-        ] = {}  # of those, the ones that missed a round: the first one they missed
+        # this peer and the others with a live record, not departed, at the last read
+        self._alive = 1
+        # of those, the ones that missed a round: the first one they missed
+        self._suspects: dict[bytes, int] = {}
         self._departed: dict[
             bytes, float | None
         ] = {}  # suspects whose presence went unrefreshed (its expiration
         # then) or expired (None): kept until it is refreshed again, so a configured target stays capped
         # peers blamed for a failed exchange: until when (monotonic)
         self._benched: dict[bytes, float] = {}
+        self._failures = FailedExchanges(
+            longest=BENCH_MATCHMAKINGS * resources.config.matchmaking_time
+        )
         self._ttl = presence_period(resources.config.matchmaking_time)
         """Seconds a presence record lives: stored again every third of it, so one older than that and a second
         missed its refresh."""
@@ -99,13 +99,13 @@ class Swarm:
 
     def bench(self, peers: Iterable[Any], *, reason: str) -> None:
         """``peers`` (ids, bytes) were blamed for a failed exchange (``blame``): not waited for while
-        benched (``BENCH_MATCHMAKINGS`` x ``matchmaking_time``); this peer among them: it averages
-        alone that long."""
+        benched (as long as its groupmates' averagers turn it away: ``strikes.FailedExchanges``); this
+        peer among them: it averages alone that long."""
         me = self._res.dht.peer_id.to_bytes()
-        seconds = BENCH_MATCHMAKINGS * self._res.config.matchmaking_time
         for p in peers:
             if not isinstance(p, bytes) or self.benched(p):
                 continue
+            seconds = self._failures.bench_seconds(p.hex())
             self._benched[p] = time.monotonic() + seconds
             if p == me:
                 logger.warning("this peer's part exchange failed with every groupmate (%s): it averages "
