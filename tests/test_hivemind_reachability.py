@@ -140,8 +140,9 @@ def test_private_peers_behind_one_public_peer_average_with_everyone_and_a_privat
             late.next(60)  # its addresses
             ready = late.next(120)
             assert ready["loaded"] and ready["digest"] == rounds[-1][0]["digest"]
-            # as on one machine, the joiner may average alone, then take the others' state, a round or two
-            for results in _rounds(peers, 6)[4:]:
+            # in the next round: its presence is in the DHT before it begins one (else the others, not
+            # expecting it, closed that round as 3 and it averaged alone, in 3 of 3 runs before)
+            for results in _rounds(peers, 3):
                 assert [r.get("contributors") for r in results] == [4, 4, 4, 4], results
                 assert len({r["digest"] for r in results}) == 1
                 sent = [r["bytes_sent"] for r in results]

@@ -164,8 +164,8 @@ class HivemindTransport(Transport, Membership):
         # StateReplaced.
         self._state.track(state.keys, loader)
         self._server.take_snapshot()
-        # runs rounds: counted by the others' rounds now
-        self._swarm.declare(round=self._state.tag[0])
+        # runs rounds: counted by the others' rounds now (once the DHT has it: its first may begin next)
+        self._swarm.declare(round=self._state.tag[0], wait=deadlines(self.config).presence)
         return joined
 
     def state_dict(self) -> dict:
@@ -176,7 +176,7 @@ class HivemindTransport(Transport, Membership):
     def load_state_dict(self, state: dict) -> None:
         """Take back the tags of a checkpoint (DiLoCo's state is in place by now) and serve that state."""
         self._state.load_state_dict(state)
-        self._swarm.declare(round=self._state.tag[0])
+        self._swarm.declare(round=self._state.tag[0], wait=deadlines(self.config).presence)
         self._server.take_snapshot()  # joiners now get the loaded state, not the one from before it
 
     @property

@@ -10,7 +10,7 @@ import asyncio
 import logging
 from typing import Any
 
-from hivemind.utils import get_dht_time
+from hivemind.utils import MPFuture, get_dht_time
 
 logger = logging.getLogger(__name__)
 
@@ -26,15 +26,30 @@ class Presence:
     """Needs ``presence_key`` (None: no presence declared) and ``_presence`` (the value declared) set by the
     averager's ``__init__``, and hivemind's ``dht``, ``peer_id`` and ``declare_state_period``."""
 
-    def declare_presence(self, value: dict) -> None:
-        """Tell the swarm where this peer is (``swarm.Swarm``): stored now and refreshed until shutdown."""
-        self._outer_pipe.send(("_set_presence", [value], {}))
+    def declare_presence(self, value: dict, *, wait: float = 0.0) -> None:
+        """Tell the swarm where this peer is (``swarm.Swarm``): stored now and refreshed until shutdown;
+        ``wait``: at most that many seconds until the DHT has it (a peer about to run a round: others that
+        read an older record would close that round without it)."""
+        future: MPFuture = MPFuture()
+        self._outer_pipe.send(("_set_presence", [value], {"future": future}))
+        if wait <= 0:
+            return
+        try:
+            stored = future.result(timeout=wait)
+        except TimeoutError:
+            stored = False
+        if not stored:
+            logger.info(
+                "presence not stored within %.1f s: the others may miss this peer a round", wait
+            )
 
-    async def _set_presence(self, value: dict) -> None:
+    async def _set_presence(self, value: dict, future: MPFuture) -> None:
         self._presence = value
-        await self._store_presence()
+        stored = await self._store_presence()
+        if not future.done():
+            future.set_result(stored)
 
-    async def _store_presence(self) -> None:
+    async def _store_presence(self) -> bool:
         ttl = self.declare_state_period
         try:
             future = self.dht.store(
@@ -44,9 +59,10 @@ class Presence:
                 expiration_time=get_dht_time() + ttl,
                 return_future=True,
             )
-            await asyncio.wait_for(future, ttl / 3)
+            return bool(await asyncio.wait_for(future, ttl / 3))
         except Exception as e:  # noqa: BLE001 - retried at the next refresh
             logger.debug("presence not stored: %r", e)
+            return False
 
     async def _declare_for_download_periodically(self) -> None:
         # started with the serving of state: in this process's loop

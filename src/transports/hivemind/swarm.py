@@ -80,13 +80,13 @@ class Swarm:
         """Seconds a presence record lives: stored again every third of it, so one older than that and a second
         missed its refresh."""
 
-    def declare(self, **fields: Any) -> None:
+    def declare(self, *, wait: float = 0.0, **fields: Any) -> None:
         if fields.get("busy"):
             # when its reduce began: a joiner reads how late in it it comes
             fields["since"] = get_dht_time()
         self._mine.update(fields)
         if self.averager is not None and not self._res.closed:
-            self.averager.declare_presence(dict(self._mine))
+            self.averager.declare_presence(dict(self._mine), wait=wait)
 
     def committed(self, rounds: int, group: list[bytes]) -> None:
         """This peer committed a round of the run state with ``group`` (peer ids; empty: alone): its presence
