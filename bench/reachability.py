@@ -142,6 +142,8 @@ def against_plan(name: str, args: argparse.Namespace) -> dict:
         steps += [r["compute_s"] for r in records if r["type"] == "step" and r["step"] > 2 * H]
         syncs += [r["comm_s"] for r in records if r["type"] == "round" and r["round"] >= 3
                   and r["num_contributors"] == args.peers]  # fmt: skip
+    if not syncs:  # no round from the third on had every peer
+        return {"rounds": 0}
     step_s = statistics.median(steps)
     sync = route(count_parameters(ModelConfig()), "int4", transport="hivemind", workers=args.peers)
     link = Link(mbit=float(args.rate.removesuffix("mbit")), latency_ms=2e3 * args.delay)
@@ -181,6 +183,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{r['name']:7s}: the mean's norm equal on every peer in {r['rounds_with_one_mean']} of "
               f"the {r['rounds_seen']} rounds every peer recorded")  # fmt: skip
         q = r["plan"]
+        if not q["rounds"]:
+            print(f"{r['name']:7s}: no round from the third on had every peer: nothing to set against the plan")
+            continue
         print(f"{r['name']:7s}: a round {q['round_s']:.3f} s ({H} steps of {q['step_s']:.4f} s, sync "
               f"{q['sync_s']:.3f} s; {q['rounds']} rounds), diloco plan {q['planned_round_s']:.3f} s (sync "
               f"{q['planned_sync_s']:.3f} s): {100 * (q['planned_round_s'] / q['round_s'] - 1):+.1f}%")  # fmt: skip
