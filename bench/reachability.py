@@ -145,7 +145,9 @@ def against_plan(name: str, args: argparse.Namespace) -> dict:
     if not syncs:  # no round from the third on had every peer
         return {"rounds": 0}
     step_s = statistics.median(steps)
-    sync = route(count_parameters(ModelConfig()), "int4", transport="hivemind", workers=args.peers)
+    clients = args.peers - args.public if name == "nat" else 0
+    sync = route(count_parameters(ModelConfig()), "int4", transport="hivemind", workers=args.peers,
+                 clients=clients)  # fmt: skip
     link = Link(mbit=float(args.rate.removesuffix("mbit")), latency_ms=2e3 * args.delay)
     planned = seconds_per_round(step_s=step_s, round_bytes=sync.bytes_out, link=link,
                                 workers=args.peers, method=Method("blocking", H), latencies=sync.latencies)  # fmt: skip

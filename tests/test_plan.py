@@ -75,11 +75,21 @@ def test_a_sync_waits_for_the_one_way_latencies_its_transport_makes_one_after_an
     assert route(TINY, "int4", transport="torch", workers=9).latencies == 8 + 1 + 8  # all-to-all, all-gather
     # hivemind: its round's phases; every member's payload to every other member, through the parts' owners
     hm = route(TINY, "int4", transport="hivemind", workers=4)
-    assert hm.latencies == sum(n for _, n in HIVEMIND_PHASES) == 19
+    assert hm.latencies == sum(n for _, n in HIVEMIND_PHASES) + 2 == 19  # an owner's stream: one window more
     # the transport's own count in a 4-peer run (bench/reachability.py): 1,422,696 bytes out of each peer
     assert hm.bytes_out == 3 * codec_for("int4").payload_bytes(TINY) == pytest.approx(1_422_696, rel=2e-3)
     assert sync_bytes(TINY, "int4", workers=4, transport="hivemind") == hm.bytes_out
     assert route(TINY, "int4", transport="hivemind", workers=1) == route(TINY, "int4", transport="torch", workers=1)
+    # behind NAT: the public peer owns every part and returns each client the 3 others' payloads (1.4 MB: two
+    # flow-control windows more), and the relay digests and the confirmation between clients cross the relay
+    nat = route(TINY, "int4", transport="hivemind", workers=4, clients=3)
+    assert nat.latencies == 2 + 9 + (2 + 4) + 4 + 4 == 25
+    assert nat.bytes_out == 9 * codec_for("int4").payload_bytes(TINY)  # the owner's: 3 payloads to each of 3
+    assert route(TINY, "int4", transport="hivemind", workers=4, clients=1).latencies == 19  # no client pair
+    with pytest.raises(ValueError, match=r"clients=4 is invalid: expected in \[0, workers - 1 = 3\]"):
+        route(TINY, "int4", transport="hivemind", workers=4, clients=4)
+    with pytest.raises(ValueError, match=r"clients=1 is invalid on torch"):
+        route(TINY, "int4", transport="torch", workers=4, clients=1)
     with pytest.raises(ValueError, match=r"transport='gloo' is invalid: expected one of \['torch', 'hivemind'\]"):
         route(TINY, "int4", transport="gloo", workers=4)
     link = Link(mbit=100, latency_ms=100)
@@ -98,6 +108,10 @@ def test_plan_on_hivemind_charges_its_rounds_bytes_and_latencies(capsys: pytest.
     sync = 19 * 0.1 + 3 * codec_for("int4").payload_bytes(TINY) / 12.5e6
     assert "waits for 19 one-way latencies" in out and f": {sync:.3f} s on the link" in out
     assert _row(out, 10)[1:3] == [f"{100 * 3.85 / (3.85 + sync):.1f}%", f"{100 * (3.85 + sync):,.0f}"]
+    assert main([*argv, "--workers", "4", "--transport", "hivemind", "--clients", "3"]) == 0
+    assert "waits for 25 one-way latencies" in capsys.readouterr().out
+    assert main([*argv, "--workers", "4", "--transport", "hivemind", "--clients", "4"]) == 2
+    assert "--clients=4 is invalid: expected in [0, --workers - 1]" in capsys.readouterr().err
 
 
 def _row(out: str, h: int) -> list[str]:

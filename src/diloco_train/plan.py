@@ -179,8 +179,10 @@ def plan(
     fragments: int,
     overlap_steps: int,
     transport: str = "torch",
+    clients: int = 0,
 ) -> list[Row]:
-    """Utilization and seconds per 1,000 steps of each mode at each H on ``transport`` (``routes``)."""
+    """Utilization and seconds per 1,000 steps of each mode at each H on ``transport``, ``clients`` of the
+    workers behind NAT (``routes``)."""
     for name, value, ok, valid in (
         ("params", params, params >= 1, ">= 1"),
         ("step_s", step_s, step_s > 0, "> 0"),
@@ -188,7 +190,7 @@ def plan(
     ):
         if not ok:
             raise ValueError(f"{name}={value!r} is invalid: expected {valid}")
-    sync = route(params, codec, transport=transport, workers=workers)
+    sync = route(params, codec, transport=transport, workers=workers, clients=clients)
     rows = []
     for h in inner_steps:
         for mode in MODES:

@@ -76,6 +76,12 @@ def configure_plan_parser(p: argparse.ArgumentParser) -> None:
         help="how a sync travels: its bytes and round trips (default torch)",
     )
     p.add_argument(
+        "--clients",
+        type=int,
+        default=0,
+        help="hivemind: workers behind NAT, which reach each other through a relay (default 0)",
+    )
+    p.add_argument(
         "--shared",
         action="store_true",
         help="every worker's traffic shares the one link (one queue)",
@@ -152,6 +158,7 @@ def _check(args: argparse.Namespace) -> None:
         ("--latency-ms", args.latency_ms, args.latency_ms >= 0, ">= 0"),
         ("--burst-kb", args.burst_kb, args.burst_kb >= 0, ">= 0"),
         ("--workers", args.workers, args.workers >= 2, ">= 2"),
+        ("--clients", args.clients, 0 <= args.clients < args.workers, "in [0, --workers - 1]"),
         ("--fragments", args.fragments, args.fragments >= 1, ">= 1"),
         ("--overlap-steps", args.overlap_steps, args.overlap_steps >= 0, ">= 0"),
         ("--target", args.target, 0 < args.target <= 1, "in (0, 1]"),
@@ -187,8 +194,11 @@ def plan_main(args: argparse.Namespace) -> int:
         fragments=args.fragments,
         overlap_steps=args.overlap_steps,
         transport=args.transport,
+        clients=args.clients,
     )
-    sync = route(args.params, codec, transport=args.transport, workers=args.workers)
+    sync = route(
+        args.params, codec, transport=args.transport, workers=args.workers, clients=args.clients
+    )
     grad = sync_bytes(args.params, "fp32", workers=args.workers, rule=MergeRule.MEAN)
     ddp = ddp_seconds(step_s=args.step_s, grad_bytes=grad, link=link, workers=args.workers)
     # non-default
