@@ -33,15 +33,12 @@ HIVEMIND_PHASES = (
     ("the swarm's presence records read (a DHT lookup: a round trip)", 2),
     ("matchmaking: the DHT's leader lookup, the join request, the leader's reply and start", 9),
     ("payloads to each part's owner and theirs back, a round trip per window after the first", 2),
-    (
-        "relayed payloads' digests to every groupmate, each acknowledged (relayed between clients)",
-        2,
-    ),
-    ("the confirmation to every groupmate, each acknowledged (relayed between clients)", 2),
+    ("the relayed payloads' digests to every groupmate, each acknowledged (relayed)", 2),
+    ("the confirmation to every groupmate, each acknowledged (relayed)", 2),
 )
-"""A hivemind round's phases and the one-way latencies each costs with every member public (measured,
-4 public peers: 2.0, 8.7, 3.7 with one window more, 2.0, 2.0; 1 public and 3 clients: 2.0, 8.0, 7.5 with
-two windows more, 3.9 and 4.0 relayed)."""
+"""A hivemind round's phases and the one-way latencies each costs with every member public ("relayed":
+twice as long between two clients). Measured, 4 public peers: 2.0, 8.7, 3.7 with one window more, 2.0,
+2.0; 1 public and 3 clients: 2.0, 8.0, 7.5 with two windows more, 3.9 and 4.0 relayed."""
 STREAM_WINDOW = 256 * 1024
 """Bytes a libp2p (yamux) stream sends before the receiver's first window update; each next window doubles."""
 
@@ -96,11 +93,12 @@ def route(
 def _hivemind(payload: int, *, workers: int, clients: int) -> Route:
     owners = workers - clients
     part = payload / owners
-    back = (
-        workers - 1
-    ) * part  # an owner's stream back to one member: the others' payloads of its part
-    windows = math.ceil(math.log2(back / STREAM_WINDOW + 1))  # 256 KiB, then doubling
-    relayed = 2 if clients >= 2 else 1  # between two clients, through a public peer's relay
+    # an owner's stream back to one member: the others' payloads of its part, in windows of 256 KiB,
+    # then doubling
+    back = (workers - 1) * part
+    windows = math.ceil(math.log2(back / STREAM_WINDOW + 1))
+    # between two clients, every message goes through a public peer's relay
+    relayed = 2 if clients >= 2 else 1
     presence, matchmaking, payloads, digests, confirmation = (n for _, n in HIVEMIND_PHASES)
     waits = payloads + 2 * (windows - 1) + relayed * (digests + confirmation)
     return Route(
