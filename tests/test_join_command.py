@@ -229,3 +229,13 @@ def test_a_stale_state_verdict_is_no_error_with_a_traceback_in_hiveminds_log() -
     donor = record(RuntimeError("ControlFailure('Connect failed. msg=routing: not found')"))
     donor.funcName = "_load_state_from_peers"
     assert quiet_hivemind_records(donor) and donor.levelno == logging.WARNING and donor.exc_info is None
+    # A DHT request whose sender exited before the DHT read it (seen in CI: a peer's Ctrl+C in a round; the
+    # request's future is a connection its sender hands over): one WARNING line that says so.
+    lost = logging.LogRecord(
+        "hivemind.dht.dht", logging.ERROR, "", 0, FileNotFoundError(2, "No such file or directory"), None, None
+    )
+    lost.exc_info, lost.funcName = (FileNotFoundError, lost.msg, None), "_run"
+    assert quiet_hivemind_records(lost) and lost.levelno == logging.WARNING and lost.exc_info is None
+    assert lost.getMessage().startswith("a DHT request was lost: its sender exited before it was read")
+    other = record(FileNotFoundError(2, "No such file or directory"))  # the same error anywhere else: shown
+    assert quiet_hivemind_records(other) and other.levelno == logging.ERROR

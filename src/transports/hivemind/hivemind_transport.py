@@ -34,6 +34,7 @@ from .faults import HivemindFaults
 from .grace import RoundWindows
 from .handle import Handle, Outcome
 from .hivemind_config import HivemindConfig
+from .quiet_logs import quiet_hivemind_records
 from .requirement import import_hivemind
 from .resources import Resources
 from .secret import read_secret
@@ -97,6 +98,8 @@ class HivemindTransport(Transport, Membership):
             lock=self._lock,
             windows=windows if config.quorum else None,
         )
+        # in the DHT process too, which starts next (forked: it inherits the filter)
+        logging.getLogger("hivemind.dht.dht").addFilter(quiet_hivemind_records)
         try:
             self._res.start_dht()
             # A 1-value averager that never averages: it serves this peer's state to joiners (a joiner
