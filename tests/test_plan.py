@@ -78,7 +78,6 @@ def test_a_sync_waits_for_the_one_way_latencies_its_transport_makes_one_after_an
     assert hm.latencies == sum(n for _, n in HIVEMIND_PHASES) + 2 == 19  # an owner's stream: one window more
     # the transport's own count in a 4-peer run (bench/reachability.py): 1,422,696 bytes out of each peer
     assert hm.bytes_out == 3 * codec_for("int4").payload_bytes(TINY) == pytest.approx(1_422_696, rel=2e-3)
-    assert sync_bytes(TINY, "int4", workers=4, transport="hivemind") == hm.bytes_out
     assert route(TINY, "int4", transport="hivemind", workers=1) == route(TINY, "int4", transport="torch", workers=1)
     # behind NAT: the public peer owns every part and returns each client the 3 others' payloads (1.4 MB: two
     # flow-control windows more), and the relay digests and the confirmation between clients cross the relay

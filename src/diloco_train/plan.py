@@ -6,9 +6,10 @@ The model, per worker (every worker alike):
 - a step computes for ``step_s`` seconds (forward, backward, optimizer: measured, not modelled);
 - a sync moves ``bytes_out`` bytes out of each worker over the link in ``n x latency + bytes x 8 / rate``
   seconds, its bytes and its ``n`` one-way latencies as the transport carries it (``routes``: the torch
-  transport's paths and gloo's rings, hivemind's round phases; DDP: a ring, 2(W - 1)); a ``shared`` link (one queue for every worker, as the
-  benchmark's ``tc`` loopback is) carries every worker's bytes in turn; a token-bucket link (``tc tbf``'s
-  ``burst``) lets up to ``burst_bytes`` through at once after the compute before the sync refilled them;
+  transport's paths and gloo's rings, hivemind's round phases; DDP: a ring, 2(W - 1)); a ``shared`` link
+  (one queue for every worker, as the benchmark's ``tc`` loopback is) carries every worker's bytes in turn;
+  a token-bucket link (``tc tbf``'s ``burst``) lets up to ``burst_bytes`` through at once after the compute
+  before the sync refilled them;
 - what the link time is hidden behind: nothing for DDP's gradients and blocking rounds; the next ``H`` steps
   for eager rounds; ``overlap_steps`` steps for each streaming fragment. A step waits for the rest.
 
@@ -116,15 +117,11 @@ class Method:
 
 
 def sync_bytes(
-    params: int,
-    codec: str | Codec,
-    *,
-    workers: int,
-    rule: MergeRule = MergeRule.ROBUST,
-    transport: str = "torch",
+    params: int, codec: str | Codec, *, workers: int, rule: MergeRule = MergeRule.ROBUST
 ) -> int:
-    """Bytes each worker sends to reduce ``params`` values on ``codec`` (``routes``)."""
-    return route(params, codec, transport=transport, workers=workers, rule=rule).bytes_out
+    """Bytes each worker sends to reduce ``params`` values on ``codec`` (the torch transport's paths:
+    ``routes``)."""
+    return route(params, codec, transport="torch", workers=workers, rule=rule).bytes_out
 
 
 def exposed(link_s: float, *, hidden_s: float) -> float:

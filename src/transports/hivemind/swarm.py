@@ -67,10 +67,9 @@ class Swarm:
         self._alive = 1
         # of those, the ones that missed a round: the first one they missed
         self._suspects: dict[bytes, int] = {}
-        self._departed: dict[
-            bytes, float | None
-        ] = {}  # suspects whose presence went unrefreshed (its expiration
-        # then) or expired (None): kept until it is refreshed again, so a configured target stays capped
+        # suspects whose presence went unrefreshed (its expiration then) or expired (None): kept until
+        # it is refreshed again, so a configured target stays capped
+        self._departed: dict[bytes, float | None] = {}
         # peers blamed for a failed exchange: until when (monotonic)
         self._benched: dict[bytes, float] = {}
         self._failures = FailedExchanges(
