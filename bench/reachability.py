@@ -18,10 +18,10 @@ between two private peers crosses the relay twice (4 x ``--delay``), as it cross
 Per swarm: each peer's share of rounds it contributed to (``num_contributors`` = 4 on its records), its
 goodput (the trainer's summary: busy seconds over the loop's wall), its final eval loss (the peers'
 replicas are the same where these are bit-identical), the mean round time; per swarm, the rounds whose
-mean pseudo-gradient norm is bit-identical on every peer (the same mean everywhere, round by round), and
-a round's time (H steps' compute and the sync, medians over every peer's rounds from the third on with
-every peer in) against ``diloco plan``'s prediction for the same link and the measured step time: a peer
-to peer one-way latency of 2 x ``--delay`` (``diloco_train.plan``, ``routes``).
+mean pseudo-gradient norm is bit-identical on every peer (the same mean everywhere, round by round),
+and a round's time (H steps' compute and the sync, medians over every peer's rounds from the third
+on with every peer in) against ``diloco plan``'s prediction for the same link and the measured step
+time: a peer to peer one-way latency of 2 x ``--delay`` (``diloco_train.plan``, ``routes``).
 
     PYTHONPATH=src python bench/reachability.py --out runs/reach         # 2 swarms x 300 steps
     PYTHONPATH=src python bench/reachability.py --out runs/reach --quick # 60 steps
@@ -146,14 +146,26 @@ def against_plan(name: str, args: argparse.Namespace) -> dict:
         return {"rounds": 0}
     step_s = statistics.median(steps)
     clients = args.peers - args.public if name == "nat" else 0
-    sync = route(count_parameters(ModelConfig()), "int4", transport="hivemind", workers=args.peers,
-                 clients=clients)  # fmt: skip
+    params = count_parameters(ModelConfig())
+    sync = route(params, "int4", transport="hivemind", workers=args.peers, clients=clients)
     link = Link(mbit=float(args.rate.removesuffix("mbit")), latency_ms=2e3 * args.delay)
-    planned = seconds_per_round(step_s=step_s, round_bytes=sync.bytes_out, link=link,
-                                workers=args.peers, method=Method("blocking", H), latencies=sync.latencies)  # fmt: skip
-    measured = H * step_s + statistics.median(syncs)
-    return {"step_s": step_s, "sync_s": statistics.median(syncs), "round_s": measured,
-            "planned_round_s": planned, "planned_sync_s": planned - H * step_s, "rounds": len(syncs)}  # fmt: skip
+    planned = seconds_per_round(
+        step_s=step_s,
+        round_bytes=sync.bytes_out,
+        link=link,
+        workers=args.peers,
+        method=Method("blocking", H),
+        latencies=sync.latencies,
+    )
+    sync_s = statistics.median(syncs)
+    return {
+        "step_s": step_s,
+        "sync_s": sync_s,
+        "round_s": H * step_s + sync_s,
+        "planned_round_s": planned,
+        "planned_sync_s": planned - H * step_s,
+        "rounds": len(syncs),
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -186,11 +198,14 @@ def main(argv: list[str] | None = None) -> int:
               f"the {r['rounds_seen']} rounds every peer recorded")  # fmt: skip
         q = r["plan"]
         if not q["rounds"]:
-            print(f"{r['name']:7s}: no round from the third on had every peer: nothing to set against the plan")
+            print(f"{r['name']:7s}: no round from the third on had every peer: no plan check")
             continue
-        print(f"{r['name']:7s}: a round {q['round_s']:.3f} s ({H} steps of {q['step_s']:.4f} s, sync "
-              f"{q['sync_s']:.3f} s; {q['rounds']} rounds), diloco plan {q['planned_round_s']:.3f} s (sync "
-              f"{q['planned_sync_s']:.3f} s): {100 * (q['planned_round_s'] / q['round_s'] - 1):+.1f}%")  # fmt: skip
+        off = 100 * (q["planned_round_s"] / q["round_s"] - 1)
+        print(
+            f"{r['name']:7s}: a round {q['round_s']:.3f} s ({H} steps of {q['step_s']:.4f} s, "
+            f"sync {q['sync_s']:.3f} s; {q['rounds']} rounds), diloco plan "
+            f"{q['planned_round_s']:.3f} s (sync {q['planned_sync_s']:.3f} s): {off:+.1f}%"
+        )
     (Path(args.out) / "summary.json").write_text(json.dumps(results, indent=1))
     return 0
 

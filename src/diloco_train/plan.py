@@ -4,19 +4,19 @@
 The model, per worker (every worker alike):
 
 - a step computes for ``step_s`` seconds (forward, backward, optimizer: measured, not modelled);
-- a sync moves ``bytes_out`` bytes out of each worker over the link in ``n x latency + bytes x 8 / rate``
-  seconds, its bytes and its ``n`` one-way latencies as the transport carries it (``routes``: the torch
-  transport's paths and gloo's rings, hivemind's round phases; DDP: a ring, 2(W - 1)); a ``shared`` link
-  (one queue for every worker, as the benchmark's ``tc`` loopback is) carries every worker's bytes in turn;
-  a token-bucket link (``tc tbf``'s ``burst``) lets up to ``burst_bytes`` through at once after the compute
-  before the sync refilled them;
+- a sync moves ``bytes_out`` bytes out of each worker over the link in ``n x latency + bytes x 8 /
+  rate`` seconds, its bytes and its ``n`` one-way latencies as the transport carries it (``routes``:
+  the torch transport's paths and gloo's rings, hivemind's round phases; DDP: a ring, 2(W - 1)); a
+  ``shared`` link (one queue for every worker, as the benchmark's ``tc`` loopback is) carries every
+  worker's bytes in turn; a token-bucket link (``tc tbf``'s ``burst``) lets up to ``burst_bytes``
+  through at once after the compute before the sync refilled them;
 - what the link time is hidden behind: nothing for DDP's gradients and blocking rounds; the next ``H`` steps
   for eager rounds; ``overlap_steps`` steps for each streaming fragment. A step waits for the rest.
 
-Not modelled: the round's own arithmetic outside the reduce (pseudo-gradient, encode and decode, outer step:
-``bench/time_to_loss.py`` adds what each blocking round measured; ``diloco plan`` takes it as part of the step
-time it is given), stragglers, TCP's ramp-up and flow-control windows beyond the first, and the warm start
-(DDP steps: ``ddp_seconds``).
+Not modelled: the round's own arithmetic outside the reduce (pseudo-gradient, encode and decode,
+outer step: ``bench/time_to_loss.py`` adds what each blocking round measured; ``diloco plan`` takes
+it as part of the step time it is given), stragglers, TCP's ramp-up and flow-control windows beyond
+the first, and the warm start (DDP steps: ``ddp_seconds``).
 """
 
 from __future__ import annotations
@@ -45,9 +45,10 @@ MODES = ("blocking", "streaming", "eager")
 
 @dataclass(frozen=True)
 class Link:
-    """Each worker's link: ``mbit`` (10^6 bit/s; 0: no limit), the one-way ``latency_ms`` from one worker to
-    another, whether every worker's traffic shares it (``shared``) or each worker has its own full-duplex
-    link, and a token bucket's depth (``burst_bytes``: tc tbf's ``burst``; 0 for a plain link)."""
+    """Each worker's link: ``mbit`` (10^6 bit/s; 0: no limit), the one-way ``latency_ms`` from one
+    worker to another, whether every worker's traffic shares it (``shared``) or each worker has its
+    own full-duplex link, and a token bucket's depth (``burst_bytes``: tc tbf's ``burst``; 0 for a
+    plain link)."""
 
     mbit: float
     latency_ms: float = 0.0
@@ -67,9 +68,9 @@ class Link:
     def seconds(
         self, nbytes: float, *, workers: int, idle_s: float = 0.0, latencies: int = 1
     ) -> float:
-        """Seconds until a sync that sends ``nbytes`` out of each of ``workers`` workers and waits for
-        ``latencies`` one-way latencies is through, the link idle for ``idle_s`` before it (a token bucket
-        refills meanwhile, up to ``burst_bytes``)."""
+        """Seconds until a sync that sends ``nbytes`` out of each of ``workers`` workers and waits
+        for ``latencies`` one-way latencies is through, the link idle for ``idle_s`` before it (a
+        token bucket refills meanwhile, up to ``burst_bytes``)."""
         waits = latencies * self.latency_ms / 1e3
         if not self.mbit:
             return waits
@@ -119,8 +120,8 @@ class Method:
 def sync_bytes(
     params: int, codec: str | Codec, *, workers: int, rule: MergeRule = MergeRule.ROBUST
 ) -> int:
-    """Bytes each worker sends to reduce ``params`` values on ``codec`` (the torch transport's paths:
-    ``routes``)."""
+    """Bytes each worker sends to reduce ``params`` values on ``codec`` (the torch transport's
+    paths: ``routes``)."""
     return route(params, codec, transport="torch", workers=workers, rule=rule).bytes_out
 
 
@@ -138,8 +139,8 @@ def seconds_per_round(
     method: Method,
     latencies: int = 1,
 ) -> float:
-    """Wall seconds of one round of ``method.inner_steps`` steps whose syncs send ``round_bytes`` per worker,
-    each waiting for ``latencies`` one-way latencies."""
+    """Wall seconds of one round of ``method.inner_steps`` steps whose syncs send ``round_bytes``
+    per worker, each waiting for ``latencies`` one-way latencies."""
     syncs = method.fragments if method.mode == "streaming" else 1
     idle_s = method.steps_between_syncs() * step_s
     link_s = link.seconds(round_bytes / syncs, workers=workers, idle_s=idle_s, latencies=latencies)
@@ -149,7 +150,8 @@ def seconds_per_round(
 
 
 def ddp_seconds(*, step_s: float, grad_bytes: float, link: Link, workers: int) -> float:
-    """Wall seconds of one DDP step (its gradient reduce, a ring, after the backward, nothing hidden)."""
+    """Wall seconds of one DDP step (its gradient reduce, a ring, after the backward, nothing
+    hidden)."""
     ring = 2 * (workers - 1)
     return step_s + link.seconds(grad_bytes, workers=workers, idle_s=step_s, latencies=ring)
 
@@ -178,8 +180,8 @@ def plan(
     transport: str = "torch",
     clients: int = 0,
 ) -> list[Row]:
-    """Utilization and seconds per 1,000 steps of each mode at each H on ``transport``, ``clients`` of the
-    workers behind NAT (``routes``)."""
+    """Utilization and seconds per 1,000 steps of each mode at each H on ``transport``, ``clients``
+    of the workers behind NAT (``routes``)."""
     for name, value, ok, valid in (
         ("params", params, params >= 1, ">= 1"),
         ("step_s", step_s, step_s > 0, "> 0"),

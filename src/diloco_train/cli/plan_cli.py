@@ -207,14 +207,15 @@ def plan_main(args: argparse.Namespace) -> int:
         "one link shared by every worker" if args.shared else "each worker its own full-duplex link"
     )
     rate = f"{args.link_mbit:g} Mbit/s" if args.link_mbit else "no rate limit"
+    sync_s = link.seconds(sync.bytes_out, workers=args.workers, latencies=sync.latencies)
     print(
-        f"diloco plan (predicted, not measured): {args.params:,} parameters, {args.step_s:g} s per step, "
-        f"{rate} ({where}), latency {args.latency_ms:g} ms, {args.workers} workers, {wire} pseudo-gradients "
-        f"on {args.transport}\n"
-        f"a round sends {sync.bytes_out / 1e6:,.2f} MB out of each worker and waits for {sync.latencies} "
-        f"one-way latencies: {link.seconds(sync.bytes_out, workers=args.workers, latencies=sync.latencies):.3f} s"
-        f" on the link; DDP (fp32 gradients every step, {grad / 1e6:,.1f} MB): {1000 * ddp:,.0f} s per 1,000 "
-        f"steps, utilization {100 * args.step_s / ddp:.1f}%\n"
+        f"diloco plan (predicted, not measured): {args.params:,} parameters, "
+        f"{args.step_s:g} s per step, {rate} ({where}), latency {args.latency_ms:g} ms, "
+        f"{args.workers} workers, {wire} pseudo-gradients on {args.transport}\n"
+        f"a round sends {sync.bytes_out / 1e6:,.2f} MB out of each worker and waits for "
+        f"{sync.latencies} one-way latencies: {sync_s:.3f} s on the link; DDP (fp32 gradients "
+        f"every step, {grad / 1e6:,.1f} MB): {1000 * ddp:,.0f} s per 1,000 steps, utilization "
+        f"{100 * args.step_s / ddp:.1f}%\n"
     )
     head = f"| H | {' | '.join(f'{m} util | {m} s/1k' for m in MODES)} |"
     print(head + "\n|" + "---|" * (1 + 2 * len(MODES)))
@@ -238,8 +239,8 @@ def plan_main(args: argparse.Namespace) -> int:
     print(
         f"\nassumptions: streaming in {args.fragments} fragments (at most H), each hidden behind "
         f"{args.overlap_steps} step(s) (at most H / fragments; n/a: overlap_steps >= H, which the trainer refuses); "
-        "eager hides a round behind the next H steps; bytes and one-way latencies as the transport carries a sync "
-        "(diloco_train.routes; DDP: a ring). Not modelled: the round's arithmetic "
+        "eager hides a round behind the next H steps; bytes and one-way latencies as the transport "
+        "carries a sync (diloco_train.routes; DDP: a ring). Not modelled: the round's arithmetic "
         "outside the reduce (add it to --step-s / H), stragglers, TCP ramp-up, a DDP warm start. Loss per step is "
         "not predicted: larger H costs loss (docs/trainer.md)."
     )

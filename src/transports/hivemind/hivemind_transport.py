@@ -167,7 +167,8 @@ class HivemindTransport(Transport, Membership):
         # StateReplaced.
         self._state.track(state.keys, loader)
         self._server.take_snapshot()
-        # runs rounds: counted by the others' rounds now (once the DHT has it: its first may begin next)
+        # runs rounds: counted by the others' rounds now (once the DHT has it: its first round may
+        # begin next)
         self._swarm.declare(round=self._state.tag[0], wait=deadlines(self.config).presence)
         return joined
 

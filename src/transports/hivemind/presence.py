@@ -27,9 +27,9 @@ class Presence:
     averager's ``__init__``, and hivemind's ``dht``, ``peer_id`` and ``declare_state_period``."""
 
     def declare_presence(self, value: dict, *, wait: float = 0.0) -> None:
-        """Tell the swarm where this peer is (``swarm.Swarm``): stored now and refreshed until shutdown;
-        ``wait``: at most that many seconds until the DHT has it (a peer about to run a round: others that
-        read an older record would close that round without it)."""
+        """Tell the swarm where this peer is (``swarm.Swarm``): stored now and refreshed until
+        shutdown; ``wait``: at most that many seconds until the DHT has it (a peer about to run a
+        round: others that read an older record would close that round without it)."""
         future: MPFuture = MPFuture()
         self._outer_pipe.send(("_set_presence", [value], {"future": future}))
         if wait <= 0:

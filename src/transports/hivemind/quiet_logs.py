@@ -10,9 +10,9 @@ ERROR with its traceback. Where the transport handles the case, that is noise a 
   and says so in one warning line with hivemind's reason);
 - a donor that left (a peer killed or restarted, whose record in the DHT has not expired yet): hivemind
   tries the next donor; one WARNING line without the traceback says which one failed;
-- a request the DHT process could not read from its pipe because its sender exited meanwhile (a peer
-  interrupted in a round: the request's future travels as a connection its sender hands over): the DHT
-  reads the next one; one WARNING line without the traceback.
+- a request the DHT process could not read from its pipe because its sender exited meanwhile (a
+  peer interrupted in a round: the request's future travels as a connection its sender hands
+  over): the DHT reads the next one; one WARNING line without the traceback.
 """
 
 import logging
@@ -25,9 +25,9 @@ __all__ = ["quiet_hivemind_records"]
 
 
 def quiet_hivemind_records(record: logging.LogRecord) -> bool:
-    """A ``logging`` filter for ``hivemind.averaging.averager`` and ``hivemind.dht.dht``: False drops
-    ``record``; a failed download from one donor, or a DHT request lost with its sender, becomes a WARNING
-    line without the traceback."""
+    """A ``logging`` filter for ``hivemind.averaging.averager`` and ``hivemind.dht.dht``: False
+    drops ``record``; a failed download from one donor, or a DHT request lost with its sender,
+    becomes a WARNING line without the traceback."""
     error = record.exc_info[1] if record.exc_info else record.msg
     if isinstance(error, StaleStateError):
         return False

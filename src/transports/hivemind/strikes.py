@@ -8,12 +8,13 @@ left it out (``round``), or one whose exchange it failed (``failed``: it sent no
 an error, or relayed nothing in time; ``blame``). ``after`` left-outs among its last ``window``
 rounds bench it (honest diversity is left out now and then, an attacker in most rounds); a failed
 exchange benches it at once, since every attempt with it fails on every groupmate and the round's
-retry must go without it, for a tenth of ``seconds`` the first time and twice as long at each failure
-after, up to ``seconds`` (``FailedExchanges``: an honest peer whose matchmaking timed out as its group
-formed is back two matchmaking windows later, not twenty). A benched peer is left out: as a leader,
-this averager turns its join requests away; in a group a benched peer leads (hivemind's followers choose their
-leader) this averager sends nothing and takes nothing from it (``state_tag.stale_verdict``'s
-``distrusted``: the attempt is retried without it). Every peer merges every part (casts too), so
+retry must go without it, for a tenth of ``seconds`` the first time and twice as long at each
+failure after, up to ``seconds`` (``FailedExchanges``: an honest peer whose matchmaking timed out
+as its group formed is back two matchmaking windows later, not twenty). A benched peer is left
+out: as a leader, this averager turns its join requests away; in a group a benched peer leads
+(hivemind's followers choose their leader) this averager sends nothing and takes nothing from it
+(``state_tag.stale_verdict``'s ``distrusted``: the attempt is retried without it). Every peer merges
+every part (casts too), so
 every peer benches the same peers. One log line names each bench and
 its reason (a failed exchange's: the transport's, which also stops waiting for the peer,
 ``swarm.Swarm.bench``).

@@ -67,8 +67,8 @@ class Swarm:
         self._alive = 1
         # of those, the ones that missed a round: the first one they missed
         self._suspects: dict[bytes, int] = {}
-        # suspects whose presence went unrefreshed (its expiration then) or expired (None): kept until
-        # it is refreshed again, so a configured target stays capped
+        # suspects whose presence went unrefreshed (its expiration then) or expired (None): kept
+        # until it is refreshed again, so a configured target stays capped
         self._departed: dict[bytes, float | None] = {}
         # peers blamed for a failed exchange: until when (monotonic)
         self._benched: dict[bytes, float] = {}
@@ -98,8 +98,8 @@ class Swarm:
 
     def bench(self, peers: Iterable[Any], *, reason: str) -> None:
         """``peers`` (ids, bytes) were blamed for a failed exchange (``blame``): not waited for while
-        benched (as long as its groupmates' averagers turn it away: ``strikes.FailedExchanges``); this
-        peer among them: it averages alone that long."""
+        benched (as long as its groupmates' averagers turn it away: ``strikes.FailedExchanges``);
+        this peer among them: it averages alone that long."""
         me = self._res.dht.peer_id.to_bytes()
         for p in peers:
             if not isinstance(p, bytes) or self.benched(p):
