@@ -47,8 +47,8 @@ doubles."""
 
 @dataclass(frozen=True)
 class Route:
-    """One sync on a transport: ``bytes_out`` bytes out of each worker, and the one-way latencies it
-    waits for (``latencies``)."""
+    """One sync on a transport: ``bytes_out`` bytes out of the busiest worker (every worker alike on
+    torch), and the one-way latencies it waits for (``latencies``)."""
 
     bytes_out: int
     latencies: int

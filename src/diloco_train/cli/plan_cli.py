@@ -212,7 +212,7 @@ def plan_main(args: argparse.Namespace) -> int:
         f"diloco plan (predicted, not measured): {args.params:,} parameters, "
         f"{args.step_s:g} s per step, {rate} ({where}), latency {args.latency_ms:g} ms, "
         f"{args.workers} workers, {wire} pseudo-gradients on {args.transport}\n"
-        f"a round sends {sync.bytes_out / 1e6:,.2f} MB out of each worker and waits for "
+        f"a round sends {sync.bytes_out / 1e6:,.2f} MB out of the busiest worker and waits for "
         f"{sync.latencies} one-way latencies: {sync_s:.3f} s on the link; DDP (fp32 gradients "
         f"every step, {grad / 1e6:,.1f} MB): {1000 * ddp:,.0f} s per 1,000 steps, utilization "
         f"{100 * args.step_s / ddp:.1f}%\n"
