@@ -41,8 +41,8 @@ from .block_runner import BlockRunner
 from .confirm import Confirmations
 from .donors import Donors
 from .faults import HivemindFaults
+from .forked import start_child
 from .grace import Window
-from .orphan import leave_with_parent
 from .presence import Presence
 from .quiet_logs import quiet_hivemind_records
 from .reduce_number import Number, OutOfStepError, step_verdict
@@ -112,12 +112,11 @@ class Averager(Admission, Presence, Donors, Confirmations, RelayChecks, Decentra
     def run(self) -> None:
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl+C is the parent's: it closes us cleanly
         # A SIGKILLed trainer's presence is not refreshed by its orphan (orphan.py), which leaves no socket either.
-        leave_with_parent(cleanup=self._remove_client_socket)
+        start_child(niceness=self.niceness, cleanup=self._remove_client_socket)
         logging.getLogger("hivemind.averaging.averager").addFilter(quiet_hivemind_records)
         # The process's torch work is per-part (512 KB): one thread runs it faster than a pool whose
         # threads wait for each other (the checks' wall time in a 25M-value round was about twice as long).
         torch.set_num_threads(1)
-        os.nice(self.niceness)
         super().run()
 
     def step(

@@ -25,8 +25,8 @@ from diloco_core.transport import TransportError
 from .auth import RunKeys, averager_keys
 from .averager import Averager
 from .faults import HivemindFaults
+from .forked import start_child
 from .hivemind_config import HivemindConfig
-from .orphan import leave_with_parent
 from .presence import presence_period
 from .reachability import decide, relay_settings, relayed
 from .socket_files import bound_by, daemon_sockets, remove_new_stale, remove_stale
@@ -69,8 +69,8 @@ class DHT(hivemind.DHT):
                 with contextlib.suppress(OSError):  # this process's own, and it is ending
                     os.remove(path.replace("/hivemind-p2pd-", "/hivemind-p2pclient-"))
 
-        leave_with_parent(cleanup=remove_sockets)  # a SIGKILLed trainer leaves no DHT or p2pd
-        os.nice(self.niceness)
+        # a SIGKILLed trainer leaves no DHT or p2pd
+        start_child(niceness=self.niceness, cleanup=remove_sockets)
         # patched in this (the DHT's) process only
         spawn = asyncio.subprocess.create_subprocess_exec
 

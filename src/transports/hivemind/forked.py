@@ -1,0 +1,88 @@
+"""How a peer's forked process (its DHT, its averagers) starts: it leaves with its parent, gives back the
+copy of its parent's tensors it inherited, and runs at its niceness.
+
+hivemind's averager is a forked process (``DecentralizedAverager`` is a ``multiprocessing.Process``),
+and a round's averager is forked when the first round asks for it: after the model, its gradients,
+the inner optimizer's state, the global copy, the reduce buffer and the residuals exist. The child
+never reads them (its values travel through the shared buffer and the pipe), but it maps them, so
+every page the trainer writes afterwards is copied for the trainer and the child keeps the old one:
+measured 20 (fp32) to 28.5 (int4) bytes per parameter in the child (docs/results.md, "Scale").
+
+``release_inherited`` runs first thing in each child (``start_child``): every large private CPU tensor storage it
+inherited (its Python objects, and their gradients) is handed back to the kernel with
+``madvise(MADV_DONTNEED)`` over the pages wholly inside it. The child reads zeros there from then on
+(it never reads them); the parent's pages are untouched. Shared-memory storages (the averager's own
+buffer) and small ones (a codec's tables) are kept.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import gc
+import logging
+import mmap
+import os
+import sys
+from collections.abc import Callable
+
+import torch
+
+from .orphan import leave_with_parent
+
+__all__ = ["MIN_BYTES", "release_inherited", "start_child"]
+
+logger = logging.getLogger(__name__)
+
+MIN_BYTES = 1 << 20
+"""Storages smaller than this are kept (what they would give back is lost in the rest of the process)."""
+_MADV_DONTNEED = 4  # linux/mman.h
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+
+
+def _storages() -> dict[int, int]:
+    """Every large private CPU storage this process's Python objects reach: data address -> bytes."""
+    found: dict[int, int] = {}
+    for obj in gc.get_objects():
+        if type(obj) not in _PLAIN:  # a subclass (a DTensor) may hold no storage of its own
+            continue
+        grad = obj.grad if obj.is_leaf and obj.requires_grad else None
+        for t in (obj, grad):
+            if t is None or t.device.type != "cpu" or t.layout != torch.strided:
+                continue
+            storage = t.untyped_storage()
+            if storage.nbytes() >= MIN_BYTES and not storage.is_shared():
+                found[storage.data_ptr()] = storage.nbytes()
+    return found
+
+
+def release_inherited() -> int:
+    """In a forked child, before it does anything else: give back the pages of the large private tensors
+    it inherited and will never read. Returns the bytes given back (0 where this is not Linux)."""
+    if not sys.platform.startswith("linux"):
+        return 0
+    madvise = ctypes.CDLL(None, use_errno=True).madvise
+    madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    page = mmap.PAGESIZE
+    released = 0
+    try:
+        storages = _storages()
+    except Exception as e:  # noqa: BLE001 - what is not given back costs memory, never the run
+        logger.warning("kept the parent's tensors this process inherited: %r", e)
+        return 0
+    for address, nbytes in storages.items():
+        first = (
+            -(-address // page) * page
+        )  # the pages wholly inside the storage: never a neighbour's
+        end = (address + nbytes) // page * page
+        if end > first and madvise(first, end - first, _MADV_DONTNEED) == 0:
+            released += end - first
+    logger.debug("gave back %.1f MiB of the parent's tensors", released / 2**20)
+    return released
+
+
+def start_child(*, niceness: int, cleanup: Callable[[], None]) -> None:
+    """First thing in a peer's forked process: it exits with its parent (running ``cleanup``: its socket
+    files), gives back the parent's tensors it inherited, and adds ``niceness`` to its own."""
+    leave_with_parent(cleanup=cleanup)
+    release_inherited()
+    os.nice(niceness)
