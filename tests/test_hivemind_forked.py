@@ -9,7 +9,7 @@ import sys
 import pytest
 import torch
 
-from transports.hivemind.forked import MIN_BYTES, release_inherited
+from transports.hivemind.forked import MIN_BYTES, forking, release_inherited
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc and madvise")
 
@@ -47,7 +47,8 @@ def _child_keeps(release: bool) -> tuple[int, int, tuple[float, float]]:
     small = torch.full((MIN_BYTES // 8,), 3.0)
     ready, done, report = ctx.Event(), ctx.Event(), ctx.Queue()
     child = ctx.Process(target=_child, args=(release, ready, done, report, shared, small))
-    child.start()
+    with forking():  # as a peer forks its DHT and averagers
+        child.start()
     try:
         given = report.get(timeout=60)
         assert ready.wait(60)

@@ -1,5 +1,6 @@
-"""How a peer's forked process (its DHT, its averagers) starts: it leaves with its parent, gives back the
-copy of its parent's tensors it inherited, and runs at its niceness.
+"""How a peer forks its processes (its DHT, its averagers) and how each starts: one fork at a time, and
+each child leaves with its parent, gives back the copy of its parent's tensors it inherited, and runs at
+its niceness.
 
 hivemind's averager is a forked process (``DecentralizedAverager`` is a ``multiprocessing.Process``),
 and a round's averager is forked when the first round asks for it: after the model, its gradients,
@@ -8,28 +9,32 @@ never reads them (its values travel through the shared buffer and the pipe), but
 every page the trainer writes afterwards is copied for the trainer and the child keeps the old one:
 measured 20 (fp32) to 28.5 (int4) bytes per parameter in the child (docs/results.md, "Scale").
 
-``release_inherited`` runs first thing in each child (``start_child``): every large private CPU tensor storage it
-inherited (its Python objects, and their gradients) is handed back to the kernel with
-``madvise(MADV_DONTNEED)`` over the pages wholly inside it. The child reads zeros there from then on
-(it never reads them); the parent's pages are untouched. Shared-memory storages (the averager's own
-buffer) and small ones (a codec's tables) are kept.
+So the parent lists its large private CPU tensor storages as it forks (``forking``: the tensors its
+Python objects reach, and their gradients), and the child, first thing (``start_child``), hands their
+pages back to the kernel with ``madvise(MADV_DONTNEED)``: the pages wholly inside each storage. The
+child reads zeros there from then on (it never reads them); the parent's pages are untouched.
+Shared-memory storages (an averager's own buffer) and small ones (a codec's tables) are kept. The list
+is made in the parent because walking every object from the child would write each one's reference
+count there, copying the pages of the whole Python heap (about 50 MiB a child, measured).
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import gc
 import logging
 import mmap
 import os
 import sys
-from collections.abc import Callable
+import threading
+from collections.abc import Callable, Iterator
 
 import torch
 
 from .orphan import leave_with_parent
 
-__all__ = ["MIN_BYTES", "release_inherited", "start_child"]
+__all__ = ["MIN_BYTES", "forking", "release_inherited", "start_child"]
 
 logger = logging.getLogger(__name__)
 
@@ -37,6 +42,14 @@ MIN_BYTES = 1 << 20
 """Storages smaller than this are kept (what they would give back is lost in the rest of the process)."""
 _MADV_DONTNEED = 4  # linux/mman.h
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
+
+# Held while a DHT or averager process is forked. multiprocessing makes the pipe that tells a parent
+# its child exited (the sentinel) just before forking; a fork from another thread in between copies
+# that pipe into a second child, and the first child's join() then waits out hivemind's 5 s shutdown
+# grace period for a child that has long exited (several transports in one process: tests).
+_FORK_LOCK = threading.Lock()
+_large: dict[int, int] = {}
+"""The parent's large private storages as it forked (data address -> bytes): what a child gives back."""
 
 
 def _storages() -> dict[int, int]:
@@ -55,21 +68,30 @@ def _storages() -> dict[int, int]:
     return found
 
 
+@contextlib.contextmanager
+def forking() -> Iterator[None]:
+    """Around a peer's fork of a DHT or averager process: one at a time, the parent's large tensors
+    listed for the child to give back."""
+    global _large
+    with _FORK_LOCK:
+        try:
+            _large = _storages()
+        except Exception as e:  # noqa: BLE001 - what is not given back costs memory, never the run
+            logger.warning("a forked process will keep the tensors it inherits: %r", e)
+            _large = {}
+        yield
+
+
 def release_inherited() -> int:
-    """In a forked child, before it does anything else: give back the pages of the large private tensors
-    it inherited and will never read. Returns the bytes given back (0 where this is not Linux)."""
+    """In a child forked under ``forking``: give back the pages of the parent's large tensors it will never
+    read. Returns the bytes given back (0 where this is not Linux)."""
     if not sys.platform.startswith("linux"):
         return 0
     madvise = ctypes.CDLL(None, use_errno=True).madvise
     madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
     page = mmap.PAGESIZE
     released = 0
-    try:
-        storages = _storages()
-    except Exception as e:  # noqa: BLE001 - what is not given back costs memory, never the run
-        logger.warning("kept the parent's tensors this process inherited: %r", e)
-        return 0
-    for address, nbytes in storages.items():
+    for address, nbytes in _large.items():
         first = (
             -(-address // page) * page
         )  # the pages wholly inside the storage: never a neighbour's

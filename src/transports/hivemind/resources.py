@@ -7,7 +7,6 @@ import contextlib
 import functools
 import logging
 import os
-import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -25,19 +24,13 @@ from diloco_core.transport import TransportError
 from .auth import RunKeys, averager_keys
 from .averager import Averager
 from .faults import HivemindFaults
-from .forked import start_child
+from .forked import forking, start_child
 from .hivemind_config import HivemindConfig
 from .presence import presence_period
 from .reachability import decide, relay_settings, relayed
 from .socket_files import bound_by, daemon_sockets, remove_new_stale, remove_stale
 
 logger = logging.getLogger(__name__)
-
-# Held while this module forks a DHT or averager process. multiprocessing makes the pipe that tells a
-# parent its child exited (the sentinel) just before forking; a fork from another thread in between
-# copies that pipe into a second child, and the first child's join() then waits out hivemind's 5 s
-# shutdown grace period for a child that has long exited (several transports in one process: tests).
-_FORK_LOCK = threading.Lock()
 
 RELAY_WAIT = 10.0
 """Seconds a client waits for its relayed address before it goes on without one."""
@@ -160,7 +153,7 @@ class Resources:
         )
         self.client = mode == "client"
         before = daemon_sockets()
-        with _FORK_LOCK:
+        with forking():
             self.dht = DHT(
                 initial_peers=list(cfg.initial_peers),
                 start=False,
@@ -256,7 +249,7 @@ class Resources:
         # Started by hand: hivemind's run_in_background would make *this* process ignore Ctrl+C
         # (and fails outside the main thread); the child ignores SIGINT itself (Averager.run).
         averager.niceness = cfg.background_niceness
-        with _FORK_LOCK:
+        with forking():
             averager.start()
         self.averagers.append(averager)
         _wait_until_ready(averager, "averager")
