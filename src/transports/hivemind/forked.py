@@ -38,8 +38,8 @@ __all__ = ["MIN_BYTES", "forking", "release_inherited", "start_child"]
 
 logger = logging.getLogger(__name__)
 
-MIN_BYTES = 1 << 20
-"""Storages smaller than this are kept (what they would give back is lost in the rest of the process)."""
+MIN_BYTES = 1 << 16
+"""Storages smaller than this are kept (a codec's tables; a model of 5M parameters has matrices of 640 KiB)."""
 _MADV_DONTNEED = 4  # linux/mman.h
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
 

@@ -1,0 +1,151 @@
+"""The trainer at a real model size (issue 47): the ``150m`` preset (151.8M parameters with the byte
+tokenizer and ``model.vocab_size = 32000``) trained by ``diloco train`` on 2 gloo processes (under
+torchrun) or 2 hivemind peers (processes), int4 rounds, short sequences and a small batch so that a CPU
+step takes seconds. Run it on a shaped link (``bench/shaped_link.sh``: loopback at the given rate):
+
+    bench/shaped_link.sh 1gbit python bench/preset_run.py --transport torch --out runs/p150-torch
+    bench/shaped_link.sh 1gbit python bench/preset_run.py --transport hivemind --out runs/p150-hm
+
+Per worker it prints every round (contributors, bytes sent and received, the round's seconds, the mean
+pseudo-gradient's norm: equal on every worker where their results are the same bits), the eval losses,
+the final eval, the peak PSS of the worker's process tree (sampled each ``SAMPLE_SECONDS``: its DHT,
+averagers and p2pd counted, shared memory once) and any error line in its log. Not part of the test
+run. Every child is stopped whatever happens; every wait is bounded (``TIMEOUT``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from insider import first_addresses
+from scale import descendants, rollup
+
+TIMEOUT = 3000.0
+SAMPLE_SECONDS = 0.5
+ERRORS = ("Traceback", "ERROR", "Error:", "timed out", "TimeoutError")
+SETTINGS = [
+    'model.preset="150m"',
+    "model.vocab_size=32000",
+    "train.workers=2",
+    "train.num_shards=2",
+    "train.batch_size=2",
+    "data.seq_len=64",
+    "train.warmup_steps=2",
+    "train.ddp_warm_start=0",
+    "train.eval_every=5",
+    "train.eval_batches=2",
+    "train.checkpoint_every=0",
+    'diloco.codec="int4"',
+    "diloco.inner_steps=5",
+]
+HIVEMIND = [
+    'transport.kind="hivemind"',
+    'transport.run_id="preset-run"',
+    'transport.secret="preset-run-secret-0123456789abcdef"',
+    'transport.host_maddrs=["/ip4/127.0.0.1/tcp/0"]',
+    "transport.target_group_size=2",
+]
+
+
+def _sets(items: list[str]) -> list[str]:
+    return [a for item in items for a in ("--set", item)]
+
+
+def _watch(procs: list[subprocess.Popen], peaks: dict[int, int]) -> None:
+    """Wait for every process (at most ``TIMEOUT``), sampling each tree's peak PSS."""
+    deadline = time.monotonic() + TIMEOUT
+    while any(p.poll() is None for p in procs):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"the run did not end within {TIMEOUT:g} s")
+        for i, p in enumerate(procs):
+            if p.poll() is None:
+                pss = sum(rollup(pid).get("Pss", 0) for pid in [p.pid, *descendants(p.pid)])
+                peaks[i] = max(peaks.get(i, 0), pss)
+        time.sleep(SAMPLE_SECONDS)
+
+
+def launch(args: argparse.Namespace) -> list[Path]:
+    """Start the workers, wait for them; their run folders."""
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    settings = [*SETTINGS, f"train.steps={args.steps}", f'train.runs_dir="{out}"', *args.set]
+    procs: list[subprocess.Popen] = []
+    peaks: dict[int, int] = {}
+    try:
+        if args.transport == "torch":
+            cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
+            cmd += ["-m", "diloco_train.cli", "train", "-q", "--name", "w", "--force"]
+            cmd += _sets([*settings, 'transport.kind="torch"'])
+            err = open(out / "w.err", "w")  # noqa: SIM115 - the child writes it until it exits
+            procs.append(subprocess.Popen(cmd, stderr=err, stdout=err, start_new_session=True))
+            folders = [out / "w"]
+        else:
+            joined: list[str] = []
+            for i in range(2):
+                cmd = [sys.executable, "-m", "diloco_train.cli", "train", "-q", "--name", f"p{i}"]
+                cmd += _sets([*settings, *HIVEMIND, f"train.shard={i}", *joined])
+                err = open(out / f"p{i}.err", "w")  # noqa: SIM115 - as above
+                procs.append(subprocess.Popen(cmd, stderr=err, stdout=err, start_new_session=True))
+                if i == 0:
+                    addresses = first_addresses(out / "p0.err", procs[0])
+                    joined = [f"transport.initial_peers={addresses}"]
+            folders = [out / "p0", out / "p1"]
+        _watch(procs, peaks)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGTERM)
+                try:
+                    p.wait(timeout=30)
+                except subprocess.TimeoutExpired:
+                    os.killpg(p.pid, signal.SIGKILL)
+    for i, p in enumerate(procs):
+        print(f"process {i}: exit {p.returncode}, peak PSS of its tree {peaks.get(i, 0) / 2**30:.2f} GiB")
+    return folders
+
+
+def report(out: Path, folders: list[Path]) -> None:
+    for err in sorted(out.glob("*.err")):
+        bad = [line for line in err.read_text().splitlines() if any(e in line for e in ERRORS)]
+        print(f"{err.name}: {len(bad)} error line(s)" + "".join(f"\n  {b}" for b in bad[:5]))
+    for folder in folders:
+        for metrics in sorted(folder.glob("**/metrics.jsonl")):
+            records = [json.loads(line) for line in metrics.read_text().splitlines() if line]
+            print(f"== {metrics}")
+            for r in records:
+                if r["type"] == "round":
+                    print(
+                        f"round {r['round']}: {r['num_contributors']} contributors, sent "
+                        f"{r['bytes_sent'] / 1e6:.1f} MB, received {r['bytes_received'] / 1e6:.1f} MB, "
+                        f"comm {r['comm_s']:.2f} s, round {r['round_s']:.2f} s, "
+                        f"mean pseudo-gradient norm {r['mean_pseudo_grad_norm']!r}"
+                    )
+                elif r["type"] == "eval":
+                    print(f"eval at step {r['step']}: {r['loss']!r}")
+                elif r["type"] == "summary":
+                    print(f"summary: wall {r['wall_s']:.0f} s, eval {r['eval_after']!r}")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--transport", choices=("torch", "hivemind"), required=True)
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--steps", type=int, default=20, help="inner steps per worker (5 per round)")
+    parser.add_argument("--set", action="append", default=[], help="more trainer settings")
+    args = parser.parse_args()
+    folders = launch(args)
+    report(args.out, folders)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
