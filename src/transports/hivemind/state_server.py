@@ -176,10 +176,12 @@ class StateServer:
         offers = {p: o for p, o in offers.items() if o is not None}
         choice = choose(offers.values(), claims=self._claims(), floor=floor, accept=accept)
         self._name(choice.refused)
+        # A download once begun may take a payload exchange's time (``averaging_timeout``), however
+        # little of ``timeout`` is left: a 150M model's state (1.2 GB, 10 s at 1 Gbit/s) was cut short
+        # by a re-sync's window of ``matchmaking_time``, and refused as malformed.
+        timeout = max(timeout, self._res.config.averaging_timeout)
         for peer in choice.donors:
-            # One try may take all the time left (a large state over a slow link); a stalled donor
-            # is caught by hivemind's per-chunk timeout.
-            got = self._load_from(peer, max(1.0, timeout))
+            got = self._load_from(peer, timeout)
             if got is None or not valid_state(*got):
                 self._name([(peer, "its state is malformed or cut short")])
             elif offer_of(peer, got[0]) == offers[peer]:
