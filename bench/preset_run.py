@@ -83,7 +83,7 @@ def launch(args: argparse.Namespace) -> list[Path]:
     try:
         if args.transport == "torch":
             cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
-            cmd += ["-m", "diloco_train.cli", "train", "-q", "--name", "w", "--force"]
+            cmd += ["-m", "diloco_train.cli", "train", "-q", "--name", "w"]
             cmd += _sets([*settings, 'transport.kind="torch"'])
             err = open(out / "w.err", "w")  # noqa: SIM115 - the child writes it until it exits
             procs.append(subprocess.Popen(cmd, stderr=err, stdout=err, start_new_session=True))

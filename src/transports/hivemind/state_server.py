@@ -181,10 +181,16 @@ class StateServer:
         # by a re-sync's window of ``matchmaking_time``, and refused as malformed.
         timeout = max(timeout, self._res.config.averaging_timeout)
         for peer in choice.donors:
+            start = time.monotonic()
             got = self._load_from(peer, timeout)
             if got is None or not valid_state(*got):
                 self._name([(peer, "its state is malformed or cut short")])
             elif offer_of(peer, got[0]) == offers[peer]:
+                size = sum(t.numel() * t.element_size() for t in got[1])
+                took = time.monotonic() - start
+                logger.info(
+                    "took %.3f GB of state from %s in %.1f s", size / 1e9, peer.hex()[-8:], took
+                )
                 return got
             else:  # it committed a round since (or serves another state than it offered)
                 logger.debug("peer %s served another state than it offered", peer.hex()[-8:])
