@@ -118,6 +118,35 @@ def test_donors_are_ranked_by_the_rounds_of_the_state_they_serve():
     assert untracked.state_sharing_priority == 0.0  # no rounds: hivemind's default
 
 
+class SlowDonor(ScriptedDonors):
+    """A donor whose state takes ``seconds`` to arrive: a download given less is cut short (None), as
+    hivemind's stream is at its timeout."""
+
+    def __init__(self, states: list, seconds: float) -> None:
+        super().__init__(states)
+        self.seconds, self.timeouts = seconds, []
+
+    def load_from(self, peer: bytes, timeout: float) -> concurrent.futures.Future:
+        self.timeouts.append(timeout)
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        got = self.current if timeout >= self.seconds else None
+        threading.Timer(min(timeout, self.seconds), future.set_result, args=(got,)).start()
+        return future
+
+
+def test_a_download_once_begun_may_take_averaging_timeout_whatever_its_callers_window():
+    """At 150M parameters a re-sync's state (0.6-1.2 GB, 10 s and more at 1 Gbit/s) was cut short by the
+    window its caller had left (``matchmaking_time``) and refused as malformed (bench/preset_run.py)."""
+    keys, _ = run_keys("catch-up", "secret", joining=False)
+    config = HivemindConfig(averaging_timeout=3.0)
+    res = Resources(config=config, faults=HivemindFaults(), part_size_bytes=2**16, keys=keys)
+    server = StateServer(joining=False, resources=res, lock=threading.RLock(), tags=dict)
+    server.averager = donor = SlowDonor([_state(2)], seconds=1.5)
+    got = server.take(timeout=1.0)  # before: downloaded within 1.0 s, cut short, None
+    assert got is not None and got[0]["tag"] == list(TAGS[2])
+    assert donor.timeouts == [3.0]
+
+
 def test_a_loaded_state_keeps_its_meta_and_drops_its_tensors():
     """Before, a joiner held the state it downloaded, and a peer that re-synced the state it took, for the
     rest of its run: a copy of the global params and momentum (issue 47's account: 4 B/param)."""
