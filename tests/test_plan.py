@@ -207,3 +207,39 @@ def test_plan_prices_a_topk_wire_at_its_settings_and_names_a_bad_one(capsys: pyt
         "--codec-block=16 is invalid: expected a power of two in [32, 65536] for codec='sign'"
         in capsys.readouterr().err
     )
+
+
+MEASURED_PEAKS = [
+    # (transport, wire, parameters, measured peak per worker in MiB, where): bench/scale.py's peaks
+    # (PSS less mapped files) and bench/preset_run.py's at the 150m preset (each tree's whole PSS)
+    ("torch", "fp32", 5_114_112, 398, "scale"),
+    ("torch", "fp32", 20_010_496, 847, "scale"),
+    ("torch", "int4", 5_114_112, 535, "scale"),
+    ("torch", "int4", 20_010_496, 1110, "scale"),
+    ("hivemind", "fp32", 5_114_112, 966, "scale"),
+    ("hivemind", "fp32", 20_010_496, 1664, "scale"),
+    ("hivemind", "int4", 5_114_112, 1115, "scale"),
+    ("hivemind", "int4", 20_010_496, 1957, "scale"),
+    ("hivemind", "int4", 151_800_576, 9.14 * 1024, "150m, peer 0"),
+    ("hivemind", "int4", 151_800_576, 8.76 * 1024, "150m, peer 1"),
+    ("torch", "int4", 151_800_576, 12.09 * 1024 / 2, "150m, half the tree of 2 workers"),
+]
+
+
+@pytest.mark.parametrize(("transport", "wire", "params", "peak_mib", "where"), MEASURED_PEAKS)
+def test_plans_memory_is_within_ten_percent_of_every_measured_peak(
+    transport: str, wire: str, params: int, peak_mib: float, where: str
+) -> None:
+    from diloco_train.memory import memory
+
+    got = memory(params, transport=transport, wire=wire).total / 2**20
+    assert abs(got / peak_mib - 1) <= 0.10, (where, got, peak_mib)
+
+
+def test_plan_prints_a_workers_memory_and_says_where_it_was_not_measured(capsys: pytest.CaptureFixture) -> None:
+    argv = ["plan", "--params", "150m", "--step-s", "2", "--link-mbit", "1000", "--inner-steps", "10"]
+    assert main([*argv, "--transport", "hivemind"]) == 0
+    out = capsys.readouterr().out
+    assert re.search(r"memory per worker: training 3\.07 GB .*DiLoCo 6\.49 GB more .*9\.56 GB in all", out), out
+    assert main([*argv, "--codec", "fp16"]) == 0
+    assert "DiLoCo's for fp16 on torch: not measured (measured: fp32, int4)" in capsys.readouterr().out

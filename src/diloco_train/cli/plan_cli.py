@@ -10,6 +10,7 @@ import re
 from diloco_core import CODECS, Codec, DiLoCoConfig, MergeRule, codec_for
 from diloco_core.codecs.names import codec_of
 
+from ..memory import MEASURED, memory
 from ..plan import MODES, Link, Row, ddp_seconds, plan, sync_bytes
 from ..routes import TRANSPORTS, route
 
@@ -175,6 +176,21 @@ def recommend(rows: list[Row], *, target: float) -> dict[str, Row | None]:
     }
 
 
+def _print_memory(params: int, *, transport: str, wire: str) -> None:
+    """A worker's memory (``diloco_train.memory``: measured slopes, not a model of every buffer)."""
+    held = memory(params, transport=transport, wire=wire)
+    line = f"\nmemory per worker: training {held.training / 1e9:,.2f} GB (18.8 B/param at batch 2 x 64)"
+    if held.diloco is None:
+        measured = ", ".join(w for t, w in MEASURED if t == transport)
+        print(f"{line}; DiLoCo's for {wire} on {transport}: not measured (measured: {measured})")
+        return
+    print(
+        f"{line}, DiLoCo {held.diloco / 1e9:,.2f} GB more ({wire} on {transport}, bench/scale.py), "
+        f"{held.total / 1e9:,.2f} GB in all; DiLoCo's part is host memory with diloco.global_device = "
+        "cpu (the default)"
+    )
+
+
 def plan_main(args: argparse.Namespace) -> int:
     _check(args)
     codec = _codec(args)
@@ -228,6 +244,7 @@ def plan_main(args: argparse.Namespace) -> int:
             for r in cells
         ]
         print(f"| {h} | " + " | ".join(text) + " |")
+    _print_memory(args.params, transport=args.transport, wire=wire)
     print(f"\nsmallest H with utilization >= {100 * args.target:g}%:")
     for mode, row in recommend(rows, target=args.target).items():
         found = (
