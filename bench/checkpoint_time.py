@@ -1,15 +1,17 @@
-"""A checkpoint's save and load against ``torch.save`` / ``torch.load`` of the same tensors (issue 47).
+"""A checkpoint's save and load beside ``torch.save`` and ``torch.load`` of its tensors (issue 47).
 
 Reads a checkpoint the trainer wrote (``runs/RUN/checkpoints/...pt``), then times, alternately and
 ``--repeats`` times each, in a temporary folder beside it (the same disk):
 - ``torch.save(state, f)`` then ``torch.load(f, weights_only=True)``: the floor;
 - the trainer's own: its checksum (CRC-32 of every tensor's bytes) and ``atomic_save`` (a temporary
-  file, fsync, rename, fsync of the folder), then ``load_checkpoint`` (``torch.load`` and the checksum
-  verified).
-Each save writes a new file (as a trainer's checkpoint is), after every dirty page is written out
-(``os.sync``), so that neither save pays for the other's writeback; the page cache is dropped before
-each load where this process may (root): both loads read the disk. This machine's disk is noisy (a 3.6 GB save took either about 3 s or about 9 s, for
-either writer), so each line gives the median and the best of the repeats, and the ratios of both.
+  file, fsync, rename, fsync of the folder), then ``load_checkpoint`` (``torch.load`` and the
+  checksum verified).
+
+Each save writes a new file (as a trainer's checkpoint is), after every dirty
+  page is written out (``os.sync``), so that neither save pays for the other's writeback; the page
+  cache is dropped before each load where this process may (root): both loads read the disk. This
+  machine's disk is noisy (a 3.6 GB save took either about 3 s or about 9 s, for either writer), so
+  each line gives the median and the best of the repeats, and the ratios of both.
 
     python bench/checkpoint_time.py runs/p150-torch/w/checkpoints/step00000020-rank0.pt --repeats 6
 """
@@ -60,9 +62,9 @@ def main() -> int:
             times["torch.save"].append(_timed(lambda: torch.save(state, plain)))
             ours.unlink(missing_ok=True)
             os.sync()
-            times["save"].append(_timed(lambda: atomic_save({**state, CHECKSUM: checksum_of(state)}, ours)))
+            times["save"].append(_timed(lambda: _save(state, ours)))
             _drop_cache()
-            times["torch.load"].append(_timed(lambda: torch.load(plain, map_location="cpu", weights_only=True)))
+            times["torch.load"].append(_timed(lambda: torch.load(plain, weights_only=True)))
             _drop_cache()
             times["load"].append(_timed(lambda: load_checkpoint(ours)))
         sizes = {"torch.save": plain.stat().st_size, "save": ours.stat().st_size}
@@ -73,8 +75,14 @@ def main() -> int:
         ratio = statistics.median(times[ours_key]) / statistics.median(times[floor])
         best = min(times[ours_key]) / min(times[floor])
         print(f"{ours_key} / {floor}: {ratio:.2f}x (medians), {best:.2f}x (best of each)")
-    print(f"file sizes: torch.save {sizes['torch.save'] / 1e9:.3f} GB, ours {sizes['save'] / 1e9:.3f} GB")
+    gb = {k: f"{v / 1e9:.3f}" for k, v in sizes.items()}
+    print(f"file sizes: torch.save {gb['torch.save']} GB, ours {gb['save']} GB")
     return 0
+
+
+def _save(state: dict, path: Path) -> None:
+    """The trainer's save (``rank_files``): the checksum beside the state, written atomically."""
+    atomic_save({**state, CHECKSUM: checksum_of(state)}, path)
 
 
 def _tensors(obj):

@@ -1,16 +1,17 @@
 """The trainer at a real model size (issue 47): the ``150m`` preset (151.8M parameters with the byte
 tokenizer and ``model.vocab_size = 32000``) trained by ``diloco train`` on 2 gloo processes (under
-torchrun) or 2 hivemind peers (processes), int4 rounds, short sequences and a small batch so that a CPU
-step takes seconds. Run it on a shaped link (``bench/shaped_link.sh``: loopback at the given rate):
+torchrun) or 2 hivemind peers (processes), int4 rounds, short sequences and a small batch so that a
+CPU step takes seconds. Run it on a shaped link (``bench/shaped_link.sh``: loopback at the given
+rate):
 
     bench/shaped_link.sh 1gbit python bench/preset_run.py --transport torch --out runs/p150-torch
     bench/shaped_link.sh 1gbit python bench/preset_run.py --transport hivemind --out runs/p150-hm
 
-Per worker it prints every round (contributors, bytes sent and received, the round's seconds, the mean
-pseudo-gradient's norm: equal on every worker where their results are the same bits), the eval losses,
-the final eval, the peak PSS of the worker's process tree (sampled each ``SAMPLE_SECONDS``: its DHT,
-averagers and p2pd counted, shared memory once) and any error line in its log. Not part of the test
-run. Every child is stopped whatever happens; every wait is bounded (``TIMEOUT``).
+Per worker it prints every round (contributors, bytes sent and received, the round's seconds, the
+mean pseudo-gradient's norm: equal on every worker where their results are the same bits), the eval
+losses, the final eval, the peak PSS of the worker's process tree (sampled each ``SAMPLE_SECONDS``:
+its DHT, averagers and p2pd counted, shared memory once) and any error line in its log. Not part of
+the test run. Every child is stopped whatever happens; every wait is bounded (``TIMEOUT``).
 """
 
 from __future__ import annotations
@@ -82,7 +83,8 @@ def launch(args: argparse.Namespace) -> list[Path]:
     peaks: dict[int, int] = {}
     try:
         if args.transport == "torch":
-            cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
+            torchrun = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
+            cmd = [sys.executable, *torchrun]
             cmd += ["-m", "diloco_train.cli", "train", "-q", "--name", "w"]
             cmd += _sets([*settings, 'transport.kind="torch"'])
             err = open(out / "w.err", "w")  # noqa: SIM115 - the child writes it until it exits
@@ -109,7 +111,8 @@ def launch(args: argparse.Namespace) -> list[Path]:
                 except subprocess.TimeoutExpired:
                     os.killpg(p.pid, signal.SIGKILL)
     for i, p in enumerate(procs):
-        print(f"process {i}: exit {p.returncode}, peak PSS of its tree {peaks.get(i, 0) / 2**30:.2f} GiB")
+        peak = peaks.get(i, 0) / 2**30
+        print(f"process {i}: exit {p.returncode}, peak PSS of its tree {peak:.2f} GiB")
     return folders
 
 
@@ -123,9 +126,10 @@ def report(out: Path, folders: list[Path]) -> None:
             print(f"== {metrics}")
             for r in records:
                 if r["type"] == "round":
+                    sent, received = r["bytes_sent"] / 1e6, r["bytes_received"] / 1e6
                     print(
                         f"round {r['round']}: {r['num_contributors']} contributors, sent "
-                        f"{r['bytes_sent'] / 1e6:.1f} MB, received {r['bytes_received'] / 1e6:.1f} MB, "
+                        f"{sent:.1f} MB, received {received:.1f} MB, "
                         f"comm {r['comm_s']:.2f} s, round {r['round_s']:.2f} s, "
                         f"mean pseudo-gradient norm {r['mean_pseudo_grad_norm']!r}"
                     )
@@ -139,7 +143,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--transport", choices=("torch", "hivemind"), required=True)
     parser.add_argument("--out", type=Path, required=True)
-    parser.add_argument("--steps", type=int, default=20, help="inner steps per worker (5 per round)")
+    parser.add_argument("--steps", type=int, default=20, help="steps per worker (5 a round)")
     parser.add_argument("--set", action="append", default=[], help="more trainer settings")
     args = parser.parse_args()
     folders = launch(args)

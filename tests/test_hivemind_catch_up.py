@@ -119,8 +119,8 @@ def test_donors_are_ranked_by_the_rounds_of_the_state_they_serve():
 
 
 class SlowDonor(ScriptedDonors):
-    """A donor whose state takes ``seconds`` to arrive: a download given less is cut short (None), as
-    hivemind's stream is at its timeout."""
+    """A donor whose state takes ``seconds`` to arrive: a download given less is cut short (None),
+    as hivemind's stream is at its timeout."""
 
     def __init__(self, states: list, seconds: float) -> None:
         super().__init__(states)
@@ -135,8 +135,9 @@ class SlowDonor(ScriptedDonors):
 
 
 def test_a_download_once_begun_may_take_averaging_timeout_whatever_its_callers_window():
-    """At 150M parameters a re-sync's state (0.6-1.2 GB, 10 s and more at 1 Gbit/s) was cut short by the
-    window its caller had left (``matchmaking_time``) and refused as malformed (bench/preset_run.py)."""
+    """At 150M parameters a re-sync's state (0.6-1.2 GB, 10 s and more at 1 Gbit/s) was cut short by
+    the window its caller had left (``matchmaking_time``) and refused as malformed
+    (bench/preset_run.py)."""
     keys, _ = run_keys("catch-up", "secret", joining=False)
     config = HivemindConfig(averaging_timeout=3.0)
     res = Resources(config=config, faults=HivemindFaults(), part_size_bytes=2**16, keys=keys)

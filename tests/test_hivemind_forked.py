@@ -1,5 +1,6 @@
-"""A forked child (hivemind's averager) gives back the parent's tensors it inherited: the parent's writes
-after the fork no longer leave the child holding the old pages; its shared and small tensors stay."""
+"""A forked child (hivemind's averager) gives back the parent's tensors it inherited: the parent's
+writes after the fork no longer leave the child holding the old pages; its shared and small tensors
+stay."""
 
 from __future__ import annotations
 

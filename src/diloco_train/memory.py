@@ -1,7 +1,7 @@
-"""A worker's memory for a model size: what its training holds, and what DiLoCo adds on each transport
-and wire, from the scale benchmark's measurements (``bench/scale.py``, docs/results.md "Scale"), not
-from a model of every buffer: the bytes per parameter (the slope of the peak between 5.1M and 20.0M
-parameters, 2 workers, AdamW, batch 2 x 64) and the fixed part (its intercept).
+"""A worker's memory for a model size: what its training holds, and what DiLoCo adds on each
+transport and wire, from the scale benchmark's measurements (``bench/scale.py``, docs/results.md
+"Scale"), not from a model of every buffer: the bytes per parameter (the slope of the peak between
+5.1M and 20.0M parameters, 2 workers, AdamW, batch 2 x 64) and the fixed part (its intercept).
 
 Checked at the ``150m`` preset (151.8M parameters, int4, batch 2 x 64, ``bench/preset_run.py``): a
 hivemind peer predicted 9.00 GiB, measured 9.14 and 8.76 GiB (each peer's process tree); two gloo

@@ -179,15 +179,16 @@ def recommend(rows: list[Row], *, target: float) -> dict[str, Row | None]:
 def _print_memory(params: int, *, transport: str, wire: str) -> None:
     """A worker's memory (``diloco_train.memory``: measured slopes, not a model of every buffer)."""
     held = memory(params, transport=transport, wire=wire)
-    line = f"\nmemory per worker: training {held.training / 1e9:,.2f} GB (18.8 B/param at batch 2 x 64)"
+    training = held.training / 1e9
+    line = f"\nmemory per worker: training {training:,.2f} GB (18.8 B/param at batch 2 x 64)"
     if held.diloco is None:
         measured = ", ".join(w for t, w in MEASURED if t == transport)
         print(f"{line}; DiLoCo's for {wire} on {transport}: not measured (measured: {measured})")
         return
     print(
         f"{line}, DiLoCo {held.diloco / 1e9:,.2f} GB more ({wire} on {transport}, bench/scale.py), "
-        f"{held.total / 1e9:,.2f} GB in all; DiLoCo's part is host memory with diloco.global_device = "
-        "cpu (the default)"
+        f"{held.total / 1e9:,.2f} GB in all; DiLoCo's part is host memory with "
+        "diloco.global_device = cpu (the default)"
     )
 
 

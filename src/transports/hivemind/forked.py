@@ -1,21 +1,23 @@
-"""How a peer forks its processes (its DHT, its averagers) and how each starts: one fork at a time, and
-each child leaves with its parent, gives back the copy of its parent's tensors it inherited, and runs at
-its niceness.
+"""How a peer forks its processes (its DHT, its averagers) and how each starts: one fork at a time,
+and each child leaves with its parent, gives back the copy of its parent's tensors it inherited, and
+runs at its niceness.
 
-hivemind's averager is a forked process (``DecentralizedAverager`` is a ``multiprocessing.Process``),
-and a round's averager is forked when the first round asks for it: after the model, its gradients,
-the inner optimizer's state, the global copy, the reduce buffer and the residuals exist. The child
-never reads them (its values travel through the shared buffer and the pipe), but it maps them, so
-every page the trainer writes afterwards is copied for the trainer and the child keeps the old one:
-measured 20 (fp32) to 28.5 (int4) bytes per parameter in the child (docs/results.md, "Scale").
+hivemind's averager is a forked process (``DecentralizedAverager`` is a
+``multiprocessing.Process``), and a round's averager is forked when the first round asks for it:
+after the model, its gradients, the inner optimizer's state, the global copy, the reduce buffer and
+the residuals exist. The child never reads them (its values travel through the shared buffer and the
+pipe), but it maps them, so every page the trainer writes afterwards is copied for the trainer and
+the child keeps the old one: measured 20 (fp32) to 28.5 (int4) bytes per parameter in the child
+(docs/results.md, "Scale").
 
 So the parent lists its large private CPU tensor storages as it forks (``forking``: the tensors its
-Python objects reach, and their gradients), and the child, first thing (``start_child``), hands their
-pages back to the kernel with ``madvise(MADV_DONTNEED)``: the pages wholly inside each storage. The
-child reads zeros there from then on (it never reads them); the parent's pages are untouched.
-Shared-memory storages (an averager's own buffer) and small ones (a codec's tables) are kept. The list
-is made in the parent because walking every object from the child would write each one's reference
-count there, copying the pages of the whole Python heap (about 50 MiB a child, measured).
+Python objects reach, and their gradients), and the child, first thing (``start_child``), hands
+their pages back to the kernel with ``madvise(MADV_DONTNEED)``: the pages wholly inside each
+storage. The child reads zeros there from then on (it never reads them); the parent's pages are
+untouched. Shared-memory storages (an averager's own buffer) and small ones (a codec's tables) are
+kept. The list is made in the parent because walking every object from the child would write each
+one's reference count there, copying the pages of the whole Python heap (about 50 MiB a child,
+measured).
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ __all__ = ["MIN_BYTES", "forking", "release_inherited", "start_child"]
 logger = logging.getLogger(__name__)
 
 MIN_BYTES = 1 << 16
-"""Storages smaller than this are kept (a codec's tables; a model of 5M parameters has matrices of 640 KiB)."""
+"""Smaller storages are kept (a codec's tables; a 5M-parameter model has matrices of 640 KiB)."""
 _MADV_DONTNEED = 4  # linux/mman.h
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
 
@@ -49,11 +51,11 @@ _PLAIN = (torch.Tensor, torch.nn.Parameter)
 # grace period for a child that has long exited (several transports in one process: tests).
 _FORK_LOCK = threading.Lock()
 _large: dict[int, int] = {}
-"""The parent's large private storages as it forked (data address -> bytes): what a child gives back."""
+"""The parent's large private storages as it forked (data address -> bytes): what a child frees."""
 
 
 def _storages() -> dict[int, int]:
-    """Every large private CPU storage this process's Python objects reach: data address -> bytes."""
+    """Every large private CPU storage this process's Python objects reach (address -> bytes)."""
     found: dict[int, int] = {}
     for obj in gc.get_objects():
         if type(obj) not in _PLAIN:  # a subclass (a DTensor) may hold no storage of its own
@@ -83,8 +85,8 @@ def forking() -> Iterator[None]:
 
 
 def release_inherited() -> int:
-    """In a child forked under ``forking``: give back the pages of the parent's large tensors it will never
-    read. Returns the bytes given back (0 where this is not Linux)."""
+    """In a child forked under ``forking``: give back the pages of the parent's large tensors it
+    will never read. Returns the bytes given back (0 where this is not Linux)."""
     if not sys.platform.startswith("linux"):
         return 0
     madvise = ctypes.CDLL(None, use_errno=True).madvise
@@ -103,8 +105,9 @@ def release_inherited() -> int:
 
 
 def start_child(*, niceness: int, cleanup: Callable[[], None]) -> None:
-    """First thing in a peer's forked process: it exits with its parent (running ``cleanup``: its socket
-    files), gives back the parent's tensors it inherited, and adds ``niceness`` to its own."""
+    """First thing in a peer's forked process: it exits with its parent (running ``cleanup``: its
+    socket files), gives back the parent's tensors it inherited, and adds ``niceness`` to its
+    own."""
     leave_with_parent(cleanup=cleanup)
     release_inherited()
     os.nice(niceness)

@@ -177,8 +177,8 @@ class StateServer:
         choice = choose(offers.values(), claims=self._claims(), floor=floor, accept=accept)
         self._name(choice.refused)
         # A download once begun may take a payload exchange's time (``averaging_timeout``), however
-        # little of ``timeout`` is left: a 150M model's state (1.2 GB, 10 s at 1 Gbit/s) was cut short
-        # by a re-sync's window of ``matchmaking_time``, and refused as malformed.
+        # little of ``timeout`` is left: a 150M model's state (1.2 GB, 10 s at 1 Gbit/s) was cut
+        # short by a re-sync's window of ``matchmaking_time``, and refused as malformed.
         timeout = max(timeout, self._res.config.averaging_timeout)
         for peer in choice.donors:
             start = time.monotonic()
