@@ -7,6 +7,7 @@ a worker twice as fast takes twice the steps in a round, whatever the machine's 
 from __future__ import annotations
 
 import math
+import types
 
 import pytest
 import torch
@@ -14,6 +15,7 @@ from stalls import stalled_rounds
 from threads import in_threads
 from world import RankError
 
+import diloco_core.run_state
 from diloco_core import DiLoCo, DiLoCoConfig
 from diloco_core.guard import MAX_WORK
 from transports import InProcessConfig, InProcessGroup, transport_spec
@@ -195,9 +197,14 @@ def test_a_timed_run_stops_checkpoints_and_resumes_by_rounds(tmp_path):
     assert summary["type"] == "summary" and summary["step"] == 12 and 0 < summary["goodput"] <= 1
 
 
-def test_a_peer_that_loads_a_timed_rounds_state_ends_its_round_with_the_round_it_joined():
+def test_a_peer_that_loads_a_timed_rounds_state_ends_its_round_with_the_round_it_joined(
+    monkeypatch: pytest.MonkeyPatch,
+):
     """A peer that took a state (a late peer catching up, a joiner) ends its round when the round it joined
-    ends, not ``round_seconds`` after it loaded it: else it is late again at the next round."""
+    ends, not ``round_seconds`` after it loaded it: else it is late again at the next round. The loader
+    reads the wall clock (the round's end is compared across machines): it is held at the source round's
+    end, so that the state's age is the one each case gives (a loaded machine took over 0.25 s between
+    the round and the load once, and the case of 0 s ended its round 2 steps early)."""
 
     def timed(now: list[float]) -> DiLoCo:
         model = torch.nn.Linear(1, N, bias=False)
@@ -217,6 +224,8 @@ def test_a_peer_that_loads_a_timed_rounds_state_ends_its_round_with_the_round_it
     source = timed(source_clock)
     assert steps_to_round(source, source_clock) == 4
     meta, tensors = source.run_state.snapshot()
+    held = types.SimpleNamespace(time=lambda: meta["ended_at"])
+    monkeypatch.setattr(diloco_core.run_state, "time", held)
     for ago, steps in ((0.6, 2), (0.0, 4), (30.0, 1)):  # long ago: at most a round ago (its bound)
         peer_clock = [100.0]
         peer = timed(peer_clock)
