@@ -202,9 +202,9 @@ def test_a_peer_that_loads_a_timed_rounds_state_ends_its_round_with_the_round_it
 ):
     """A peer that took a state (a late peer catching up, a joiner) ends its round when the round it joined
     ends, not ``round_seconds`` after it loaded it: else it is late again at the next round. The loader
-    reads the wall clock (the round's end is compared across machines): it is held at the source round's
-    end, so that the state's age is the one each case gives (a loaded machine took over 0.25 s between
-    the round and the load once, and the case of 0 s ended its round 2 steps early)."""
+    reads the wall clock (the round's end is compared across machines): it is held at the source
+    round's end, so that the state's age is the one each case gives (a loaded machine took over 0.25
+    s between the round and the load once, and the case of 0 s ended its round 2 steps early)."""
 
     def timed(now: list[float]) -> DiLoCo:
         model = torch.nn.Linear(1, N, bias=False)
