@@ -50,13 +50,14 @@ _PLAIN = (torch.Tensor, torch.nn.Parameter)
 # that pipe into a second child, and the first child's join() then waits out hivemind's 5 s shutdown
 # grace period for a child that has long exited (several transports in one process: tests).
 _FORK_LOCK = threading.Lock()
-_large: dict[int, int] = {}
-"""The parent's large private storages as it forked (data address -> bytes): what a child frees."""
+_large: list[torch.UntypedStorage] = []
+"""The parent's large private storages as it forks, held: no other thread of the parent can free one
+(and its pages be reused) between the list and the fork. A child gives their pages back."""
 
 
-def _storages() -> dict[int, int]:
-    """Every large private CPU storage this process's Python objects reach (address -> bytes)."""
-    found: dict[int, int] = {}
+def _storages() -> list[torch.UntypedStorage]:
+    """Every large private CPU storage this process's Python objects reach, once each."""
+    found: dict[int, torch.UntypedStorage] = {}
     for obj in gc.get_objects():
         if type(obj) not in _PLAIN:  # a subclass (a DTensor) may hold no storage of its own
             continue
@@ -66,22 +67,25 @@ def _storages() -> dict[int, int]:
                 continue
             storage = t.untyped_storage()
             if storage.nbytes() >= MIN_BYTES and not storage.is_shared():
-                found[storage.data_ptr()] = storage.nbytes()
-    return found
+                found[storage.data_ptr()] = storage
+    return list(found.values())
 
 
 @contextlib.contextmanager
 def forking() -> Iterator[None]:
     """Around a peer's fork of a DHT or averager process: one at a time, the parent's large tensors
-    listed for the child to give back."""
+    listed (and held until the fork is done) for the child to give back."""
     global _large
     with _FORK_LOCK:
         try:
             _large = _storages()
         except Exception as e:  # noqa: BLE001 - what is not given back costs memory, never the run
             logger.warning("a forked process will keep the tensors it inherits: %r", e)
-            _large = {}
-        yield
+            _large = []
+        try:
+            yield
+        finally:
+            _large = []
 
 
 def release_inherited() -> int:
@@ -93,10 +97,10 @@ def release_inherited() -> int:
     madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
     page = mmap.PAGESIZE
     released = 0
-    for address, nbytes in _large.items():
-        first = (
-            -(-address // page) * page
-        )  # the pages wholly inside the storage: never a neighbour's
+    for storage in _large:
+        address, nbytes = storage.data_ptr(), storage.nbytes()
+        # the pages wholly inside the storage: never a neighbour's
+        first = -(-address // page) * page
         end = (address + nbytes) // page * page
         if end > first and madvise(first, end - first, _MADV_DONTNEED) == 0:
             released += end - first
