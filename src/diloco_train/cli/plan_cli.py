@@ -10,7 +10,7 @@ import re
 from diloco_core import CODECS, Codec, DiLoCoConfig, MergeRule, codec_for
 from diloco_core.codecs.names import codec_of
 
-from ..memory import MEASURED, memory
+from ..memory import MEASURED, TRAINING, memory
 from ..plan import MODES, Link, Row, ddp_seconds, plan, sync_bytes
 from ..routes import TRANSPORTS, route
 
@@ -180,7 +180,9 @@ def _print_memory(params: int, *, transport: str, wire: str) -> None:
     """A worker's memory (``diloco_train.memory``: measured slopes, not a model of every buffer)."""
     held = memory(params, transport=transport, wire=wire)
     training = held.training / 1e9
-    line = f"\nmemory per worker: training {training:,.2f} GB (18.8 B/param at batch 2 x 64)"
+    per_param = TRAINING[0]
+    line = f"\nmemory per worker: training {training:,.2f} GB ({per_param:g} B/param"
+    line += " at batch 2 x 64)"
     if held.diloco is None:
         measured = ", ".join(w for t, w in MEASURED if t == transport)
         print(f"{line}; DiLoCo's for {wire} on {transport}: not measured (measured: {measured})")
