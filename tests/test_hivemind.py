@@ -55,7 +55,8 @@ def _p2pd_children() -> set[int]:
 def swarm():
     """Three peers of one run (secret "s"): the first starts the swarm, the others join it."""
     peers: list[HivemindTransport] = []
-    cfg = dict(run_id="contract", secret="s", target_group_size=3, **FAST)
+    # the walk on: every mean these peers compute is read after their forks gave tensors back
+    cfg = dict(run_id="contract", secret="s", target_group_size=3, **{**FAST, "release_inherited": True})
     try:
         peers.append(HivemindTransport(HivemindConfig(**cfg)))
         for _ in range(2):

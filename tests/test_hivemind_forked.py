@@ -29,9 +29,9 @@ def _private_kib(pid: int) -> int:
     return fields["Private_Clean"] + fields["Private_Dirty"]
 
 
-def _child(release: bool, ready, done, report, shared: torch.Tensor, small: torch.Tensor) -> None:
+def _child(ready, done, report, shared: torch.Tensor, small: torch.Tensor) -> None:
     torch.set_num_threads(1)  # as the averager does: a fork's OpenMP pool would hang
-    report.put(release_inherited() if release else 0)
+    report.put(release_inherited())  # as start_child does
     ready.set()
     done.wait(60)  # the parent rewrites its tensors meanwhile, then measures this process
     report.put((float(shared.sum()), float(small.sum())))
@@ -47,8 +47,8 @@ def _child_keeps(release: bool) -> tuple[int, int, tuple[float, float]]:
     shared = torch.full((VALUES // 4,), 2.0).share_memory_()
     small = torch.full((MIN_BYTES // 8,), 3.0)
     ready, done, report = ctx.Event(), ctx.Event(), ctx.Queue()
-    child = ctx.Process(target=_child, args=(release, ready, done, report, shared, small))
-    with forking():  # as a peer forks its DHT and averagers
+    child = ctx.Process(target=_child, args=(ready, done, report, shared, small))
+    with forking(walk=release):  # as a peer forks its DHT and averagers (release_inherited)
         child.start()
     try:
         given = report.get(timeout=60)

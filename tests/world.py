@@ -30,8 +30,15 @@ LOCAL = ["/ip4/127.0.0.1/tcp/0"]
 # matchmaking_time is the slack a late peer has to find its group (a follower gives up 2 x matchmaking_time
 # after it starts looking, its leader starts the group after 1 x): 1 s was too tight for a loaded 2-core CI
 # machine. Where every peer of a round is known, target_group_size starts the group as soon as all are in.
-FAST = {"host_maddrs": LOCAL, "matchmaking_time": 2.0, "averaging_timeout": 8.0}
-"""The hivemind settings of the tests' peers."""
+FAST = {
+    "host_maddrs": LOCAL,
+    "matchmaking_time": 2.0,
+    "averaging_timeout": 8.0,
+    "release_inherited": False,
+}
+"""The hivemind settings of the tests' peers. Their forks skip the walk that gives back inherited
+tensors (0.06-0.1 s a fork in a test process, hundreds of forks: tens of seconds of the test run);
+test_hivemind.py's swarm and test_hivemind_forked.py keep it."""
 
 
 @dataclass

@@ -3,7 +3,16 @@
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from diloco_core.rules import check_field, check_fields, choice, integer, number, rule, string
+from diloco_core.rules import (
+    boolean,
+    check_field,
+    check_fields,
+    choice,
+    integer,
+    number,
+    rule,
+    string,
+)
 
 from ..quorum import Quorum
 from .secret import check_sources
@@ -73,6 +82,11 @@ class HivemindConfig:
     """Added to the niceness of this peer's background processes (its averagers, its DHT and p2p daemon),
     0 to 19: where training shares their cores, 10 lets it have them first (eager on 2 cores shared by 2
     peers: 92.8-94.4% utilization against 75.2-88.3% at 0; docs/overlap.md). A reduce runs slower beside it."""
+    release_inherited: bool = field(default=True, metadata=boolean())
+    """A forked DHT or averager process gives back the pages of this process's large tensors it
+    inherited (``forked.py``): at 150M parameters about 29 bytes per parameter less for an int4 peer
+    (docs/results.md, "Scale"). It costs each fork a walk of the process's Python objects (about
+    0.06 s at 400k objects); off: no walk, and each child keeps the pages the trainer rewrites."""
     secret: str | None = field(default=None, repr=False)
     """Shared secret of the run: only peers that hold it can matchmake, average or download state (a slow
     KDF makes guessing it offline cost 0.26 s or more per guess). None (and no ``secret_file`` nor

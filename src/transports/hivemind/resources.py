@@ -153,7 +153,7 @@ class Resources:
         )
         self.client = mode == "client"
         before = daemon_sockets()
-        with forking():
+        with forking(walk=cfg.release_inherited):
             self.dht = DHT(
                 initial_peers=list(cfg.initial_peers),
                 start=False,
@@ -249,7 +249,7 @@ class Resources:
         # Started by hand: hivemind's run_in_background would make *this* process ignore Ctrl+C
         # (and fails outside the main thread); the child ignores SIGINT itself (Averager.run).
         averager.niceness = cfg.background_niceness
-        with forking():
+        with forking(walk=cfg.release_inherited):
             averager.start()
         self.averagers.append(averager)
         _wait_until_ready(averager, "averager")
