@@ -1,8 +1,8 @@
 """Scale, first measurement (issue 47): where DiLoCo's memory per parameter goes.
 
-The trainer's Llama (``diloco_train.model``) at two sizes (``SIZES``: 5.1M and 20.0M parameters,
-vocab 4096), AdamW, batch 2 x 64 tokens of random data, one torch thread per worker, H = 5 inner
-steps, 8 outer rounds, through the library API (``DiLoCo``) on each transport with 2 workers:
+The trainer's Llama (``diloco_train.model``) at the sizes asked for (``SIZES``: 0.9M, 5.1M, 20.0M
+and 151.8M parameters, the ``150m`` preset), AdamW, batch 2 x 64 tokens of random data, one torch
+thread per worker, H = 5 inner steps, 8 outer rounds, through the library API (``DiLoCo``) on each transport with 2 workers:
 
 - ``inprocess``: one process, 2 worker threads on one ``InProcessGroup``;
 - ``torch``: 2 processes in a gloo group over 127.0.0.1 (``create_transport({"kind": "torch"})``);
@@ -26,7 +26,8 @@ Measured per worker process, from the end of outer round 3 to the end of trainin
 - in each child process (hivemind's), its own copies of the worker's tensors: its pages at their
   addresses that it alone maps (``exclusive_bytes``: what a forked child keeps of its parent).
 
-DiLoCo's bytes per parameter: the slope, between the two sizes, of (DiLoCo peak - baseline peak),
+DiLoCo's bytes per parameter: the slope, between the sizes run (least squares over more than two),
+of (DiLoCo peak - baseline peak),
 per worker (the in-process figures are per process, divided by its 2 workers), so that fixed costs
 cancel; its fixed part: the intercept (``slope_of``). The table's headline peak is the tree's PSS
 less its mapped files (``Pss_Anon + Pss_Shmem``: the share of libtorch's pages moves with whatever
@@ -62,20 +63,25 @@ from pathlib import Path
 from typing import Any
 
 SIZES: dict[str, dict[str, int]] = {
+    "1m": {"hidden_size": 128, "num_layers": 4, "num_heads": 4, "intermediate_size": 384},
     "5m": {"hidden_size": 256, "num_layers": 4, "num_heads": 4, "intermediate_size": 640},
     "20m": {"hidden_size": 512, "num_layers": 5, "num_heads": 8, "intermediate_size": 1376},
+    "150m": {"hidden_size": 768, "num_layers": 12, "num_heads": 12, "intermediate_size": 2688},
 }
-"""Model shapes (``ModelConfig`` fields; ``num_kv_heads`` = ``num_heads``): 5,114,112 and 20,010,496
-parameters at ``VOCAB``."""
-VOCAB = 4096
+"""Model shapes (``ModelConfig`` fields; ``num_kv_heads`` = ``num_heads``): the trainer's ``tiny``
+preset (924,288 parameters at its vocab of 256), 5,114,112 and 20,010,496 parameters at a vocab of
+4096, and the ``150m`` preset (151,829,760 at 32000)."""
+VOCABS = {"1m": 256, "5m": 4096, "20m": 4096, "150m": 32000}
+"""Each size's vocabulary (random tokens below it)."""
 BATCH, SEQ_LEN = 2, 64
 INNER_STEPS, ROUNDS, AFTER = 5, 8, 3
 """H, the outer rounds each worker trains, and the rounds after which memory is measured."""
 MAX_STEPS = 4 * INNER_STEPS * ROUNDS
 """A bound on a worker's steps (a hivemind peer alone in a round still counts it)."""
 SAMPLE_SECONDS = 0.02
-TIMEOUT = 600.0
-"""Seconds a configuration may take, start to end; then its processes are killed."""
+TIMEOUT = 1800.0
+"""Seconds a configuration may take, start to end; then its processes are killed (a 150m one takes
+several minutes)."""
 WAIT = 180.0
 """Seconds a worker waits for the others at a barrier, and a reduce for its group."""
 TRANSPORTS = ("inprocess", "torch", "hivemind")
@@ -315,7 +321,7 @@ def _model_config(size: str) -> Any:
     from diloco_train.model import ModelConfig
 
     shape = SIZES[size]
-    return ModelConfig(vocab_size=VOCAB, num_kv_heads=shape["num_heads"], **shape)
+    return ModelConfig(vocab_size=VOCABS[size], num_kv_heads=shape["num_heads"], **shape)
 
 
 def _write(path: Path, text: str) -> None:
@@ -353,11 +359,12 @@ def train(spec: dict, *, rank: int, transport: Any, out: dict) -> None:
         dl = DiLoCo(model, inner, transport, config)
     _barrier(folder, "ready", ranks=spec["ranks"], rank=rank)
     data = torch.Generator().manual_seed(100 + rank)
+    vocab = VOCABS[spec["size"]]
     rounds, steps, losses, start = 0, 0, [], time.perf_counter()
     while rounds < ROUNDS and steps < MAX_STEPS:
-        tokens = torch.randint(VOCAB, (BATCH, SEQ_LEN + 1), generator=data)
+        tokens = torch.randint(vocab, (BATCH, SEQ_LEN + 1), generator=data)
         logits = model(tokens[:, :-1])
-        loss = F.cross_entropy(logits.reshape(-1, VOCAB), tokens[:, 1:].reshape(-1))
+        loss = F.cross_entropy(logits.reshape(-1, vocab), tokens[:, 1:].reshape(-1))
         loss.backward()
         if dl is None:
             inner.step()
