@@ -47,8 +47,20 @@ def test_a_work_claim_is_clamped_to_the_guard_range():
     values[1, layout.work_at : layout.work_at + b] = -2.9999  # scaled the mean by 30,000 before
     values[2, layout.work_at : layout.work_at + b] = 1e9
     assert judge_controls(values, layout, lo=0) == {1, 2}
-    assert values[1, layout.work_at].item() == 1 / MAX_WORK - 1
+    assert values[1, layout.work_at].item() == -1.0  # a work of 0: it weighs nothing
     assert values[2, layout.work_at].item() == MAX_WORK - 1
+
+
+def test_an_honest_claim_of_a_few_steps_of_a_long_round_is_left_as_it_is():
+    """Rounds by time: one step of ``inner_steps = 500`` claims a work of 0.002 (before: raised to
+    1 / MAX_WORK and its sender named)."""
+    values, layout, _ = _tails(3)
+    b = layout.block
+    values[1, layout.work_at : layout.work_at + b] = 1 / 500 - 1
+    values[2, layout.work_at : layout.work_at + b] = 0.2 - 1
+    before = values.clone()
+    assert judge_controls(values, layout, lo=0) == set()
+    assert torch.equal(values, before)
 
 
 def test_a_minority_digest_takes_the_majority_s_and_is_named():

@@ -197,6 +197,29 @@ def test_a_timed_run_stops_checkpoints_and_resumes_by_rounds(tmp_path):
     assert summary["type"] == "summary" and summary["step"] == 12 and 0 < summary["goodput"] <= 1
 
 
+@pytest.mark.timeout(120)
+def test_honest_workers_that_take_a_few_steps_of_a_long_nominal_round_are_never_named(tmp_path):
+    """Rounds by time with ``inner_steps = 1000``: each worker takes tens of steps a round, so it claims a
+    work of a few hundredths. Before, the merge took any claim under 1 / ``MAX_WORK`` for an insider's:
+    it raised every honest claim to 0.25 and named every worker (the ``150m`` preset on hivemind: work
+    0.2 claimed, 0.25 counted, both peers named in every round)."""
+    from runs import FAST
+
+    from diloco_train.cli import main
+    from diloco_train.report.plot import read_metrics
+
+    long = ["--set", "diloco.inner_steps=1000", "--set", "train.steps=3000", "--set", "train.eval_every=1000"]
+    timed = ["--set", "diloco.round_seconds=0.3", "--set", "train.ddp_warm_start=0"]
+    common = ["--set", f"train.runs_dir={tmp_path!s}", *FAST, *long, *timed]
+    assert main(["train", "--name", "few", "-q", *common, "--set", "train.checkpoint_every=0"]) == 0
+    rounds = [r for r in read_metrics(tmp_path / "few") if r["type"] == "round"]
+    assert [r["round"] for r in rounds] == [1, 2, 3]
+    assert all(r["work"] < 1 / MAX_WORK for r in rounds), [r["work"] for r in rounds]
+    assert all(r["left_out"] == [] for r in rounds), [r["left_out"] for r in rounds]
+    # the two workers' claims, as they made them (each about the other's: the same speed)
+    assert all(r["total_work"] == pytest.approx(2 * r["work"], rel=0.5) for r in rounds)
+
+
 def test_a_peer_that_loads_a_timed_rounds_state_ends_its_round_with_the_round_it_joined(
     monkeypatch: pytest.MonkeyPatch,
 ):

@@ -10,7 +10,8 @@ named (the strikes count it):
 
 - the valid flag: 0 or 1; any other is taken as 1 (its values are in the sum: counting it keeps the mean a mean
   of what was summed);
-- the work claim w - 1: w in [1 / ``MAX_WORK``, ``MAX_WORK``] (clamped), and 0 where the flag is 0;
+- the work claim w - 1: w in [0, ``MAX_WORK``] (clamped: a negative claim cancelled the others' work), and 0
+  where the flag is 0;
 - the digest and its square: an integer in [0, 15] and its square; where a strict majority of the contributors
   hold one digest, a contributor holding another gets the majority's (a replica that differs is named instead of
   stopping everyone; with no majority, as between two, the guard still stops the round);
@@ -95,7 +96,8 @@ def judge_controls(values: torch.Tensor, layout: ControlLayout, *, lo: int) -> s
     _fix(valid, [None if f in (0, 1) else 1.0 for f in flags], named)
     work = _column(values, layout.work_at, lo)
     if work is not None:
-        low, high = 1.0 / layout.max_work - 1.0, layout.max_work - 1.0
+        # w >= 0: an honest claim is steps / inner_steps, as little as 1 / inner_steps (elastic)
+        low, high = -1.0, layout.max_work - 1.0
         wanted = []
         for w, f in zip(work.tolist(), flags):
             if f == 0:  # an excluded contribution weighs nothing: its claim is 0
