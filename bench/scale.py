@@ -36,6 +36,7 @@ else maps them); whole PSS and VmHWM have slopes of their own. One configuration
     PYTHONPATH=src python bench/scale.py run --out /tmp/scale.jsonl            # every configuration
     PYTHONPATH=src python bench/scale.py run --out /tmp/scale.jsonl --transports torch --codecs int4
     PYTHONPATH=src python bench/scale.py table /tmp/scale.jsonl               # the tables, markdown
+    PYTHONPATH=src python bench/scale.py plot /tmp/scale.jsonl --to docs/scale.png  # log-log
 
 Not part of the test run (tests/test_scale_bench.py tests the accounting). Every child process is
 stopped and every temp folder removed, whatever happens; every wait is bounded.
@@ -810,6 +811,48 @@ def table(records: Sequence[dict]) -> str:
     return "\n".join(lines)
 
 
+def plot(records: Sequence[dict], out: Path) -> None:
+    """Two log-log plots against the parameters, per transport and codec: the peak per worker (the
+    tree's PSS less its mapped files) beside training alone, and DiLoCo's part (the peak less its
+    baseline's: a line of slope 1 grows linearly); written to ``out`` (matplotlib: the ``train``
+    extra)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = summarize(records)
+    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 5))
+    peaks: dict[str, list[tuple[float, float]]] = collections.defaultdict(list)
+    above: dict[str, list[tuple[float, float]]] = collections.defaultdict(list)
+    base: dict[int, float] = {}
+    for r in rows:
+        name = f"{r['transport']} {r['codec']}"
+        peaks[name].append((r["params"], r["Pss_Mem"] / MIB))
+        above[name].append((r["params"], (r["Pss_Mem"] - r["base_Pss_Mem"]) / MIB))
+        if r["transport"] != "inprocess":  # its baseline is 2 workers' process, halved
+            base[r["params"]] = r["base_Pss_Mem"] / MIB
+    for ax, lines in ((left, peaks), (right, above)):
+        for name, points in sorted(lines.items()):
+            xs, ys = zip(*sorted(points))
+            ax.plot(xs, ys, marker="o", label=name)
+    xs, ys = zip(*sorted(base.items()))
+    label = "training alone (1 process)"
+    left.plot(xs, ys, marker="s", color="black", linestyle="--", label=label)
+    left.set_ylabel("peak memory per worker, MiB (PSS less mapped files)")
+    right.set_ylabel("DiLoCo's memory above training alone, MiB per worker")
+    for ax in (left, right):
+        ax.set_xscale("log")
+        ax.set_yscale("log")
+        ax.set_xlabel("parameters")
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.suptitle("Memory per worker against model size (bench/scale.py)")
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+
+
 # -- command line ---------------------------------------------------------------------------------
 
 
@@ -836,6 +879,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     run.add_argument("--repeats", type=int, default=1)
     show = sub.add_parser("table", help="print the tables of a --out file")
     show.add_argument("path", type=Path)
+    draw = sub.add_parser("plot", help="draw the log-log plot of a --out file")
+    draw.add_argument("path", type=Path)
+    draw.add_argument("--to", type=Path, required=True, help="the image to write (.png, .svg)")
     one = sub.add_parser("worker", help="(internal) one worker process")
     one.add_argument("spec")
     args = p.parse_args(argv)
@@ -844,6 +890,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "table":
         lines = args.path.read_text().splitlines()
         print(table([json.loads(line) for line in lines if line.strip()]))
+        return 0
+    if args.command == "plot":
+        lines = args.path.read_text().splitlines()
+        plot([json.loads(line) for line in lines if line.strip()], args.to)
         return 0
     args.out.parent.mkdir(parents=True, exist_ok=True)
     for _ in range(args.repeats):

@@ -11,7 +11,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "bench"))
 
-from scale import by_component, component_of, slope_of, summarize, tensor_account
+from scale import by_component, component_of, plot, slope_of, summarize, tensor_account
 
 from diloco_core import DiLoCo, DiLoCoConfig
 from transports import InProcessGroup
@@ -62,6 +62,17 @@ def test_the_figures_are_per_worker_above_the_baseline_of_as_many_workers_per_pr
     assert torch_row["slope_Pss"] == pytest.approx(13.0)
     assert torch_row["fixed_Pss"] == pytest.approx(80 * MIB)
     assert torch_row["slope_account"] == pytest.approx(4.0)
+
+
+def test_the_plot_is_written_from_the_rows_the_table_reads(tmp_path):
+    """The log-log plot (peaks beside the baseline, DiLoCo's part) of three sizes, as an image."""
+    records = []
+    for n in (10**6, 20 * 10**6, 150 * 10**6):
+        records.append(_record("baseline", params=n, peak=200 * MIB + 19 * n, workers=1, processes=1))
+        records.append(_record("torch", params=n, peak=250 * MIB + 41 * n, workers=1, processes=2))
+    out = tmp_path / "scale.png"
+    plot(records, out)
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out.stat().st_size > 10_000
 
 
 def test_a_component_only_one_process_holds_counts_at_its_mean_over_the_processes():
