@@ -10,7 +10,8 @@ rate):
 Per worker it prints every round (contributors, bytes sent and received, the round's seconds, the
 mean pseudo-gradient's norm: equal on every worker where their results are the same bits), the eval
 losses, the final eval, the peak PSS of the worker's process tree (sampled each ``SAMPLE_SECONDS``:
-its DHT, averagers and p2pd counted, shared memory once) and any error line in its log. Not part of
+its DHT, averagers and p2pd counted, shared memory once), any error line in its log and any warning
+line (but the one about a secret on the command line, which this bench passes). Not part of
 the test run. Every child is stopped whatever happens; every wait is bounded (``TIMEOUT``).
 """
 
@@ -118,8 +119,12 @@ def launch(args: argparse.Namespace) -> list[Path]:
 
 def report(out: Path, folders: list[Path]) -> None:
     for err in sorted(out.glob("*.err")):
-        bad = [line for line in err.read_text().splitlines() if any(e in line for e in ERRORS)]
+        lines = err.read_text().splitlines()
+        bad = [line for line in lines if any(e in line for e in ERRORS)]
         print(f"{err.name}: {len(bad)} error line(s)" + "".join(f"\n  {b}" for b in bad[:5]))
+        # a warning is not an error, but an honest run has none from its rounds (a named peer, a retry)
+        warned = [line for line in lines if " WARN " in line and "transport.secret" not in line]
+        print(f"{err.name}: {len(warned)} warning line(s)" + "".join(f"\n  {w}" for w in warned[:5]))
     for folder in folders:
         for metrics in sorted(folder.glob("**/metrics.jsonl")):
             records = [json.loads(line) for line in metrics.read_text().splitlines() if line]
