@@ -122,9 +122,11 @@ def report(out: Path, folders: list[Path]) -> None:
         lines = err.read_text().splitlines()
         bad = [line for line in lines if any(e in line for e in ERRORS)]
         print(f"{err.name}: {len(bad)} error line(s)" + "".join(f"\n  {b}" for b in bad[:5]))
-        # a warning is not an error, but an honest run has none from its rounds (a named peer, a retry)
+        # a warning is not an error, but an honest run has none from its rounds (a peer named, a
+        # retry)
         warned = [line for line in lines if " WARN " in line and "transport.secret" not in line]
-        print(f"{err.name}: {len(warned)} warning line(s)" + "".join(f"\n  {w}" for w in warned[:5]))
+        shown = "".join(f"\n  {w}" for w in warned[:5])
+        print(f"{err.name}: {len(warned)} warning line(s)" + shown)
     for folder in folders:
         for metrics in sorted(folder.glob("**/metrics.jsonl")):
             records = [json.loads(line) for line in metrics.read_text().splitlines() if line]

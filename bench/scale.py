@@ -2,7 +2,8 @@
 
 The trainer's Llama (``diloco_train.model``) at the sizes asked for (``SIZES``: 0.9M, 5.1M, 20.0M
 and 151.8M parameters, the ``150m`` preset), AdamW, batch 2 x 64 tokens of random data, one torch
-thread per worker, H = 5 inner steps, 8 outer rounds, through the library API (``DiLoCo``) on each transport with 2 workers:
+thread per worker, H = 5 inner steps, 8 outer rounds, through the library API (``DiLoCo``) on each
+transport with 2 workers:
 
 - ``inprocess``: one process, 2 worker threads on one ``InProcessGroup``;
 - ``torch``: 2 processes in a gloo group over 127.0.0.1 (``create_transport({"kind": "torch"})``);

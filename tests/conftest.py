@@ -74,6 +74,16 @@ UNIT_MODULES = frozenset(
     }
 )
 TIERS = ("unit", "integration", "slow")
+SLOW_VARIANTS = {
+    # fixture-parametrized variants (no pytest.param to mark): each names what covers its mechanism
+    "tests/test_elastic.py::test_equal_work_by_time_is_lock_step_bit_for_bit[hivemind-2-fp32]": (
+        "[hivemind-2-int4]: the same peers, rounds and check on a block wire; fp32 elsewhere; ~5 s"
+    ),
+}
+COLLECTED: dict[str, str] = {}
+"""Every test this session collected (before ``-m`` or ``-k`` deselected any) and its tier: read by
+tests/test_tiers.py, which collects the suite in a process of its own only where this one did
+not."""
 
 
 def tier_of(item: pytest.Item) -> str:
@@ -85,7 +95,10 @@ def tier_of(item: pytest.Item) -> str:
 @pytest.hookimpl(tryfirst=True)  # before `-m` deselects by these markers
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
+        if item.nodeid in SLOW_VARIANTS:
+            item.add_marker(pytest.mark.slow)
         tier = tier_of(item)
+        COLLECTED[item.nodeid] = tier
         if tier != "slow":
             item.add_marker(tier)
         marked = [t for t in TIERS if item.get_closest_marker(t) is not None]

@@ -199,16 +199,17 @@ def test_a_timed_run_stops_checkpoints_and_resumes_by_rounds(tmp_path):
 
 @pytest.mark.timeout(120)
 def test_honest_workers_that_take_a_few_steps_of_a_long_nominal_round_are_never_named(tmp_path):
-    """Rounds by time with ``inner_steps = 1000``: each worker takes tens of steps a round, so it claims a
-    work of a few hundredths. Before, the merge took any claim under 1 / ``MAX_WORK`` for an insider's:
-    it raised every honest claim to 0.25 and named every worker (the ``150m`` preset on hivemind: work
-    0.2 claimed, 0.25 counted, both peers named in every round)."""
+    """Rounds by time with ``inner_steps = 1000``: each worker takes tens of steps a round, so it
+    claims a work of a few hundredths. Before, the merge took any claim under 1 / ``MAX_WORK`` for
+    an insider's: it raised every honest claim to 0.25 and named every worker (the ``150m`` preset
+    on hivemind: work 0.2 claimed, 0.25 counted, both peers named in every round)."""
     from runs import FAST
 
     from diloco_train.cli import main
     from diloco_train.report.plot import read_metrics
 
-    long = ["--set", "diloco.inner_steps=1000", "--set", "train.steps=3000", "--set", "train.eval_every=1000"]
+    long = ["--set", "diloco.inner_steps=1000", "--set", "train.steps=3000"]
+    long += ["--set", "train.eval_every=1000"]
     timed = ["--set", "diloco.round_seconds=0.3", "--set", "train.ddp_warm_start=0"]
     common = ["--set", f"train.runs_dir={tmp_path!s}", *FAST, *long, *timed]
     assert main(["train", "--name", "few", "-q", *common, "--set", "train.checkpoint_every=0"]) == 0

@@ -56,7 +56,8 @@ def swarm():
     """Three peers of one run (secret "s"): the first starts the swarm, the others join it."""
     peers: list[HivemindTransport] = []
     # the walk on: every mean these peers compute is read after their forks gave tensors back
-    cfg = dict(run_id="contract", secret="s", target_group_size=3, **{**FAST, "release_inherited": True})
+    fast = {**FAST, "release_inherited": True}
+    cfg = dict(run_id="contract", secret="s", target_group_size=3, **fast)
     try:
         peers.append(HivemindTransport(HivemindConfig(**cfg)))
         for _ in range(2):
@@ -174,8 +175,8 @@ def test_sixteen_bit_wire_sends_fewer_bytes(swarm):
 @pytest.mark.timeout(90)
 @pytest.mark.parametrize(
     "wire_dtype",
-    # int4 in the default run (the same parts, blocks and order, the narrower wire); int8 (~4 s) with
-    # -m slow, to keep the default run under 8 minutes
+    # int4 in the default run (the same parts, blocks and order, the narrower wire); int8 (~4 s)
+    # with -m slow, to keep the default run under 8 minutes
     [pytest.param("int8", marks=pytest.mark.slow), "int4"],
 )
 def test_block_codecs_give_every_peer_the_reference_mean_in_group_order(wire_dtype):

@@ -68,8 +68,9 @@ def test_the_plot_is_written_from_the_rows_the_table_reads(tmp_path):
     """The log-log plot (peaks beside the baseline, DiLoCo's part) of three sizes, as an image."""
     records = []
     for n in (10**6, 20 * 10**6, 150 * 10**6):
-        records.append(_record("baseline", params=n, peak=200 * MIB + 19 * n, workers=1, processes=1))
-        records.append(_record("torch", params=n, peak=250 * MIB + 41 * n, workers=1, processes=2))
+        base, peak = 200 * MIB + 19 * n, 250 * MIB + 41 * n
+        records.append(_record("baseline", params=n, peak=base, workers=1, processes=1))
+        records.append(_record("torch", params=n, peak=peak, workers=1, processes=2))
     out = tmp_path / "scale.png"
     plot(records, out)
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out.stat().st_size > 10_000

@@ -10,8 +10,8 @@ named (the strikes count it):
 
 - the valid flag: 0 or 1; any other is taken as 1 (its values are in the sum: counting it keeps the mean a mean
   of what was summed);
-- the work claim w - 1: w in [0, ``MAX_WORK``] (clamped: a negative claim cancelled the others' work), and 0
-  where the flag is 0;
+- the work claim w - 1: w in [0, ``MAX_WORK``] (clamped: a negative claim cancelled the others'
+  work), and 0 where the flag is 0;
 - the digest and its square: an integer in [0, 15] and its square; where a strict majority of the contributors
   hold one digest, a contributor holding another gets the majority's (a replica that differs is named instead of
   stopping everyone; with no majority, as between two, the guard still stops the round);
