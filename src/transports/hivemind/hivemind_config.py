@@ -84,8 +84,8 @@ class HivemindConfig:
     peers: 92.8-94.4% utilization against 75.2-88.3% at 0; docs/overlap.md). A reduce runs slower beside it."""
     release_inherited: bool = field(default=True, metadata=boolean())
     """A forked DHT or averager process gives back the pages of this process's large tensors it
-    inherited (``forked.py``): at 150M parameters about 29 bytes per parameter less for an int4 peer
-    (docs/results.md, "Scale"). It costs each fork a walk of the process's Python objects (about
+    inherited (``forked.py``): 29 (fp32) to 34 (int4) bytes per parameter less per peer, measured
+    between 5M and 20M parameters (docs/results.md, "Scale"). It costs each fork a walk of the process's Python objects (about
     0.06 s at 400k objects); off: no walk, and each child keeps the pages the trainer rewrites."""
     secret: str | None = field(default=None, repr=False)
     """Shared secret of the run: only peers that hold it can matchmake, average or download state (a slow
