@@ -64,17 +64,29 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-SIZES: dict[str, dict[str, int]] = {
-    "1m": {"hidden_size": 128, "num_layers": 4, "num_heads": 4, "intermediate_size": 384},
-    "5m": {"hidden_size": 256, "num_layers": 4, "num_heads": 4, "intermediate_size": 640},
-    "20m": {"hidden_size": 512, "num_layers": 5, "num_heads": 8, "intermediate_size": 1376},
-    "150m": {"hidden_size": 768, "num_layers": 12, "num_heads": 12, "intermediate_size": 2688},
+SIZES: dict[str, dict[str, Any]] = {
+    "1m": {"preset": "tiny"},
+    "5m": {
+        "vocab_size": 4096,
+        "hidden_size": 256,
+        "num_layers": 4,
+        "num_heads": 4,
+        "num_kv_heads": 4,
+        "intermediate_size": 640,
+    },
+    "20m": {
+        "vocab_size": 4096,
+        "hidden_size": 512,
+        "num_layers": 5,
+        "num_heads": 8,
+        "num_kv_heads": 8,
+        "intermediate_size": 1376,
+    },
+    "150m": {"preset": "150m"},
 }
-"""Model shapes (``ModelConfig`` fields; ``num_kv_heads`` = ``num_heads``): the trainer's ``tiny``
-preset (924,288 parameters at its vocab of 256), 5,114,112 and 20,010,496 parameters at a vocab of
-4096, and the ``150m`` preset (151,829,760 at 32000)."""
-VOCABS = {"1m": 256, "5m": 4096, "20m": 4096, "150m": 32000}
-"""Each size's vocabulary (random tokens below it)."""
+"""Each size's ``ModelConfig`` fields: the trainer's ``tiny`` preset (918,656 parameters at its vocab
+of 256), 5,114,112 and 20,010,496 parameters at a vocab of 4096, and the ``150m`` preset
+(151,800,576 at 32000)."""
 BATCH, SEQ_LEN = 2, 64
 INNER_STEPS, ROUNDS, AFTER = 5, 8, 3
 """H, the outer rounds each worker trains, and the rounds after which memory is measured."""
@@ -322,8 +334,7 @@ def status_kib(pid: int | str, name: str) -> int:
 def _model_config(size: str) -> Any:
     from diloco_train.model import ModelConfig
 
-    shape = SIZES[size]
-    return ModelConfig(vocab_size=VOCABS[size], num_kv_heads=shape["num_heads"], **shape)
+    return ModelConfig(**SIZES[size]).resolved()
 
 
 def _write(path: Path, text: str) -> None:
@@ -361,7 +372,7 @@ def train(spec: dict, *, rank: int, transport: Any, out: dict) -> None:
         dl = DiLoCo(model, inner, transport, config)
     _barrier(folder, "ready", ranks=spec["ranks"], rank=rank)
     data = torch.Generator().manual_seed(100 + rank)
-    vocab = VOCABS[spec["size"]]
+    vocab = _model_config(spec["size"]).vocab_size
     rounds, steps, losses, start = 0, 0, [], time.perf_counter()
     while rounds < ROUNDS and steps < MAX_STEPS:
         tokens = torch.randint(vocab, (BATCH, SEQ_LEN + 1), generator=data)
