@@ -12,9 +12,10 @@ named (the strikes count it):
   of what was summed);
 - the work claim w - 1: w in [0, ``MAX_WORK``] (clamped: a negative claim cancelled the others'
   work), and 0 where the flag is 0;
-- the digest and its square: an integer in [0, 15] and its square; where a strict majority of the contributors
-  hold one digest, a contributor holding another gets the majority's (a replica that differs is named instead of
-  stopping everyone; with no majority, as between two, the guard still stops the round);
+- the digest and its square: an integer in [0, 15] and its square, each judged on its own (a cut may fall
+  between them); where a strict majority of the contributors hold one, a contributor holding another gets the
+  majority's (a replica that differs is named instead of stopping everyone; with no majority, as between two,
+  the guard still stops the round);
 - the RMS: finite and >= 0 (else 0).
 
 Each is the first value of its block, the one the guard reads (every codec keeps it, top-k included), judged
@@ -26,6 +27,7 @@ from __future__ import annotations
 
 import math
 from collections import Counter
+from collections.abc import Container
 from dataclasses import dataclass
 
 import torch
@@ -34,6 +36,7 @@ __all__ = ["ControlLayout", "judge_controls"]
 
 DIGESTS = 16
 """The digest's values: 0 to 15 (``guard.py``: CRC-32 of a sample, mod 16)."""
+SQUARES = frozenset(d * d for d in range(DIGESTS))
 TOLERANCE = 0.25
 """How far a codec may move a control value (block codecs scale each block: 13 comes back as 12.99...); the
 guard rounds the means too."""
@@ -87,6 +90,19 @@ def _fix(column: torch.Tensor | None, wanted: list[float | None], named: set[int
             named.add(i)
 
 
+def _majority(column: torch.Tensor | None, allowed: Container[int], named: set[int]) -> None:
+    """Where a strict majority of the contributors hold one ``allowed`` integer in ``column``, each other
+    contributor gets it and is named. Each column on its own: a transport's cut may fall between the digest's
+    block and its square's (hivemind's parts did, with 4 peers, in every round), and each part judges what it
+    holds; once both are the majority's, every contributor's square is its digest's."""
+    if column is None:
+        return
+    held = [h if h in allowed else None for h in map(_integer, column.tolist())]
+    common = Counter(h for h in held if h is not None).most_common(1)
+    if common and 2 * common[0][1] > len(held):
+        _fix(column, [float(common[0][0]) if h != common[0][0] else None for h in held], named)
+
+
 def judge_controls(values: torch.Tensor, layout: ControlLayout, *, lo: int) -> set[int]:
     """Correct, in place, the control values of ``values`` (contributors x the decoded slice beginning at value
     ``lo``) that an honest guard never writes; the contributors named (their index)."""
@@ -105,17 +121,8 @@ def judge_controls(values: torch.Tensor, layout: ControlLayout, *, lo: int) -> s
             else:
                 wanted.append(None if math.isfinite(w) and low <= w <= high else min(max(w, low), high))
         _fix(work, [0.0 if v is not None and not math.isfinite(v) else v for v in wanted], named)
-    digest = _column(values, layout.digest_at, lo)
-    square = _column(values, layout.digest_at + layout.block, lo)
-    if digest is not None and square is not None:
-        held = [_integer(h) for h in digest.tolist()]
-        held = [h if h in range(DIGESTS) and _near(s, h * h) else None for h, s in zip(held, square.tolist())]
-        common = Counter(h for h in held if h is not None).most_common(1)
-        if common and 2 * common[0][1] > len(held):
-            major = common[0][0]
-            wrong = [h != major for h in held]
-            _fix(digest, [float(major) if bad else None for bad in wrong], named)
-            _fix(square, [float(major * major) if bad else None for bad in wrong], named)
+    _majority(_column(values, layout.digest_at, lo), range(DIGESTS), named)
+    _majority(_column(values, layout.digest_at + layout.block, lo), SQUARES, named)
     rms = _column(values, layout.end - 1, lo)
     if rms is not None:
         _fix(rms, [None if math.isfinite(r) and r >= 0 else 0.0 for r in rms.tolist()], named)
