@@ -11,7 +11,9 @@ Per worker it prints every round (contributors, bytes sent and received, the rou
 mean pseudo-gradient's norm: equal on every worker where their results are the same bits), the eval
 losses, the final eval, the peak PSS of the worker's process tree (sampled each ``SAMPLE_SECONDS``:
 its DHT, averagers and p2pd counted, shared memory once), any error line in its log and any warning
-line (but the one about a secret on the command line, which this bench passes). Not part of
+line (but the one about a secret on the command line, which this bench passes), and its start: the
+state it took (a joiner's download), the seconds from its launch to its first step and its peak PSS
+before and after that step. Not part of
 the test run. Every child is stopped whatever happens; every wait is bounded (``TIMEOUT``).
 """
 
@@ -20,10 +22,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
 import time
+from datetime import datetime
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -62,8 +66,8 @@ def _sets(items: list[str]) -> list[str]:
     return [a for item in items for a in ("--set", item)]
 
 
-def _watch(procs: list[subprocess.Popen], peaks: dict[int, int]) -> None:
-    """Wait for every process (at most ``TIMEOUT``), sampling each tree's peak PSS."""
+def _watch(procs: list[subprocess.Popen], samples: dict[int, list[tuple[float, int]]]) -> None:
+    """Wait for every process (at most ``TIMEOUT``), sampling each tree's PSS: (wall clock, bytes)."""
     deadline = time.monotonic() + TIMEOUT
     while any(p.poll() is None for p in procs):
         if time.monotonic() > deadline:
@@ -71,8 +75,31 @@ def _watch(procs: list[subprocess.Popen], peaks: dict[int, int]) -> None:
         for i, p in enumerate(procs):
             if p.poll() is None:
                 pss = sum(rollup(pid).get("Pss", 0) for pid in [p.pid, *descendants(p.pid)])
-                peaks[i] = max(peaks.get(i, 0), pss)
+                samples.setdefault(i, []).append((time.time(), pss))
         time.sleep(SAMPLE_SECONDS)
+
+
+def _logged_at(line: str) -> float:
+    """The wall clock of a log line (its leading ``YYYY-mm-dd HH:MM:SS,mmm``, local time)."""
+    return datetime.strptime(line[:23], "%Y-%m-%d %H:%M:%S,%f").timestamp()
+
+
+def timeline(err: Path, launched: float, samples: list[tuple[float, int]]) -> str:
+    """A peer's start from its log (``-v``): the state it took (bytes, seconds), the seconds from its
+    launch to its first step, and its peak PSS before and from then on."""
+    lines = err.read_text().splitlines()
+    took = [m for line in lines if (m := re.search(r"took ([\d.]+) GB of state .* in ([\d.]+) s", line))]
+    starts = [_logged_at(line) for line in lines if "training starts at step" in line]
+    if not starts:
+        return "no first step logged"
+    first = starts[0]
+    before = max((b for t, b in samples if t <= first), default=0) / 2**30
+    after = max((b for t, b in samples if t > first), default=0) / 2**30
+    state = "".join(f"took {m[1]} GB of state in {m[2]} s; " for m in took[:1])
+    return (
+        f"{state}first step {first - launched:.1f} s after launch; peak PSS before it "
+        f"{before:.2f} GiB, from then on {after:.2f} GiB"
+    )
 
 
 def launch(args: argparse.Namespace) -> list[Path]:
@@ -81,28 +108,32 @@ def launch(args: argparse.Namespace) -> list[Path]:
     out.mkdir(parents=True, exist_ok=True)
     settings = [*SETTINGS, f"train.steps={args.steps}", f'train.runs_dir="{out}"', *args.set]
     procs: list[subprocess.Popen] = []
-    peaks: dict[int, int] = {}
+    launched: list[float] = []
+    samples: dict[int, list[tuple[float, int]]] = {}
     try:
         if args.transport == "torch":
             torchrun = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
             cmd = [sys.executable, *torchrun]
-            cmd += ["-m", "diloco_train.cli", "train", "-q", "--name", "w"]
+            cmd += ["-m", "diloco_train.cli", "train", "-q", "-v", "--name", "w"]
             cmd += _sets([*settings, 'transport.kind="torch"'])
             err = open(out / "w.err", "w")  # noqa: SIM115 - the child writes it until it exits
+            launched.append(time.time())
             procs.append(subprocess.Popen(cmd, stderr=err, stdout=err, start_new_session=True))
             folders = [out / "w"]
         else:
             joined: list[str] = []
             for i in range(2):
-                cmd = [sys.executable, "-m", "diloco_train.cli", "train", "-q", "--name", f"p{i}"]
+                cmd = [sys.executable, "-m", "diloco_train.cli", "train", "-q", "-v"]
+                cmd += ["--name", f"p{i}"]
                 cmd += _sets([*settings, *HIVEMIND, f"train.shard={i}", *joined])
                 err = open(out / f"p{i}.err", "w")  # noqa: SIM115 - as above
+                launched.append(time.time())
                 procs.append(subprocess.Popen(cmd, stderr=err, stdout=err, start_new_session=True))
                 if i == 0:
                     addresses = first_addresses(out / "p0.err", procs[0])
                     joined = [f"transport.initial_peers={addresses}"]
             folders = [out / "p0", out / "p1"]
-        _watch(procs, peaks)
+        _watch(procs, samples)
     finally:
         for p in procs:
             if p.poll() is None:
@@ -111,9 +142,11 @@ def launch(args: argparse.Namespace) -> list[Path]:
                     p.wait(timeout=30)
                 except subprocess.TimeoutExpired:
                     os.killpg(p.pid, signal.SIGKILL)
+    errs = [out / "w.err"] if args.transport == "torch" else [out / "p0.err", out / "p1.err"]
     for i, p in enumerate(procs):
-        peak = peaks.get(i, 0) / 2**30
+        peak = max((b for _, b in samples.get(i, [])), default=0) / 2**30
         print(f"process {i}: exit {p.returncode}, peak PSS of its tree {peak:.2f} GiB")
+        print(f"process {i}: {timeline(errs[i], launched[i], samples.get(i, []))}")
     return folders
 
 

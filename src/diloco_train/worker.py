@@ -119,6 +119,7 @@ class Worker:
         if loop.reporter is not None:
             loop.reporter.start_clock()
         model.train()
+        logger.info("training starts at step %d", step)  # a joiner's: its time to the first step
         return loop
 
     def _open_report(self, step: int, *, end: int) -> Reporter | None:
