@@ -11,30 +11,34 @@ and read hivemind's private ``_p2p`` and ``_matchmaking`` (see ``averager``'s do
 hivemind is pinned).
 
 Cost of ``offers``: one request per donor, all at once; each donor streams its metadata with the
-first chunk of its first tensor (at most 64 KiB: hivemind's ``split_for_streaming``) and the stream
-is closed there. So a peer that compares n donors' tags before downloading one state pays n round
-trips (in parallel) and at most n x 64 KiB more than hivemind's download."""
+first part of its first tensor (at most ``serving.PART_BYTES``, 512 KiB) and the stream is closed
+there. So a peer that compares n donors' tags before downloading one state pays n round trips (in
+parallel) and at most n x 512 KiB more than the download itself. Each tensor is written into shared
+memory as its parts arrive (``incoming.Incoming``)."""
 
 import asyncio
 import logging
 from typing import Any
 
-from hivemind.compression import deserialize_torch_tensor
+import torch
 from hivemind.p2p import PeerID
 from hivemind.proto import averaging_pb2
 from hivemind.utils import MPFuture
 from hivemind.utils.asyncio import aiter_with_timeout
-from hivemind.utils.streaming import combine_from_streaming
 from hivemind.utils.timed_storage import ValueWithExpiration
+
+from .incoming import Incoming
+from .serving import Serving
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["Donors"]
 
 
-class Donors:
+class Donors(Serving):
     """Needs hivemind's ``dht``, ``peer_id``, ``prefix``, ``serializer``, ``get_stub`` and the
-    private ``_outer_pipe``, ``_p2p`` and ``_matchmaking``."""
+    private ``_outer_pipe``, ``_p2p`` and ``_matchmaking``. The donor's side of the same download
+    (``serving.Serving``: what this peer streams to one that takes its state) comes with it."""
 
     def offers(self, timeout: float) -> MPFuture:
         """A future of {donor's peer id (bytes): the metadata it serves (as received, unchecked)},
@@ -96,17 +100,20 @@ class Donors:
             request = stub.rpc_download_state(averaging_pb2.DownloadRequest())
             stream = await asyncio.wait_for(request, timeout)
             metadata = None
-            tensors = []
-            parts = []
+            tensors: list[torch.Tensor] = []
+            incoming: Incoming | None = None
             async for message in aiter_with_timeout(stream, timeout=timeout):
                 if message.metadata:
                     metadata = self.serializer.loads(message.metadata)
-                if message.tensor_part.dtype and parts:  # the start of the next tensor
-                    tensors.append(deserialize_torch_tensor(combine_from_streaming(parts)))
-                    parts = []
-                parts.append(message.tensor_part)
-            if parts:
-                tensors.append(deserialize_torch_tensor(combine_from_streaming(parts)))
+                part = message.tensor_part
+                if part.dtype or incoming is None:  # the start of a tensor
+                    if incoming is not None:
+                        tensors.append(incoming.done())
+                    incoming = Incoming(part)
+                else:
+                    incoming.add(part)
+            if incoming is not None:
+                tensors.append(incoming.done())
             if not future.done():
                 future.set_result(None if metadata is None else (metadata, tensors))
         except Exception as e:  # noqa: BLE001 - the caller tries another donor
