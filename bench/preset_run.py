@@ -67,7 +67,8 @@ def _sets(items: list[str]) -> list[str]:
 
 
 def _watch(procs: list[subprocess.Popen], samples: dict[int, list[tuple[float, int]]]) -> None:
-    """Wait for every process (at most ``TIMEOUT``), sampling each tree's PSS: (wall clock, bytes)."""
+    """Wait for every process (at most ``TIMEOUT``), sampling each tree's PSS: (wall clock,
+    bytes)."""
     deadline = time.monotonic() + TIMEOUT
     while any(p.poll() is None for p in procs):
         if time.monotonic() > deadline:
@@ -85,10 +86,11 @@ def _logged_at(line: str) -> float:
 
 
 def timeline(err: Path, launched: float, samples: list[tuple[float, int]]) -> str:
-    """A peer's start from its log (``-v``): the state it took (bytes, seconds), the seconds from its
-    launch to its first step, and its peak PSS before and from then on."""
+    """A peer's start from its log (``-v``): the state it took (bytes, seconds), the seconds from
+    its launch to its first step, and its peak PSS before and from then on."""
     lines = err.read_text().splitlines()
-    took = [m for line in lines if (m := re.search(r"took ([\d.]+) GB of state .* in ([\d.]+) s", line))]
+    pattern = re.compile(r"took ([\d.]+) GB of state .* in ([\d.]+) s")
+    took = [m for line in lines if (m := pattern.search(line))]
     starts = [_logged_at(line) for line in lines if "training starts at step" in line]
     if not starts:
         return "no first step logged"

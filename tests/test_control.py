@@ -95,9 +95,10 @@ def test_a_slice_judges_only_the_blocks_it_holds():
 
 @pytest.mark.parametrize("forged", ["digest", "square"])
 def test_a_forged_digest_is_named_where_a_cut_falls_between_the_digest_and_its_square(forged):
-    """hivemind's parts cut the reduce buffer at multiples of a part's size: with 4 peers and the default
-    model, every round's cut fell between the digest's block and its square's; each part then judged neither,
-    and a forged digest was never named (bench/insider.py on 4 hivemind peers)."""
+    """hivemind's parts cut the reduce buffer at multiples of a part's size: with 4 peers and the
+    default model, every round's cut fell between the digest's block and its square's; each part
+    then judged neither, and a forged digest was never named (bench/insider.py on 4 hivemind
+    peers)."""
     values, layout, _ = _tails(4)
     b, at = layout.block, layout.digest_at
     honest = values[0, at].item()

@@ -1,6 +1,6 @@
-"""A downloaded state's tensors assembled as their parts arrive (transports/hivemind/incoming.py): the
-same tensors as hivemind's own combine, written into shared memory on the way; a donor that sends
-more or fewer bytes than it declares, or declares a shape no tensor has, is refused."""
+"""A downloaded state's tensors assembled as their parts arrive (transports/hivemind/incoming.py):
+the same tensors as hivemind's own combine, written into shared memory on the way; a donor that
+sends more or fewer bytes than it declares, or declares a shape no tensor has, is refused."""
 
 from __future__ import annotations
 
@@ -41,7 +41,8 @@ def _assembled(parts: list[runtime_pb2.Tensor]) -> torch.Tensor:
         torch.arange(-900, 900, dtype=torch.int64),
         torch.tensor(3.5),
         torch.empty(0, 4),
-        torch.randn(999, generator=torch.Generator().manual_seed(3)).bfloat16(),  # hivemind's combine
+        # hivemind's combine
+        torch.randn(999, generator=torch.Generator().manual_seed(3)).bfloat16(),
     ],
     ids=["fp32", "fp64", "fp16", "int64", "scalar", "empty", "bf16"],
 )
@@ -51,14 +52,15 @@ def test_parts_assemble_to_what_hivemind_s_combine_gives(tensor):
     theirs = deserialize_torch_tensor(combine_from_streaming(parts))
     assert mine.dtype == theirs.dtype == tensor.dtype and mine.shape == theirs.shape == tensor.shape
     assert torch.equal(mine, theirs) and torch.equal(mine, tensor)
-    if tensor.dtype != torch.bfloat16:  # written into shared memory as it came: no copy on the way out
+    if tensor.dtype != torch.bfloat16:  # in shared memory as it came: no copy on the way out
         assert mine.is_shared()
 
 
 def test_a_compressed_tensor_is_combined_as_hivemind_does():
     t = torch.randn(2000, generator=torch.Generator().manual_seed(4))
     parts = _parts(t, runtime_pb2.CompressionType.FLOAT16)
-    assert torch.equal(_assembled(parts), Float16Compression().extract(combine_from_streaming(parts)))
+    theirs = Float16Compression().extract(combine_from_streaming(parts))
+    assert torch.equal(_assembled(parts), theirs)
 
 
 def test_a_tensor_cut_short_or_sent_long_is_refused():

@@ -218,8 +218,9 @@ def test_a_member_whose_merge_left_itself_out_says_so_in_one_warning_line(caplog
 
 
 def test_a_forged_digest_is_named_in_hivemind_s_parts_of_the_default_model_among_four():
-    """The case as it happened: the trainer's default model, int4, 4 members, merged part by part as
-    hivemind's block runner cuts them (the cut at the digest's square): the insider named in its part."""
+    """The case as it happened: the trainer's default model, int4, 4 members, merged part by part
+    as hivemind's block runner cuts them (the cut at the digest's square): the insider named in
+    its part."""
     from diloco_core.guard import ContributionGuard
     from diloco_train.model import ModelConfig, count_parameters
     from transports.hivemind.block_runner import values_per_part
@@ -228,8 +229,9 @@ def test_a_forged_digest_is_named_in_hivemind_s_parts_of_the_default_model_among
     guard = ContributionGuard(codec, norm_clip=None, numel=numel, compare=False)
     total, layout = numel + guard.tail_size, guard.controls
     size = values_per_part(codec, 2**19, values=total, members=4)
-    assert (layout.digest_at + layout.block) % size == 0  # the cut between the digest and its square
-    flats = [torch.randn(total, generator=torch.Generator().manual_seed(i)) * 1e-3 for i in range(4)]
+    assert (layout.digest_at + layout.block) % size == 0  # a cut between the digest and its square
+    seeds = [torch.Generator().manual_seed(i) for i in range(4)]
+    flats = [torch.randn(total, generator=g) * 1e-3 for g in seeds]
     for f in flats:
         guard.mark(f, excluded=False, norm=1.0, global_flat=torch.zeros(numel))
     flats[3][layout.digest_at : layout.digest_at + layout.block] = 3.5
@@ -238,5 +240,6 @@ def test_a_forged_digest_is_named_in_hivemind_s_parts_of_the_default_model_among
     for lo in range(0, total, size):
         hi = min(total, lo + size)
         payloads = [codec.encode(f[lo:hi].clone()) for f in flats]
-        named += [o.who for o in merge.of(payloads, codec=codec, out=torch.empty(hi - lo), start=lo)]
+        out = torch.empty(hi - lo)
+        named += [o.who for o in merge.of(payloads, codec=codec, out=out, start=lo)]
     assert named == ["3"]  # the contributor's index, as the merge names it

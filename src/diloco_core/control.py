@@ -12,10 +12,10 @@ named (the strikes count it):
   of what was summed);
 - the work claim w - 1: w in [0, ``MAX_WORK``] (clamped: a negative claim cancelled the others'
   work), and 0 where the flag is 0;
-- the digest and its square: an integer in [0, 15] and its square, each judged on its own (a cut may fall
-  between them); where a strict majority of the contributors hold one, a contributor holding another gets the
-  majority's (a replica that differs is named instead of stopping everyone; with no majority, as between two,
-  the guard still stops the round);
+- the digest and its square: an integer in [0, 15] and its square, each judged on its own (a cut
+  may fall between them); where a strict majority of the contributors hold one, a contributor
+  holding another gets the majority's (a replica that differs is named instead of stopping
+  everyone; with no majority, as between two, the guard still stops the round);
 - the RMS: finite and >= 0 (else 0).
 
 Each is the first value of its block, the one the guard reads (every codec keeps it, top-k included), judged
@@ -91,10 +91,11 @@ def _fix(column: torch.Tensor | None, wanted: list[float | None], named: set[int
 
 
 def _majority(column: torch.Tensor | None, allowed: Container[int], named: set[int]) -> None:
-    """Where a strict majority of the contributors hold one ``allowed`` integer in ``column``, each other
-    contributor gets it and is named. Each column on its own: a transport's cut may fall between the digest's
-    block and its square's (hivemind's parts did, with 4 peers, in every round), and each part judges what it
-    holds; once both are the majority's, every contributor's square is its digest's."""
+    """Where a strict majority of the contributors hold one ``allowed`` integer in ``column``, each
+    other contributor gets it and is named. Each column on its own: a transport's cut may fall
+    between the digest's block and its square's (hivemind's parts did, with 4 peers, in every
+    round), and each part judges what it holds; once both are the majority's, every contributor's
+    square is its digest's."""
     if column is None:
         return
     held = [h if h in allowed else None for h in map(_integer, column.tolist())]

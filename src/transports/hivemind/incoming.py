@@ -5,10 +5,10 @@ of the serialized bytes).
 hivemind's own way joins every part into one ``bytes`` after the last one arrives, copies that into
 its message, then into a ``bytearray`` for numpy, and the result is copied into shared memory once
 more on its way to the training process (``MPFuture``): about 4 s after the last byte of a 150M
-model's 0.6 GB state on 2 cores, and about 3 GB held at once. An uncompressed tensor of a plain dtype
-is written here into a shared-memory tensor as its parts come instead: nothing is left to do after
-the last byte, and the training process maps the same pages. Anything else (compressed, bfloat16,
-whose bytes per value hivemind infers from the size) is combined as hivemind does.
+model's 0.6 GB state on 2 cores, and about 3 GB held at once. An uncompressed tensor of a plain
+dtype is written here into a shared-memory tensor as its parts come instead: nothing is left to do
+after the last byte, and the training process maps the same pages. Anything else (compressed,
+bfloat16, whose bytes per value hivemind infers from the size) is combined as hivemind does.
 """
 
 import numpy as np

@@ -1,14 +1,14 @@
 """The run's state as a donor streams it to a peer that takes it (hivemind's ``rpc_download_state``,
 overridden in the averager's process).
 
-hivemind serializes each tensor whole before its first byte leaves (``.numpy().tobytes()``, that copied
-into its message, every 64 KiB part copied out again by ``split_for_streaming``: three copies of a 150M
-model's 0.6 GB, about 1.5 s on the averager's one thread while the donor trains on the same cores) and
-sends 64 KiB a message. Here an uncompressed tensor of a plain dtype (``incoming.DIRECT``) goes as
-slices of its own bytes, each copied once as it is sent, ``PART_BYTES`` a message. The messages are
-hivemind's (``runtime_pb2.Tensor``: the first with the dtype, shape, compression and number of parts),
-so hivemind's reader and ``incoming.Incoming`` read them alike; anything else is sent as hivemind sends
-it.
+hivemind serializes each tensor whole before its first byte leaves (``.numpy().tobytes()``, that
+copied into its message, every 64 KiB part copied out again by ``split_for_streaming``: three
+copies of a 150M model's 0.6 GB, about 1.5 s on the averager's one thread while the donor trains
+on the same cores) and sends 64 KiB a message. Here an uncompressed tensor of a plain dtype
+(``incoming.DIRECT``) goes as slices of its own bytes, each copied once as it is sent,
+``PART_BYTES`` a message. The messages are hivemind's (``runtime_pb2.Tensor``: the first with the
+dtype, shape, compression and number of parts), so hivemind's reader and ``incoming.Incoming``
+read them alike; anything else is sent as hivemind sends it.
 """
 
 from collections.abc import AsyncIterator, Iterator
@@ -28,7 +28,8 @@ PART_BYTES = 2**19
 
 
 def parts_of(tensor: torch.Tensor, *, size: int = PART_BYTES) -> Iterator[runtime_pb2.Tensor]:
-    """An uncompressed tensor of a plain dtype as the messages of a download, ``size`` bytes each."""
+    """An uncompressed tensor of a plain dtype as the messages of a download, ``size`` bytes
+    each."""
     raw = tensor.detach().contiguous().view(-1).view(torch.uint8).numpy()
     yield runtime_pb2.Tensor(
         compression=runtime_pb2.CompressionType.NONE,
