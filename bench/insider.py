@@ -14,6 +14,11 @@ changes what it sends. ``--merge mean`` shows what the plain mean does with the 
     python bench/insider.py --out runs/insider-hm --transport hivemind --workers 4 --attacks=x-1e6 --late 40
         # a group of two at the start: the founder and the insider, the two other honest peers 40 s later
     python bench/insider.py --out runs/insider-long --steps 330 --attacks=x-1 --set diloco.norm_clip=4  # 30 rounds
+    python bench/insider.py --out runs/insider-hm --transport hivemind --workers 4 --attacks relay
+        # as a part's owner, the insider relays its own payload in the others' places (int4)
+    python bench/insider.py --out runs/insider-hm-fp16 --transport hivemind --workers 4 \
+        --attacks reducer-100 --set 'diloco.codec="fp16"'
+        # as a part's owner, it sends back -100 x what it relays (a cast wire)
 
 On hivemind every peer is a process of its own on 127.0.0.1 (its own shard of the data, ``train.num_shards``);
 the first prints its join command, the others join its addresses; the honest baseline is one peer fewer.
@@ -34,10 +39,12 @@ from pathlib import Path
 import torch
 
 from diloco_core import FP32, MEAN, Codec, Merge, ReduceHandle, Transport
+from diloco_core.rules import from_mapping
 from diloco_train.report.plot import read_metrics
 from diloco_train.run_config import build_config
 from diloco_train.train import train
 from transports import ForwardingTransport
+from transports.hivemind import HivemindConfig, HivemindFaults, HivemindTransport
 
 
 class Insider(ForwardingTransport):
@@ -71,6 +78,25 @@ def _overrides(args: argparse.Namespace, workers: int, out: Path) -> list[str]:
         f"diloco.merge={args.merge}",
         *args.set,
     ]
+
+
+RELAYS = {
+    "relay": lambda: HivemindFaults(relay_payloads=lambda others, own: [own] * len(others)),
+    "reducer-100": lambda: HivemindFaults(reducer_sends_mean=lambda t: t * -100),
+}
+"""hivemind insiders as a part's owner, inside its averagers (``HivemindFaults``, which a transport
+takes only as it is built: the trainer's ``create`` seam builds the insider's)."""
+
+
+def _relaying(attack: str):
+    """The insider's transport, built with its fault (``train``'s ``create``)."""
+
+    def create(section, *, reduce_timeout=None):
+        fields = {k: v for k, v in section.items() if k != "kind"}
+        config = from_mapping(HivemindConfig, fields, "transport")
+        return HivemindTransport(config, faults=RELAYS[attack]())
+
+    return create
 
 
 def _wrap(attack: str | None, insider_rank: int):
@@ -192,6 +218,9 @@ def _worker(args: argparse.Namespace) -> None:
     if "WORLD_SIZE" in os.environ:
         train(config, run_dir, show_progress=False, wrap=_wrap(attack, int(os.environ["WORLD_SIZE"]) - 1))
     else:
+        if attack in RELAYS:
+            train(config, run_dir, show_progress=False, create=_relaying(attack))
+            return
         insider = None if attack is None else (lambda t: Insider(t, attack))
         train(config, run_dir, show_progress=False, wrap=insider)
 
@@ -207,7 +236,8 @@ def main(argv: list[str] | None = None) -> int:
         "--attacks",
         default="x1e6,x-1e6,x-10",
         help="comma-separated, one run each: x<scale> (its pseudo-gradient times scale), or a forged control value: "
-        "work=<w - 1>, valid=<flag>, digest=<h> (e.g. work=-2.9999,valid=-2,digest=3.5)",
+        "work=<w - 1>, valid=<flag>, digest=<h> (e.g. work=-2.9999,valid=-2,digest=3.5); "
+        "hivemind: relay, reducer-100 (a part's owner that relays what it likes, RELAYS)",
     )
     p.add_argument(
         "--late",

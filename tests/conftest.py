@@ -56,6 +56,7 @@ UNIT_MODULES = frozenset(
         "test_sign_codec",
         "test_sparse_codec",
         "test_simulated_link",
+        "test_transport_spec",
         "test_export",
         "test_train_checkpoint",
         "test_train_config",

@@ -50,11 +50,15 @@ def train(
     command: list[str] | None = None,
     named: bool = True,
     wrap: Callable[[Transport], Transport] | None = None,
+    create: Callable[..., Transport] | None = None,
 ) -> TrainResult:
     """Train as ``config`` says, writing into ``run_dir``. ``command``: argv shown to peers that join by address.
     ``named=False``: ``run_dir``'s name was made up here (not given), and ranks of a multi-process run take
     rank 0's. ``wrap``: each worker's transport goes through it (a ``ForwardingTransport``: faults, tracing, the
-    insiders of bench/insider.py).
+    insiders of bench/insider.py). ``create``: where each process is one worker, it makes this
+    process's transport from the ``[transport]`` section (it takes ``create_transport``'s
+    arguments) in place of the kind's own constructor: faults a transport takes only as it is
+    built (bench/insider.py's relaying hivemind owner).
 
     Workers run as threads of this process where the transport's spec says so; else this process is one
     worker. Only rank 0 writes files (metrics, config, plot); every rank its own checkpoints; another
@@ -73,6 +77,7 @@ def train(
             command=command,
             named=named,
             wrap=wrap,
+            create=create,
         )
     except BaseException:
         if made:
@@ -96,6 +101,7 @@ def _start(
     command: list[str] | None,
     named: bool,
     wrap: Callable[[Transport], Transport] | None,
+    create: Callable[..., Transport] | None,
 ) -> TrainResult:
     if resume:
         config = stored_secret(config, run_dir)
@@ -121,7 +127,14 @@ def _start(
         )
     with ExitStack() as owner, ExitStack() as stack:
         transports = _connect(
-            config, spec, local=local, owner=owner, stack=stack, run_dir=run_dir, wrap=wrap
+            config,
+            spec,
+            local=local,
+            owner=owner,
+            stack=stack,
+            run_dir=run_dir,
+            wrap=wrap,
+            create=create,
         )
         first = transports[0]
         world = 1 if first is None else first.world_size
@@ -160,6 +173,7 @@ def _connect(
     stack: ExitStack,
     run_dir: Path,
     wrap: Callable[[Transport], Transport] | None,
+    create: Callable[..., Transport] | None,
 ) -> Sequence[Transport | None]:
     """This process's workers' transports (None: a single run's), each closed by ``stack``. The run folder is
     claimed by ``owner`` first where this process's ranks are known before connecting."""
@@ -173,7 +187,9 @@ def _connect(
     # [diloco] reduce_timeout also bounds the transport's own collectives unless [transport] sets them.
     timeout = config.diloco.reduce_timeout
     transports: Sequence[Transport | None] = (
-        [None] if config.train.mode == "single" else spec.connect(local, reduce_timeout=timeout)
+        [None]
+        if config.train.mode == "single"
+        else spec.connect(local, reduce_timeout=timeout, create=create)
     )
     if wrap is not None:
         transports = [None if x is None else wrap(x) for x in transports]

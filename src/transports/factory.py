@@ -196,14 +196,25 @@ class TransportSpec:
             return f"{workers} in-process worker(s)"
         return f"one worker per process on {self.kind}"
 
-    def connect(self, workers: int, *, reduce_timeout: float | None = None) -> list[Transport]:
+    def connect(
+        self,
+        workers: int,
+        *,
+        reduce_timeout: float | None = None,
+        create: Callable[..., Transport] | None = None,
+    ) -> list[Transport]:
         """The transports of this process's workers: ``workers`` members of a new group where workers are
         threads, else this process's one member of the run's group (``reduce_timeout``: as in
-        ``create_transport``)."""
+        ``create_transport``; ``create``: made by it, which takes ``create_transport``'s
+        arguments, in its place: a test seam)."""
         if self.threads:
+            if create is not None:
+                raise ValueError(
+                    f"{self.kind}'s workers are threads: no transport of its own to create"
+                )
             group = InProcessGroup(workers, quorum=quorum_from(self.section))
             return [_behind(self.link, group.transport(rank)) for rank in range(workers)]
-        return [create_transport(self.section, reduce_timeout=reduce_timeout)]
+        return [(create or create_transport)(self.section, reduce_timeout=reduce_timeout)]
 
     def connect_islands(
         self, model: Any, mesh: Any, *, reduce_timeout: float | None = None
