@@ -144,7 +144,7 @@ def launch(args: argparse.Namespace) -> list[Path]:
                     p.wait(timeout=30)
                 except subprocess.TimeoutExpired:
                     os.killpg(p.pid, signal.SIGKILL)
-    errs = [out / "w.err"] if args.transport == "torch" else [out / "p0.err", out / "p1.err"]
+    errs = [out / f"{folder.name}.err" for folder in folders]  # each process's log
     for i, p in enumerate(procs):
         peak = max((b for _, b in samples.get(i, [])), default=0) / 2**30
         print(f"process {i}: exit {p.returncode}, peak PSS of its tree {peak:.2f} GiB")
