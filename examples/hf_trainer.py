@@ -7,6 +7,7 @@ docs/integrations.md ("One worker per process").
 
 import hashlib
 import pathlib
+import sys
 import tempfile
 import threading
 
@@ -62,6 +63,8 @@ if __name__ == "__main__":
         t.start()
     for t in threads:
         t.join()
+    if len(out) < WORKERS:  # a worker's thread raised: its traceback is above
+        sys.exit(f"{WORKERS - len(out)} of {WORKERS} workers failed")
     for rank, (losses, diloco) in sorted(out.items()):
         digest = hashlib.sha256(b"".join(p.numpy().tobytes() for p in diloco.global_params)).hexdigest()[:16]
         print(f"worker {rank}: loss {losses[0]:.3f} -> {losses[-1]:.3f}, {diloco.round} rounds, global params {digest}")

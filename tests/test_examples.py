@@ -44,7 +44,7 @@ def test_the_example_ends_with_identical_global_params_on_both_workers_and_a_fal
     )
     assert out.returncode == 0, out.stderr[-3000:]
     workers = LINE.findall(out.stdout)
-    assert [int(w[0]) for w in workers] == [0, 1], out.stdout[-3000:]
+    assert [int(w[0]) for w in workers] == [0, 1], out.stdout[-3000:] + out.stderr[-3000:]
     assert len({w[4] for w in workers}) == 1, f"the workers' global params differ: {workers}"
     for _, first, last, rounds, _ in workers:
         assert int(rounds) == 4
